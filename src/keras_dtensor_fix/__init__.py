@@ -1,0 +1,88 @@
+"""keras-dtensor-fix: make ``keras.distribution.ModelParallel`` work on torch.
+
+Importing the package activates the fix unless ``KERAS_DTENSOR_FIX`` says
+off; installing it activates it in every interpreter through a ``.pth`` file.
+Patches land when Keras's torch backend modules are imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _bootstrap
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "activate", "deactivate", "is_active", "status"]
+
+
+def activate() -> None:
+    """Patch Keras's torch backend now and on every later import.
+
+    Works even when ``KERAS_DTENSOR_FIX`` is off; ``KERAS_DTENSOR_FIX_DISABLE``
+    still applies. Idempotent.
+    """
+    from . import engine
+
+    engine.activate()
+
+
+def deactivate() -> None:
+    """Restore every patched object (the very same objects) and stop patching."""
+    if _engine_loaded():
+        from . import engine
+
+        engine.deactivate()
+
+
+def is_active() -> bool:
+    """Whether the fix is active in this process."""
+    if not _engine_loaded():
+        return False
+    from . import engine
+
+    return engine.is_active()
+
+
+def _engine_loaded() -> bool:
+    import sys
+
+    return f"{__name__}.engine" in sys.modules
+
+
+def status() -> dict[str, Any]:
+    """A structured report: versions, backend, layout, gate, and every target.
+
+    Keys: ``version``, ``keras`` (``version``, ``distribution``), ``torch``
+    (``version``), ``backend``, ``layout``, ``enabled``, ``why``, ``gate``
+    (``ok``, ``reason``), ``disabled_families``, ``targets`` (rows with
+    ``family``, ``module``, ``attribute``, ``state``, ``reason``) and
+    ``warnings``. Reading it imports neither keras nor torch.
+    """
+    from . import config, engine, targets
+
+    cfg = config.load(warn=False)
+    report = engine.state()
+    keras_version, keras_dist = targets.keras_version()
+    warnings = list(cfg.warnings) + report.pop("warnings")
+    installed = targets.installed_keras()
+    if len(installed) > 1:
+        names = ", ".join(f"{name} {version}" for name, version in installed)
+        warnings.append(f"several Keras distributions are installed ({names})")
+    enabled = report.pop("active")
+    why = report.pop("why")
+    if not enabled and why == "not activated":
+        why = _bootstrap.reason if _bootstrap.reason != "not booted" else cfg.reason
+    return {
+        "version": __version__,
+        "keras": {"version": keras_version, "distribution": keras_dist},
+        "torch": {"version": targets.torch_version()},
+        "backend": targets.backend(),
+        "layout": targets.layout(),
+        "enabled": enabled,
+        "why": why,
+        **report,
+        "warnings": warnings,
+    }
+
+
+_bootstrap.boot()

@@ -1,0 +1,31 @@
+"""Interpreter-start entry point, called by ``keras_dtensor_fix.pth`` / ``.start``.
+
+Reads the environment and, when the fix is on, registers the post-import
+hooks. Imports neither torch, nor keras, nor numpy, and never raises.
+"""
+
+from __future__ import annotations
+
+#: Why the last :func:`boot` did or did not activate.
+reason = "not booted"
+
+
+def boot() -> None:
+    """Activate the engine unless ``KERAS_DTENSOR_FIX`` says off."""
+    global reason
+    try:
+        from . import config
+
+        cfg = config.load()
+        reason = cfg.reason
+        if not cfg.enabled:
+            return
+        from . import engine
+
+        engine.activate(cfg, why=f"activated at start-up or import ({cfg.reason})")
+    except Exception:  # noqa: BLE001 - interpreter start must never fail here
+        import logging
+
+        logging.getLogger("keras_dtensor_fix").warning(
+            "keras_dtensor_fix: start-up activation failed", exc_info=True
+        )

@@ -1,0 +1,118 @@
+"""Environment configuration, parsed in one place.
+
+``KERAS_DTENSOR_FIX`` switches automatic activation on or off and
+``KERAS_DTENSOR_FIX_DISABLE`` turns off single patch families. This module
+imports nothing but the standard library: it runs at interpreter start.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ENV_ENABLE = "KERAS_DTENSOR_FIX"
+ENV_DISABLE = "KERAS_DTENSOR_FIX_DISABLE"
+
+#: Every patch family the project knows, by its ``FAMILY`` name.
+FAMILIES: tuple[str, ...] = (
+    "optimizers",
+    "numpy",
+    "data",
+    "promotion",
+    "variables",
+    "compile",
+    "ops",
+    "random",
+)
+
+OFF_VALUES: tuple[str, ...] = ("0", "false", "off", "no")
+ON_VALUES: tuple[str, ...] = ("1", "true", "on", "yes")
+ALL = "*"
+
+
+@dataclass(frozen=True)
+class Config:
+    """The parsed environment."""
+
+    enabled: bool
+    reason: str
+    disabled: frozenset[str]
+    warnings: tuple[str, ...] = ()
+    disable_all: bool = False
+
+    def family_enabled(self, family: str) -> bool:
+        """Whether ``family`` may be patched under this configuration."""
+        return not self.disable_all and family not in self.disabled
+
+
+def parse_enabled(raw: str | None) -> tuple[bool, str, str | None]:
+    """Parse ``KERAS_DTENSOR_FIX``: ``(enabled, reason, warning or None)``."""
+    value = (raw or "").strip().lower()
+    if not value:
+        return True, f"{ENV_ENABLE} unset: on by default", None
+    if value in OFF_VALUES:
+        return False, f"{ENV_ENABLE}={raw!r} turns the fix off", None
+    if value in ON_VALUES:
+        return True, f"{ENV_ENABLE}={raw!r} turns the fix on", None
+    message = (
+        f"{ENV_ENABLE}={raw!r} is not understood; accepted values are "
+        f"{'/'.join(ON_VALUES)} (on) and {'/'.join(OFF_VALUES)} (off), "
+        "case-insensitive; using the default (on)"
+    )
+    return True, f"{ENV_ENABLE}={raw!r} not understood: on by default", message
+
+
+def parse_disable(raw: str | None) -> tuple[frozenset[str], str | None]:
+    """Parse ``KERAS_DTENSOR_FIX_DISABLE``: ``(disabled families, warning)``.
+
+    ``*`` among the names disables every family (see :data:`ALL`).
+    """
+    names = [item.strip().lower() for item in (raw or "").split(",")]
+    names = [name for name in names if name]
+    if ALL in names:
+        return frozenset((*FAMILIES, ALL)), None
+    unknown = sorted({name for name in names if name not in FAMILIES})
+    disabled = frozenset(name for name in names if name in FAMILIES)
+    if not unknown:
+        return disabled, None
+    message = (
+        f"{ENV_DISABLE} names unknown patch families {', '.join(unknown)}; "
+        f"known families are {', '.join(FAMILIES)} (or {ALL} for all); "
+        "ignoring the unknown names"
+    )
+    return disabled, message
+
+
+_cache: dict[tuple[str | None, str | None], Config] = {}
+_warned: set[tuple[str | None, str | None]] = set()
+_cache_lock = threading.Lock()
+
+
+def load(environ: Mapping[str, str] | None = None, *, warn: bool = True) -> Config:
+    """Read the configuration from ``environ`` (default ``os.environ``).
+
+    Each distinct pair of raw values is parsed once per process, so a
+    malformed value warns once (``RuntimeWarning``) however often it is read.
+    """
+    env = os.environ if environ is None else environ
+    key = (env.get(ENV_ENABLE), env.get(ENV_DISABLE))
+    with _cache_lock:
+        config = _cache.get(key)
+        if config is None:
+            enabled, reason, enable_warning = parse_enabled(key[0])
+            disabled, disable_warning = parse_disable(key[1])
+            messages = tuple(m for m in (enable_warning, disable_warning) if m)
+            all_off = ALL in disabled
+            disabled = disabled - {ALL}
+            config = Config(enabled, reason, disabled, messages, all_off)
+            _cache[key] = config
+        emit = warn and key not in _warned
+        if emit:
+            _warned.add(key)
+    if emit:
+        for message in config.warnings:
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return config

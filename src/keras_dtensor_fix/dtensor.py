@@ -1,0 +1,191 @@
+"""Pure-torch DTensor helpers: find a DTensor among arguments, promote plain tensors.
+
+Nothing here knows Keras. A plain tensor is promoted only as the *full logical
+value* (a Replicate DTensor on the partner's mesh); a tensor that looks like one
+rank's shard of the partner is refused with :class:`PromotionError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+__all__ = [
+    "DTensor",
+    "PromotionError",
+    "describe",
+    "find_dtensor",
+    "local_shard_dim",
+    "promote",
+    "promote_args",
+    "replicate",
+    "to_placements",
+]
+
+
+class PromotionError(RuntimeError):
+    """A plain tensor met a DTensor and could not be promoted safely."""
+
+
+def _is_plain(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+
+
+def find_dtensor(values: Iterable[Any]) -> DTensor | None:
+    """Return the first DTensor in ``values`` or one level inside a list/tuple."""
+    for value in values:
+        if isinstance(value, DTensor):
+            return value
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, DTensor):
+                    return item
+    return None
+
+
+def has_plain_tensor(values: Iterable[Any]) -> bool:
+    """Whether ``values`` (or lists inside) hold a non-scalar plain tensor."""
+    for value in values:
+        if _is_plain(value) and value.ndim:
+            return True
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if _is_plain(item) and item.ndim:
+                    return True
+    return False
+
+
+def describe(value: Any) -> str:
+    """A short description of a tensor for error messages: shape, dtype, placements."""
+    if isinstance(value, DTensor):
+        placements = ", ".join(str(p) for p in value.placements)
+        local = tuple(value._local_tensor.shape)
+        return (
+            f"DTensor(shape={tuple(value.shape)}, local={local}, "
+            f"dtype={value.dtype}, placements=({placements}))"
+        )
+    if isinstance(value, torch.Tensor):
+        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
+    return type(value).__name__
+
+
+def replicate(value: torch.Tensor, mesh: Any) -> DTensor:
+    """Wrap a plain tensor holding the full value as a Replicate DTensor on ``mesh``."""
+    if value.device.type != mesh.device_type:
+        value = value.to(mesh.device_type)
+    return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def local_shard_dim(value: torch.Tensor, partner: DTensor) -> int | None:
+    """The dim where ``value`` has the partner's *local* size, not its global one.
+
+    Such a tensor is most likely one rank's shard of a sharded value (a per-rank
+    data batch, a ``to_local()`` result): promoting it as Replicate would be
+    wrong. Only meaningful for elementwise (broadcasting) ops.
+    """
+    if value.ndim != partner.ndim:
+        return None
+    local_shape = partner._local_tensor.shape
+    for placement in partner.placements:
+        if isinstance(placement, Shard):
+            dim = placement.dim % partner.ndim
+            size = value.shape[dim]
+            if size != 1 and size == local_shape[dim] != partner.shape[dim]:
+                return dim
+    return None
+
+
+def promote(
+    value: torch.Tensor, partner: DTensor, *, op: str = "op", elementwise: bool = True
+) -> DTensor:
+    """Promote plain ``value`` next to ``partner`` as a Replicate DTensor.
+
+    Raises :class:`PromotionError` when ``value`` looks like a per-rank shard.
+    """
+    if elementwise:
+        dim = local_shard_dim(value, partner)
+        if dim is not None:
+            raise PromotionError(
+                f"{op}: a plain {describe(value)} meets {describe(partner)}. Its "
+                f"dim {dim} has the size of one rank's shard "
+                f"({value.shape[dim]}), not the global size "
+                f"({partner.shape[dim]}), so it looks like a per-rank shard; "
+                "promoting it as the full (replicated) value would be wrong. "
+                "Distribute it first: keras.distribution.distribute_tensor(x, "
+                "layout) for a full value, or the backend's "
+                "distribute_data_input(x, layout) for a per-process batch."
+            )
+    return replicate(value, partner.device_mesh)
+
+
+def promote_args(
+    values: Sequence[Any], partner: DTensor, *, op: str = "op", elementwise: bool = True
+) -> list[Any]:
+    """Promote every non-scalar plain tensor in ``values`` (and one level of lists)."""
+
+    def one(value: Any) -> Any:
+        if _is_plain(value) and value.ndim:
+            return promote(value, partner, op=op, elementwise=elementwise)
+        if isinstance(value, (list, tuple)) and any(
+            _is_plain(v) and v.ndim for v in value
+        ):
+            return type(value)(
+                promote(v, partner, op=op, elementwise=elementwise)
+                if _is_plain(v) and v.ndim
+                else v
+                for v in value
+            )
+        return value
+
+    return [one(v) for v in values]
+
+
+def to_placements(value: torch.Tensor, like: DTensor) -> DTensor:
+    """Return ``value`` with ``like``'s mesh and placements.
+
+    A plain tensor of ``like``'s global shape is taken as the full value; one of
+    its local shape as this rank's shard. A DTensor is redistributed (a
+    ``Partial`` gradient becomes reduced, for instance).
+    """
+    mesh, placements = like.device_mesh, tuple(like.placements)
+    if isinstance(value, DTensor):
+        if tuple(value.placements) == placements and value.device_mesh == mesh:
+            return value
+        return value.redistribute(mesh, placements)
+    if tuple(value.shape) == tuple(like.shape):
+        return replicate(value, mesh).redistribute(mesh, placements)
+    if tuple(value.shape) == tuple(like._local_tensor.shape):
+        if value.device.type != mesh.device_type:
+            value = value.to(mesh.device_type)
+        return DTensor.from_local(value, mesh, placements, run_check=False)
+    raise PromotionError(
+        f"a plain {describe(value)} cannot take the layout of {describe(like)}: "
+        "its shape is neither the global nor the local shape."
+    )
+
+
+def is_partial(value: Any) -> bool:
+    """Whether ``value`` is a DTensor with a pending (Partial) reduction."""
+    return isinstance(value, DTensor) and any(
+        isinstance(p, Partial) for p in value.placements
+    )
+
+
+def gather_non_batch_axes(value: Any, batch_dim_name: str | None) -> Any:
+    """This process's rows of ``value``: sharded on the batch mesh axis only.
+
+    Every other mesh axis is gathered, so a model-axis-sharded output comes
+    back whole. Non-DTensors pass through.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    mesh = value.device_mesh
+    names = mesh.mesh_dim_names or (None,) * mesh.ndim
+    placements = [
+        Shard(0) if value.ndim and name == batch_dim_name else Replicate()
+        for name in names
+    ]
+    return value.redistribute(mesh, placements).to_local()

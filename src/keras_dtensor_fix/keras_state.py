@@ -1,0 +1,25 @@
+"""What the patches ask of Keras at run time: the active distribution, compiling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def model_parallel() -> Any | None:
+    """The active Keras distribution when it shards with DTensors, else None.
+
+    ``DataParallel`` keeps plain tensors (DDP) and is left alone.
+    """
+    from keras.src.distribution import distribution_lib
+
+    dist = distribution_lib.distribution()
+    if dist is None or isinstance(dist, distribution_lib.DataParallel):
+        return None
+    return dist
+
+
+def compiling() -> bool:
+    """Whether torch.compile (dynamo) is tracing the current frame."""
+    import torch
+
+    return bool(torch.compiler.is_compiling())

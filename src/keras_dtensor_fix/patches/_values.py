@@ -1,0 +1,185 @@
+"""Keras-facing argument handling shared by the patch families.
+
+Turns Keras variables and numpy arrays among an op's arguments into tensors,
+promotes plain tensors next to a DTensor (see :mod:`keras_dtensor_fix.dtensor`)
+and turns an unfixable mix into :class:`DTensorMixError`, which says what to do.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from keras_dtensor_fix.dtensor import (
+    DTensor,
+    PromotionError,
+    describe,
+    find_dtensor,
+    has_plain_tensor,
+    promote_args,
+)
+
+
+class DTensorMixError(RuntimeError):
+    """An op met DTensors and plain tensors the plugin cannot reconcile."""
+
+
+@functools.lru_cache(maxsize=1)
+def variable_class() -> type:
+    """Keras's backend-independent ``Variable`` base class."""
+    from keras.src.backend.common.variables import Variable
+
+    return Variable
+
+
+def _resolve(value: Any) -> Any:
+    """A Keras variable as its tensor, a numpy array as a tensor, lists inside."""
+    if isinstance(value, variable_class()):
+        return value.value
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray) and value.ndim:
+        import torch
+
+        return torch.as_tensor(value)
+    if isinstance(value, (list, tuple)) and any(
+        isinstance(v, variable_class()) for v in value
+    ):
+        return type(value)(_resolve(v) for v in value)
+    return value
+
+
+def keras_path() -> str:
+    """The Keras layers being called on this stack, outermost first ("" if none)."""
+    try:
+        from keras.src.layers.layer import Layer
+    except ImportError:  # pragma: no cover - Keras moved it
+        return ""
+    frame, names = sys._getframe(1), []
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Layer) and frame.f_code.co_name == "call":
+            name = getattr(owner, "path", None) or owner.name
+            if not names or names[-1] != name:
+                names.append(name)
+        frame = frame.f_back
+    return " > ".join(reversed(names))
+
+
+def mix_error(
+    op: str, values: list[Any], cause: BaseException, hint: str
+) -> DTensorMixError:
+    """A :class:`DTensorMixError` naming the op, its operands, the layer and a fix."""
+    operands = ", ".join(describe(v) for v in values if hasattr(v, "shape"))
+    path = keras_path()
+    where = f" in Keras layer {path}" if path else ""
+    return DTensorMixError(
+        f"keras-dtensor-fix: {op}{where} could not combine its operands "
+        f"[{operands}]: {cause}\nWhat to do: {hint}"
+    )
+
+
+HINT_RULE = (
+    "this op has no DTensor rule for these placements. Give the variables a "
+    "LayoutMap entry that shards them compatibly (or leave them replicated), "
+    "or run the op on full values (x.full_tensor())."
+)
+
+
+def promote_call(
+    wrapped: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    *,
+    op: str,
+    elementwise: bool,
+) -> Any:
+    """Call ``wrapped`` after promoting plain tensors next to a DTensor argument."""
+    resolved = [_resolve(v) for v in args]
+    kw_resolved = {k: _resolve(v) for k, v in kwargs.items()}
+    values = resolved + list(kw_resolved.values())
+    partner = find_dtensor(values)
+    if partner is None:
+        return wrapped(*args, **kwargs)
+    new_args, new_kw = args, kwargs
+    if has_plain_tensor(values):
+        try:
+            new_args = promote_args(resolved, partner, op=op, elementwise=elementwise)
+            promoted = promote_args(
+                list(kw_resolved.values()), partner, op=op, elementwise=elementwise
+            )
+        except PromotionError as err:
+            hint = str(err).split("promoting it", 1)[-1]
+            raise mix_error(op, values, err, "promoting it" + hint) from err
+        new_kw = dict(zip(kw_resolved, promoted, strict=False))
+    try:
+        return wrapped(*new_args, **new_kw)
+    except (RuntimeError, ValueError, NotImplementedError) as err:
+        if isinstance(err, DTensorMixError) or not _about_dtensor(err):
+            raise
+        failure = err
+    # No DTensor rule for what the op does inside: run it on full values and
+    # hand back a Replicate result (correct, but it gathers sharded operands).
+    try:
+        full_kw = dict(
+            zip(kw_resolved, _full(list(kw_resolved.values())), strict=False)
+        )
+        result = wrapped(*_full(resolved), **full_kw)
+    except Exception as err:
+        raise mix_error(op, values, failure, HINT_RULE) from err
+    _warn_fallback(op)
+    return _replicated(result, partner.device_mesh)
+
+
+def _full(values: list[Any]) -> list[Any]:
+    def one(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            return value.full_tensor()
+        if isinstance(value, (list, tuple)):
+            return type(value)(one(v) for v in value)
+        return value
+
+    return [one(v) for v in values]
+
+
+def _replicated(result: Any, mesh: Any) -> Any:
+    import torch
+
+    from keras_dtensor_fix.dtensor import replicate
+
+    if isinstance(result, DTensor):
+        return result
+    if isinstance(result, torch.Tensor):
+        return replicate(result, mesh)
+    if isinstance(result, (list, tuple)):
+        return type(result)(_replicated(r, mesh) for r in result)
+    return result
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_fallback(op: str) -> None:
+    if op in _WARNED:
+        return
+    _WARNED.add(op)
+    import logging
+
+    logging.getLogger("keras_dtensor_fix").warning(
+        "%s has no DTensor rule for its inputs: it ran on full (gathered) values "
+        "and returned a replicated result. Correct, but it costs a gather each "
+        "call; shard the inputs differently to avoid it.",
+        op,
+    )
+
+
+def _about_dtensor(err: BaseException) -> bool:
+    text = str(err)
+    return any(
+        key in text
+        for key in ("DTensor", "placement", "Placement", "sharding", "mixed torch")
+    )
+
+
+__all__ = ["DTensor", "DTensorMixError", "keras_path", "mix_error", "promote_call"]

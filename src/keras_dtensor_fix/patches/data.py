@@ -1,0 +1,178 @@
+"""Data into and out of ModelParallel: ``distribute_data_input`` and friends.
+
+* ``distribute_data_input`` is replaced: it accepts both historical signatures
+  (with and without ``batch_dim_name``), walks nested structures itself, and
+  keeps data on its device (upstream copies CUDA batches to the CPU and back).
+* On nightlies whose trainer never distributes the batch (up to ~2026-09), the
+  train/test/predict steps distribute plain batches as per-process shards, and
+  ``predict`` returns each process's rows with the model axes gathered.
+* ``convert_to_numpy`` gathers a DTensor's full value (early nightlies returned
+  the local shard from ``get_weights()`` and ``predict()``).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+from keras_dtensor_fix.engine import Patch
+
+FAMILY = "data"
+MODULES = (
+    "keras.src.backend.torch.distribution_lib",
+    "keras.src.backend.torch.trainer",
+    "keras.src.backend.torch.ops.core",
+    "keras.src.backend.torch.core",
+)
+TRAINER = "keras.src.backend.torch.trainer"
+# ``from ...core import *`` binds core's functions in these modules too.
+STAR_IMPORTERS = (
+    "keras.src.backend.torch.ops",
+    "keras.src.backend.torch",
+    "keras.src.backend",
+)
+
+
+def walk(data: Any, layout: Any, leaf: Callable[[Any, Any], Any]) -> Any:
+    """Apply ``leaf(value, layout)`` through dicts, lists and tuples.
+
+    ``layout`` is one layout for every leaf or a structure matching ``data``.
+    """
+    if isinstance(data, dict):
+        return {
+            k: walk(v, layout[k] if isinstance(layout, dict) else layout, leaf)
+            for k, v in data.items()
+        }
+    if isinstance(data, (list, tuple)):
+        layouts = layout if isinstance(layout, (list, tuple)) else [layout] * len(data)
+        items = [walk(v, lay, leaf) for v, lay in zip(data, layouts, strict=False)]
+        if hasattr(data, "_fields"):  # namedtuple
+            return type(data)(*items)
+        return type(data)(items)
+    return leaf(data, layout)
+
+
+def _backend_layout(layout: Any) -> Any:
+    from keras.src.distribution.distribution_lib import TensorLayout
+
+    if isinstance(layout, TensorLayout):
+        return sys.modules[MODULES[0]]._to_backend_layout(layout)
+    return layout
+
+
+def _distribute_leaf(value: Any, layout: Any) -> Any:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if value is None or layout is None:
+        return value
+    layout = _backend_layout(layout)
+    mesh, placements = layout.device_mesh, tuple(layout.placements)
+    if isinstance(value, DTensor):
+        if value.device_mesh == mesh and tuple(value.placements) == placements:
+            return value
+        return value.redistribute(mesh, placements)
+    if not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value)
+    if value.device.type != mesh.device_type:
+        value = value.to(mesh.device_type)
+    return DTensor.from_local(value, mesh, placements, run_check=False)
+
+
+def distribute_data_input(
+    per_process_batch: Any, layout: Any, batch_dim_name: str | None = None
+) -> Any:
+    """Make a DTensor of each process's batch (nested structures too).
+
+    ``batch_dim_name`` is accepted for the JAX-style signature; the layout
+    already names the batch axis.
+    """
+    if layout is None:
+        return per_process_batch
+    return walk(per_process_batch, layout, _distribute_leaf)
+
+
+def _replace_distribute_data_input(wrapped, instance, args, kwargs):
+    return distribute_data_input(*args, **kwargs)
+
+
+def _step_layouts(dist: Any, data: Any) -> Any:
+    def one(value: Any, _layout: Any) -> Any:
+        shape = getattr(value, "shape", None)
+        return None if shape is None else dist.get_data_layout(tuple(shape))
+
+    return walk(data, None, one)
+
+
+def _distribute_step_data(wrapped, instance, args, kwargs):
+    from keras_dtensor_fix.keras_state import model_parallel
+
+    dist = model_parallel()
+    if dist is not None and args:
+        data = args[0]
+        args = (distribute_data_input(data, _step_layouts(dist, data)),) + args[1:]
+    return wrapped(*args, **kwargs)
+
+
+def _predict_step(wrapped, instance, args, kwargs):
+    from keras_dtensor_fix.dtensor import gather_non_batch_axes
+    from keras_dtensor_fix.keras_state import model_parallel
+
+    dist = model_parallel()
+    outputs = _distribute_step_data(wrapped, instance, args, kwargs)
+    if dist is None:
+        return outputs
+    return walk(
+        outputs, None, lambda v, _: gather_non_batch_axes(v, dist.batch_dim_name)
+    )
+
+
+def _convert_to_numpy(wrapped, instance, args, kwargs):
+    from torch.distributed.tensor import DTensor
+
+    def full(value: Any, _layout: Any) -> Any:
+        if isinstance(value, variable_class()):
+            value = value.value
+        if isinstance(value, DTensor):
+            return value.detach().full_tensor()
+        return value
+
+    from keras_dtensor_fix.patches._values import variable_class
+
+    if args:
+        args = (walk(args[0], None, full),) + args[1:]
+    return wrapped(*args, **kwargs)
+
+
+def patches(module: types.ModuleType) -> list[Patch]:
+    name = module.__name__
+    if name == MODULES[0]:
+        if not hasattr(module, "distribute_data_input"):
+            raise LookupError(
+                "distribute_data_input not found: this Keras has no torch "
+                "data distribution"
+            )
+        return [
+            Patch(
+                FAMILY,
+                name,
+                "distribute_data_input",
+                _replace_distribute_data_input,
+                also_in=(TRAINER,),
+            )
+        ]
+    if name == TRAINER:
+        if hasattr(module, "distribute_data_input"):
+            return []  # this trainer distributes batches itself
+        return [
+            Patch(FAMILY, name, "Trainer.train_step", _distribute_step_data),
+            Patch(FAMILY, name, "Trainer.test_step", _distribute_step_data),
+            Patch(FAMILY, name, "Trainer.predict_step", _predict_step),
+        ]
+    return [
+        Patch(
+            FAMILY, name, "convert_to_numpy", _convert_to_numpy, also_in=STAR_IMPORTERS
+        )
+    ]

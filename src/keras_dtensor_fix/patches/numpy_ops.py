@@ -1,0 +1,124 @@
+"""Promote plain tensors that meet a DTensor in the torch backend's numpy ops.
+
+Targets are found systematically: every public function of the backend numpy
+module that can take two or more tensors (two or more positional parameters,
+``*args``, or a sequence of tensors). A wrapper's fast path (no DTensor among
+the arguments) calls the original at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any
+
+from keras_dtensor_fix.engine import Patch
+
+FAMILY = "numpy"
+MODULES = ("keras.src.backend.torch.ops.numpy", "keras.src.backend.torch.numpy")
+# Modules that bind numpy functions with ``from ...numpy import name``.
+ALSO_IN = (
+    "keras.src.backend.torch.ops.nn",
+    "keras.src.backend.torch.ops.math",
+    "keras.src.backend.torch.ops.core",
+    "keras.src.backend.torch.ops.linalg",
+    "keras.src.backend.torch.ops.image",
+    "keras.src.backend.torch.nn",
+    "keras.src.backend.torch.math",
+    "keras.src.backend.torch.core",
+    "keras.src.backend.torch.linalg",
+    "keras.src.backend.torch.image",
+    "keras.src.backend.torch.random",
+    "keras.src.backend.torch.rnn",
+)
+SEQUENCE_PARAMS = frozenset({"xs", "arrays", "tensors", "condlist", "choicelist"})
+# Binary ops whose operands broadcast elementwise: a plain operand of one
+# rank's shard size is refused there. Other ops promote without that check.
+NOT_ELEMENTWISE = frozenset(
+    {
+        "matmul",
+        "dot",
+        "inner",
+        "outer",
+        "kron",
+        "tensordot",
+        "vdot",
+        "cross",
+        "correlate",
+        "append",
+        "isin",
+        "einsum",
+        "digitize",
+        "searchsorted",
+    }
+)
+
+
+def takes_several_tensors(fn: Any) -> bool:
+    """Whether ``fn``'s signature lets it take two or more tensors."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [
+        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return True
+    if positional and positional[0].name in SEQUENCE_PARAMS:
+        return True
+    return len(positional) >= 2
+
+
+def target_names(module: types.ModuleType) -> list[str]:
+    """Public functions defined in ``module`` that take two or more tensors."""
+    return sorted(
+        name
+        for name, fn in vars(module).items()
+        if not name.startswith("_")
+        and inspect.isfunction(fn)
+        and fn.__module__ == module.__name__
+        and takes_several_tensors(fn)
+    )
+
+
+def _is_elementwise(name: str, fn: Any) -> bool:
+    if name in NOT_ELEMENTWISE:
+        return False
+    params = list(inspect.signature(fn).parameters)[:2]
+    return params in (["x1", "x2"], ["x", "y"]) or name in ("where", "clip")
+
+
+def make_wrapper(name: str, elementwise: bool):
+    """The wrapper for one numpy op: fast path, or promote then call."""
+    from keras_dtensor_fix.dtensor import DTensor
+    from keras_dtensor_fix.patches._values import promote_call, variable_class
+
+    keras_variable = variable_class()
+
+    def distributed(value: Any) -> bool:
+        if isinstance(value, DTensor):
+            return True
+        if isinstance(value, keras_variable):
+            return isinstance(value._value, DTensor)
+        if isinstance(value, (list, tuple)):
+            return any(distributed(v) for v in value)
+        return False
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if any(distributed(v) for v in args) or (
+            kwargs and any(distributed(v) for v in kwargs.values())
+        ):
+            return promote_call(wrapped, args, kwargs, op=name, elementwise=elementwise)
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def patches(module: types.ModuleType) -> list[Patch]:
+    result = []
+    for name in target_names(module):
+        fn = getattr(module, name)
+        wrapper = make_wrapper(name, _is_elementwise(name, fn))
+        result.append(Patch(FAMILY, module.__name__, name, wrapper, also_in=ALSO_IN))
+    return result

@@ -1,0 +1,73 @@
+"""The same promotion for the torch backend's nn, math, linalg and image ops.
+
+Loss functions (``binary_crossentropy(target, output)``), attention, normalization
+and segment ops take several tensors too; their multi-tensor functions get the
+numpy family's wrapper. Convolutions also gather a sharded kernel first: torch's
+DTensor convolution rule computes with the local kernel shard but labels the
+output Replicate, which gives wrong shapes (``The size of tensor a (2) must
+match the size of tensor b (4)``) or wrong values.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from keras_dtensor_fix.engine import Patch
+from keras_dtensor_fix.patches.numpy_ops import make_wrapper, target_names
+
+FAMILY = "ops"
+KINDS = ("nn", "math", "linalg", "image")
+MODULES = tuple(f"keras.src.backend.torch.ops.{k}" for k in KINDS) + tuple(
+    f"keras.src.backend.torch.{k}" for k in KINDS
+)
+# Convolutions and the positions of their kernels.
+CONVOLUTIONS = {
+    "conv": (1,),
+    "depthwise_conv": (1,),
+    "conv_transpose": (1,),
+    "separable_conv": (1, 2),
+}
+
+
+def replicated_kernel(kernel: Any) -> Any:
+    """A sharded kernel gathered to Replicate (differentiable); others unchanged."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from keras_dtensor_fix.dtensor import DTensor
+    from keras_dtensor_fix.patches._values import variable_class
+
+    if isinstance(kernel, variable_class()):
+        kernel = kernel.value
+    if isinstance(kernel, DTensor) and any(
+        isinstance(p, Shard) for p in kernel.placements
+    ):
+        mesh = kernel.device_mesh
+        return kernel.redistribute(mesh, [Replicate()] * mesh.ndim)
+    return kernel
+
+
+def make_conv_wrapper(name: str, positions: tuple[int, ...]):
+    promote = make_wrapper(name, elementwise=False)
+
+    def wrapper(wrapped, instance, args, kwargs):
+        args = tuple(
+            replicated_kernel(v) if i in positions else v for i, v in enumerate(args)
+        )
+        for key in ("kernel", "depthwise_kernel", "pointwise_kernel"):
+            if key in kwargs:
+                kwargs = {**kwargs, key: replicated_kernel(kwargs[key])}
+        return promote(wrapped, instance, args, kwargs)
+
+    return wrapper
+
+
+def patches(module: types.ModuleType) -> list[Patch]:
+    result = []
+    for name in target_names(module):
+        if name in CONVOLUTIONS:
+            wrapper = make_conv_wrapper(name, CONVOLUTIONS[name])
+        else:
+            wrapper = make_wrapper(name, elementwise=False)
+        result.append(Patch(FAMILY, module.__name__, name, wrapper))
+    return result

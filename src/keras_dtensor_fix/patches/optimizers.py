@@ -1,0 +1,145 @@
+"""Optimizer steps on DTensor variables: aligned gradients, local-shard math.
+
+Each torch optimizer's ``_parallel_update_step`` is wrapped. When a variable is
+a DTensor, its gradient is first given the variable's placements (a ``Partial``
+gradient is reduced, a plain one promoted). In eager mode the update then runs
+on the local shards: every torch optimizer is elementwise, so shard-wise math is
+exact, and no DTensor ``_foreach_*`` op sees the fresh 0-d tensors that Keras
+builds each step (they miss PyTorch's sharding cache and leak into it). Under
+torch.compile the original runs on the aligned DTensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from keras_dtensor_fix.engine import Patch
+
+FAMILY = "optimizers"
+OPTIMIZERS = (
+    "adadelta",
+    "adagrad",
+    "adam",
+    "adamax",
+    "adamw",
+    "lion",
+    "nadam",
+    "rmsprop",
+    "sgd",
+)
+PACKAGE = "keras.src.backend.torch.optimizers"
+MODULES = tuple(f"{PACKAGE}.torch_{name}" for name in OPTIMIZERS) + (
+    f"{PACKAGE}.torch_parallel_optimizer",
+)
+
+
+def align_gradients(grads: Sequence[Any], values: Sequence[Any]) -> list[Any]:
+    """Give each gradient its variable's placements (or the full value)."""
+    from keras_dtensor_fix.dtensor import DTensor, to_placements
+
+    aligned = []
+    for grad, value in zip(grads, values, strict=False):
+        if grad is None:
+            aligned.append(grad)
+        elif isinstance(value, DTensor):
+            aligned.append(to_placements(grad, value))
+        elif isinstance(grad, DTensor):
+            aligned.append(grad.full_tensor())
+        else:
+            aligned.append(grad)
+    return aligned
+
+
+def _local(value: Any) -> Any:
+    from keras_dtensor_fix.dtensor import DTensor
+
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+@contextlib.contextmanager
+def local_shards(variables: Sequence[Any]) -> Iterator[None]:
+    """Let each Keras variable's ``.value`` be its local shard for a while."""
+    from keras_dtensor_fix.dtensor import DTensor
+
+    swapped = []
+    try:
+        for variable in variables:
+            raw = getattr(variable, "_value", None)
+            if isinstance(raw, DTensor):
+                swapped.append((variable, raw))
+                variable._value = raw._local_tensor
+        yield
+    finally:
+        for variable, raw in swapped:
+            variable._value = raw
+
+
+def _shardwise_ok(optimizer: Any, values: Sequence[Any]) -> bool:
+    """Local-shard math is exact when every non-scalar state is a DTensor too."""
+    from keras_dtensor_fix.dtensor import DTensor
+
+    meshes = {v.device_mesh for v in values if isinstance(v, DTensor)}
+    for variable in optimizer.variables:
+        raw = getattr(variable, "_value", None)
+        if isinstance(raw, DTensor):
+            meshes.add(raw.device_mesh)
+        elif raw is not None and getattr(raw, "ndim", 0):
+            return False
+    return len(meshes) == 1 and all(isinstance(v, DTensor) for v in values)
+
+
+def _parallel_update_step(wrapped, instance, args, kwargs):
+    from keras_dtensor_fix.dtensor import DTensor
+    from keras_dtensor_fix.keras_state import compiling
+
+    grads, variables, learning_rate = _bind(*args, **kwargs)
+    values = [v._value for v in variables]
+    if not any(isinstance(v, DTensor) for v in values) and not any(
+        isinstance(g, DTensor) for g in grads
+    ):
+        return wrapped(*args, **kwargs)
+    grads = align_gradients(grads, values)
+    if compiling() or not _shardwise_ok(instance, values):
+        return wrapped(grads, variables, learning_rate)
+    with local_shards(list(variables) + list(instance.variables)):
+        return wrapped([_local(g) for g in grads], variables, _local(learning_rate))
+
+
+def _bind(grads, variables, learning_rate):
+    return list(grads), list(variables), learning_rate
+
+
+def _increment_accumulators(wrapped, instance, args, kwargs):
+    """Gradient accumulation: add gradients with the accumulators' placements."""
+    grads, acc_grads = args[0], args[1]
+    values = [v.value for v in acc_grads]
+    return wrapped(align_gradients(grads, values), acc_grads, *args[2:], **kwargs)
+
+
+def patches(module: types.ModuleType) -> list[Patch]:
+    if module.__name__.endswith("torch_parallel_optimizer"):
+        attribute = "TorchParallelOptimizer._backend_increment_gradient_accumulators"
+        return [Patch(FAMILY, module.__name__, attribute, _increment_accumulators)]
+    result = []
+    for name, cls in vars(module).items():
+        if (
+            isinstance(cls, type)
+            and cls.__module__ == module.__name__
+            and hasattr(cls, "_parallel_update_step")
+        ):
+            result.append(
+                Patch(
+                    FAMILY,
+                    module.__name__,
+                    f"{name}._parallel_update_step",
+                    _parallel_update_step,
+                )
+            )
+    if not result:
+        raise LookupError(
+            f"no optimizer with _parallel_update_step in {module.__name__}"
+        )
+    return result

@@ -1,0 +1,43 @@
+"""Seeded dropout on DTensor activations.
+
+The torch backend draws a seeded mask as a plain tensor and combines it with the
+activations in ``torch.where``, outside the numpy ops. On a DTensor the mask is
+drawn the same way (full shape, same seed, so every rank and a single-process
+run agree) and promoted to a Replicate DTensor before the ``where``.
+"""
+
+from __future__ import annotations
+
+import types
+
+from keras_dtensor_fix.engine import Patch
+
+FAMILY = "random"
+MODULES = ("keras.src.backend.torch.random",)
+
+
+def _bind(inputs, rate, noise_shape=None, seed=None):
+    return inputs, rate, noise_shape, seed
+
+
+def _dropout(wrapped, instance, args, kwargs):
+    from keras_dtensor_fix.dtensor import DTensor, replicate
+
+    inputs, rate, noise_shape, seed = _bind(*args, **kwargs)
+    if not isinstance(inputs, DTensor) or rate in (0.0, 1.0):
+        return wrapped(*args, **kwargs)
+    import torch
+
+    # The original on a plain stand-in of the global shape draws the very mask
+    # it would have drawn for the whole tensor; zeros mark dropped entries.
+    stand_in = torch.ones(inputs.shape, dtype=inputs.dtype, device=inputs.device)
+    kept = wrapped(stand_in, rate, noise_shape, seed) != 0
+    mask = replicate(kept, inputs.device_mesh)
+    keep_prob = 1.0 - rate
+    return torch.where(mask, inputs / keep_prob, torch.zeros_like(inputs))
+
+
+def patches(module: types.ModuleType) -> list[Patch]:
+    if not hasattr(module, "dropout"):
+        raise LookupError("random.dropout not found")
+    return [Patch(FAMILY, module.__name__, "dropout", _dropout)]

@@ -1,0 +1,244 @@
+"""Shared helpers: fresh interpreters, fake patch families, the built wheel."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PATCHES = SRC / "keras_dtensor_fix" / "patches"
+
+RunPy = Callable[..., subprocess.CompletedProcess]
+
+
+def family_present(name: str) -> bool:
+    """Whether the real patch family module ``patches/<name>.py`` exists."""
+    return (PATCHES / f"{name}.py").is_file()
+
+
+def skip_without_family(name: str) -> None:
+    """Skip the calling test when the real family module is not written yet."""
+    if not family_present(name):
+        pytest.skip(f"patch family keras_dtensor_fix.patches.{name} not present")
+
+
+def clean_env(env: Mapping[str, str | None] | None = None, *, src: bool = True) -> dict:
+    """``os.environ`` without our variables, KERAS_BACKEND=torch, then ``env``.
+
+    ``None`` values remove a variable. With ``src`` the checkout's ``src`` is
+    first on ``PYTHONPATH``.
+    """
+    full = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KERAS_DTENSOR_FIX") and k != "PYTHONPATH"
+    }
+    full["KERAS_BACKEND"] = "torch"
+    if src:
+        full["PYTHONPATH"] = str(SRC)
+    for key, value in (env or {}).items():
+        if value is None:
+            full.pop(key, None)
+        else:
+            full[key] = value
+    return full
+
+
+@pytest.fixture
+def run_py() -> RunPy:
+    """Run ``code`` in a fresh interpreter; returns the CompletedProcess.
+
+    ``env`` overrides variables (``None`` removes one), ``path`` prepends
+    folders to ``PYTHONPATH``, ``args`` go before ``-c``, ``python`` picks the
+    interpreter. Asserts nothing itself.
+    """
+
+    def run(
+        code: str = "",
+        *,
+        env: Mapping[str, str | None] | None = None,
+        path: Sequence[os.PathLike | str] = (),
+        args: Sequence[str] = (),
+        python: str | os.PathLike = sys.executable,
+        src: bool = True,
+        module: str | None = None,
+        timeout: float = 300,
+    ) -> subprocess.CompletedProcess:
+        full = clean_env(env, src=src)
+        if path:
+            extra = [str(p) for p in path]
+            if full.get("PYTHONPATH"):
+                extra.append(full["PYTHONPATH"])
+            full["PYTHONPATH"] = os.pathsep.join(extra)
+        command = [str(python), *args]
+        command += ["-m", module] if module else ["-c", textwrap.dedent(code)]
+        return subprocess.run(
+            command,
+            env=full,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=str(ROOT),
+        )
+
+    return run
+
+
+def last_json(proc: subprocess.CompletedProcess) -> object:
+    """The JSON document on the last line of a process's stdout."""
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+FAKE_TARGET = '''
+def add(a, b):
+    return a + b
+
+
+def sub(a, b):
+    return a - b
+
+
+class Base:
+    def step(self, x):
+        return ("step", x)
+
+    @staticmethod
+    def s(x):
+        return ("s", x)
+
+    @classmethod
+    def c(cls, x):
+        return ("c", cls.__name__, x)
+
+
+class Child(Base):
+    pass
+'''
+
+FAKE_USER = """
+from fake_target import add, sub
+"""
+
+FAKE_FAMILY = '''
+from keras_dtensor_fix.engine import Patch
+
+FAMILY = {family!r}
+MODULES = ("fake_target", "fake_late")
+GATED = False
+CALLS = []
+
+
+def tag(wrapped, instance, args, kwargs):
+    return ("wrapped", wrapped(*args, **kwargs))
+
+
+def patches(module):
+    name = module.__name__
+    if name == "fake_late":
+        return [Patch(FAMILY, name, "late", tag)]
+    return [
+        Patch(FAMILY, name, "add", tag, also_in=("fake_user",)),
+        Patch(FAMILY, name, "Base.step", tag),
+        Patch(FAMILY, name, "Base.s", tag),
+        Patch(FAMILY, name, "Base.c", tag),
+        Patch(FAMILY, name, "Child.step", tag),
+        Patch(FAMILY, name, "missing_function", tag),
+    ]
+
+
+def after_apply():
+    CALLS.append("apply")
+
+
+def after_revert():
+    CALLS.append("revert")
+'''
+
+FAKE_LATE = """
+def late():
+    return "late"
+"""
+
+
+@pytest.fixture
+def fakes(tmp_path: Path) -> Path:
+    """A folder with fake target modules and a fake family ``fake_family``.
+
+    ``fake_family`` (FAMILY "numpy", not gated) patches ``fake_target.add``
+    (also bound in ``fake_user``), ``Base.step/s/c``, the inherited
+    ``Child.step`` and a missing attribute; ``fake_late`` is for late imports.
+    """
+    folder = tmp_path / "fakes"
+    folder.mkdir()
+    (folder / "fake_target.py").write_text(FAKE_TARGET)
+    (folder / "fake_user.py").write_text(FAKE_USER)
+    (folder / "fake_late.py").write_text(FAKE_LATE)
+    (folder / "fake_family.py").write_text(FAKE_FAMILY.format(family="numpy"))
+    (folder / "fake_family_data.py").write_text(FAKE_FAMILY.format(family="data"))
+    return folder
+
+
+def _build_wheel(out: Path) -> Path:
+    """Build the project's wheel into ``out`` (hatchling if here, else pip)."""
+    try:
+        import hatchling.build  # noqa: F401
+
+        code = (
+            "import sys, hatchling.build as b; "
+            "print(b.build_wheel(sys.argv[1]))"
+        )
+        command = [sys.executable, "-c", code, str(out)]
+    except ImportError:
+        command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out), "."]
+    subprocess.run(command, cwd=str(ROOT), check=True, capture_output=True, text=True)
+    (wheel,) = out.glob("keras_dtensor_fix-*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's wheel, built once per test session."""
+    return _build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="session")
+def wheel_venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
+    """A new virtual environment with the wheel installed; returns its python.
+
+    It sees this interpreter's site-packages (torch, keras, wrapt) as plain
+    path entries, so start-up files there (an editable install's) do not run:
+    only the wheel's ``keras_dtensor_fix.pth`` does.
+    """
+    import sysconfig
+
+    root = tmp_path_factory.mktemp("venv")
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(root)],
+        check=True,
+        capture_output=True,
+    )
+    python = root / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    parents = dict.fromkeys(
+        sysconfig.get_paths()[key] for key in ("purelib", "platlib")
+    )
+    # "_" sorts before "k": these paths are on sys.path when our .pth runs.
+    Path(site, "_parent_site.pth").write_text("\n".join(parents) + "\n")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    return python

@@ -1,0 +1,528 @@
+"""Training scenarios run by the multi-process tests (and the demo).
+
+Run as ``torchrun --nproc_per_node=2 scenarios.py GROUP OUT_DIR`` for the
+sharded run, or ``python scenarios.py GROUP OUT_DIR`` for the single-process
+reference. Each process writes ``OUT_DIR/GROUP.rank<R>.json``: for every case,
+its losses, metrics, predictions and final weights (full values), or the error
+it raised. The same seed and data feed both runs.
+
+Environment: ``SCENARIO_CASES`` (comma list) limits the cases run;
+``SCENARIO_EXIT_PROMOTION=1`` exits Keras's promotion mode after
+``set_distribution`` (to show what fails without the plugin).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from keras import layers, ops  # noqa: E402
+
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+RANK = int(os.environ.get("RANK", "0"))
+SEED = 1234
+CASES: dict[str, dict[str, object]] = {}
+
+
+def case(group: str, mesh: tuple[int, int] = (1, 2), **options: object):
+    """Register a scenario function under ``group``."""
+
+    def register(fn):
+        CASES[fn.__name__] = {"fn": fn, "group": group, "mesh": mesh, **options}
+        return fn
+
+    return register
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def data(n: int = 64, features: int = 16, outputs: int = 4, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = rng.normal(size=(n, outputs)).astype("float32")
+    return x, y
+
+
+def rank_rows(array: np.ndarray, batch_size: int) -> np.ndarray:
+    """This rank's rows of every batch (the per-process shard on a (2,1) mesh)."""
+    if WORLD == 1:
+        return array
+    per = batch_size // WORLD
+    batches = array.reshape(-1, WORLD, per, *array.shape[1:])
+    return batches[:, RANK].reshape(-1, *array.shape[1:])
+
+
+def mlp(units: int = 32, outputs: int = 4, features: int = 16, **dense_kwargs):
+    return keras.Sequential(
+        [
+            layers.Input((features,)),
+            layers.Dense(units, activation="relu", name="dense_1", **dense_kwargs),
+            layers.Dense(units, activation="relu", name="dense_2", **dense_kwargs),
+            layers.Dense(outputs, name="dense_3", **dense_kwargs),
+        ]
+    )
+
+
+def weights(model) -> list:
+    return [np.asarray(w, dtype="float64").tolist() for w in model.get_weights()]
+
+
+def fit_mlp(optimizer, epochs: int = 3, batch_size: int = 16, **compile_kwargs):
+    x, y = data()
+    model = mlp()
+    model.compile(optimizer=optimizer, loss="mse", **compile_kwargs)
+    history = model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0
+    )
+    return {"losses": history.history["loss"], "weights": weights(model)}
+
+
+def distribute(mesh_shape: tuple[int, int], layout: dict[str, tuple] | None) -> None:
+    """Set a ModelParallel distribution on ``mesh_shape`` (only when sharded)."""
+    if WORLD == 1:
+        keras.distribution.set_distribution(None)
+        return
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in (layout or {}).items():
+        layout_map[key] = axes
+    dist = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+    dist.auto_shard_dataset = False
+    keras.distribution.set_distribution(dist)
+    if os.environ.get("SCENARIO_EXIT_PROMOTION") == "1":
+        from keras.src.backend import distribution_lib
+
+        distribution_lib.deactivate_dtensor_promotion()
+
+
+MEGATRON = {".*dense_1/kernel": (None, "model"), ".*dense_2/kernel": ("model", None)}
+COLUMNS = {".*dense.*/kernel": (None, "model")}
+
+
+# ---------------------------------------------------------------- optimizers
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "sgd_nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "adam": lambda: keras.optimizers.Adam(1e-2),
+    "adam_amsgrad": lambda: keras.optimizers.Adam(1e-2, amsgrad=True),
+    "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.01),
+    "rmsprop_centered_momentum": lambda: keras.optimizers.RMSprop(
+        1e-3, momentum=0.5, centered=True
+    ),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "adamax": lambda: keras.optimizers.Adamax(1e-2),
+    "nadam": lambda: keras.optimizers.Nadam(1e-2),
+    "lion": lambda: keras.optimizers.Lion(1e-3),
+}
+
+OPTIONS = {
+    "clipnorm": lambda: keras.optimizers.Adam(1e-2, clipnorm=0.5),
+    "clipvalue": lambda: keras.optimizers.Adam(1e-2, clipvalue=0.01),
+    "global_clipnorm": lambda: keras.optimizers.SGD(0.1, global_clipnorm=0.5),
+    "weight_decay": lambda: keras.optimizers.SGD(0.05, weight_decay=0.05),
+    "use_ema": lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_momentum=0.5),
+    "gradient_accumulation": lambda: keras.optimizers.Adam(
+        1e-2, gradient_accumulation_steps=2
+    ),
+    "lr_schedule": lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(1e-2, 2, 0.5)
+    ),
+}
+
+
+def _optimizer_case(name: str, factory, layout) -> None:
+    def run():
+        return fit_mlp(factory())
+
+    run.__name__ = name
+    case("optimizers", layout=layout)(run)
+
+
+for _name, _factory in {**OPTIMIZERS, **OPTIONS}.items():
+    _optimizer_case(_name, _factory, COLUMNS if _name != "adam" else MEGATRON)
+
+
+@case("optimizers", layout=COLUMNS)
+def loss_scale_bf16():
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    try:
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
+        return fit_mlp(optimizer)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+
+
+@case("optimizers", layout=MEGATRON)
+def megatron_sgd():
+    return fit_mlp(keras.optimizers.SGD(0.05))
+
+
+# ---------------------------------------------------------------- data
+
+
+@case("data", mesh=(2, 1), layout={}, per_rank=True)
+def batch_axis_numpy():
+    """(2,1): each rank feeds its half of every batch; equals the full batch."""
+    x, y = data()
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    history = model.fit(
+        rank_rows(x, 16),
+        rank_rows(y, 16),
+        batch_size=16 // WORLD,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+    )
+    return {"losses": history.history["loss"], "weights": weights(model)}
+
+
+@case("data", mesh=(2, 1), layout={".*dense_1/kernel": (None, "model")}, per_rank=True)
+def batch_axis_dataloader():
+    x, y = data()
+    x, y = rank_rows(x, 16), rank_rows(y, 16)
+    dataset = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=16 // WORLD, shuffle=False)
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = model.fit(loader, epochs=3, verbose=0)
+    return {"losses": history.history["loss"], "weights": weights(model)}
+
+
+@case("data", layout=COLUMNS)
+def dataloader():
+    x, y = data()
+    dataset = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=16, shuffle=False)
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    history = model.fit(loader, epochs=3, verbose=0)
+    return {"losses": history.history["loss"], "weights": weights(model)}
+
+
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return len(self.x) // self.batch_size
+
+    def __getitem__(self, index):
+        rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return self.x[rows], self.y[rows]
+
+
+@case("data", layout=COLUMNS)
+def pydataset():
+    x, y = data()
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    history = model.fit(_Batches(x, y, 16), epochs=3, verbose=0)
+    return {"losses": history.history["loss"], "weights": weights(model)}
+
+
+@case("data", layout=COLUMNS)
+def evaluate_predict_metrics():
+    x, y = data()
+    labels = (y[:, :1] > 0).astype("float32")
+    model = mlp(outputs=1)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.BinaryCrossentropy(from_logits=True),
+        metrics=[
+            keras.metrics.BinaryAccuracy(threshold=0.0),
+            keras.metrics.AUC(name="auc", from_logits=True),
+            keras.metrics.MeanSquaredError(name="mse"),
+        ],
+    )
+    history = model.fit(x, labels, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    evaluation = model.evaluate(x, labels, batch_size=16, verbose=0, return_dict=True)
+    predictions = model.predict(x, batch_size=16, verbose=0)
+    return {
+        "losses": history.history["loss"],
+        "metrics": {k: float(v) for k, v in evaluation.items()},
+        "predictions": np.asarray(predictions, dtype="float64").tolist(),
+        "weights": weights(model),
+    }
+
+
+@case("data", layout=COLUMNS)
+def sample_and_class_weight():
+    x, y = data()
+    labels = (y[:, 0] > 0).astype("int32")
+    sample_weight = np.linspace(0.5, 1.5, len(x)).astype("float32")
+    model = mlp(outputs=2)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    first = model.fit(
+        x,
+        labels,
+        sample_weight=sample_weight,
+        batch_size=16,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+    )
+    second = model.fit(
+        x,
+        labels,
+        class_weight={0: 0.3, 1: 1.7},
+        batch_size=16,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+    )
+    return {
+        "losses": first.history["loss"] + second.history["loss"],
+        "weights": weights(model),
+    }
+
+
+# ---------------------------------------------------------------- layers
+
+
+@case(
+    "layers",
+    layout={
+        ".*embedding/embeddings": (None, "model"),
+        ".*dense.*/kernel": (None, "model"),
+    },
+)
+def embedding():
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 50, size=(64, 6)).astype("int32")
+    target = rng.normal(size=(64, 1)).astype("float32")
+    model = keras.Sequential(
+        [
+            layers.Input((6,), dtype="int32"),
+            layers.Embedding(50, 8, name="embedding"),
+            layers.GlobalAveragePooling1D(),
+            layers.Dense(16, activation="relu", name="dense_1"),
+            layers.Dense(1, name="dense_2"),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    history = model.fit(
+        tokens, target, batch_size=16, epochs=3, shuffle=False, verbose=0
+    )
+    return {"losses": history.history["loss"], "weights": weights(model)}
+
+
+def _images():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(32, 8, 8, 4)).astype("float32")
+    y = rng.normal(size=(32, 2)).astype("float32")
+    return x, y
+
+
+def _conv_model():
+    return keras.Sequential(
+        [
+            layers.Input((8, 8, 4)),
+            layers.Conv2D(4, 3, activation="relu", name="conv"),
+            layers.BatchNormalization(name="bn"),
+            layers.GlobalAveragePooling2D(),
+            layers.Dense(2, name="dense_1"),
+        ]
+    )
+
+
+@case(
+    "layers",
+    layout={
+        ".*conv/kernel": (None, None, "model", None),
+        ".*dense_1/kernel": (None, "model"),
+    },
+)
+def conv2d_batchnorm():
+    """Conv2D kernel sharded on input channels, BatchNormalization beside it."""
+    x, y = _images()
+    model = _conv_model()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    return {"losses": history.history["loss"], "weights": weights(model)}
+
+
+@case("layers", layout={".*conv/kernel": (None, None, None, "model")})
+def conv2d_output_channels():
+    """Conv2D kernel sharded on output channels (torch's rule mislabels it)."""
+    x, y = _images()
+    model = _conv_model()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    return {"losses": history.history["loss"], "weights": weights(model)}
+
+
+def transformer_block(seq: int = 8, dim: int = 16, heads: int = 2):
+    inputs = layers.Input((seq, dim))
+    attention = layers.MultiHeadAttention(heads, dim // heads, name="mha")(
+        inputs, inputs
+    )
+    x = layers.LayerNormalization(name="ln_1")(inputs + attention)
+    hidden = layers.Dense(4 * dim, activation="relu", name="ffn_1")(x)
+    hidden = layers.Dropout(0.1, seed=7)(hidden)
+    x = layers.LayerNormalization(name="ln_2")(
+        x + layers.Dense(dim, name="ffn_2")(hidden)
+    )
+    outputs = layers.Dense(1, name="head")(layers.GlobalAveragePooling1D()(x))
+    return keras.Model(inputs, outputs)
+
+
+TRANSFORMER = {
+    ".*mha/query/kernel": (None, "model", None),
+    ".*mha/key/kernel": (None, "model", None),
+    ".*mha/value/kernel": (None, "model", None),
+    ".*mha/attention_output/kernel": ("model", None, None),
+    ".*ffn_1/kernel": (None, "model"),
+    ".*ffn_2/kernel": ("model", None),
+}
+
+
+def _fit_transformer(jit_compile: bool = False):
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(32, 8, 16)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    model = transformer_block()
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=jit_compile
+    )
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    return {"losses": history.history["loss"], "weights": weights(model)}
+
+
+@case("layers", layout=TRANSFORMER)
+def attention_layernorm_dropout():
+    return _fit_transformer()
+
+
+# ---------------------------------------------------------------- custom loop
+
+
+@case("custom", layout=MEGATRON)
+def custom_training_loop():
+    """keras.ops loss, torch autograd, optimizer.apply; plain and DTensor inputs."""
+    from keras.src.backend.torch import distribution_lib
+
+    x, y = data()
+    model = mlp()
+    model.build((None, 16))
+    optimizer = keras.optimizers.Adam(1e-2)
+    optimizer.build(model.trainable_variables)
+    losses = []
+    dist = keras.distribution.distribution()
+    for step in range(8):
+        xb = torch.from_numpy(x[(step % 4) * 16 : (step % 4 + 1) * 16])
+        yb = torch.from_numpy(y[(step % 4) * 16 : (step % 4 + 1) * 16])
+        if dist is not None and step % 2:
+            # Half the steps feed distributed batches, half plain tensors.
+            layout = dist.get_data_layout(tuple(xb.shape))
+            xb = distribution_lib.distribute_data_input(xb, layout)
+            yb = distribution_lib.distribute_data_input(yb, layout)
+        prediction = model(xb)
+        loss = ops.mean(ops.square(ops.subtract(prediction, yb)))
+        model.zero_grad()
+        loss.backward()
+        grads = [v.value.grad for v in model.trainable_variables]
+        with torch.no_grad():
+            optimizer.apply(grads, model.trainable_variables)
+        losses.append(float(ops.convert_to_numpy(loss)))
+    return {"losses": losses, "weights": weights(model)}
+
+
+@case("custom", layout=COLUMNS)
+def save_load_weights():
+    """Train, save_weights, load into a fresh model, predict; get_weights() too."""
+    import tempfile
+
+    result = fit_mlp(keras.optimizers.Adam(1e-2), epochs=1)
+    trained = mlp()
+    trained.build((None, 16))
+    trained.set_weights([np.asarray(w, dtype="float32") for w in result["weights"]])
+    # Every rank gathers the full values, so each writes a file of its own.
+    path = os.path.join(tempfile.mkdtemp(), f"rank{RANK}.weights.h5")
+    trained.save_weights(path)
+    model = mlp()
+    model.build((None, 16))
+    model.load_weights(path)
+    x, _ = data()
+    return {
+        "losses": result["losses"],
+        "weights": weights(model),
+        "predictions": np.asarray(model.predict(x, verbose=0), "float64").tolist(),
+    }
+
+
+# ---------------------------------------------------------------- compiled
+
+
+@case("compiled", layout=MEGATRON)
+def compiled_mlp():
+    return fit_mlp(keras.optimizers.Adam(1e-2), jit_compile=True)
+
+
+@case("compiled", layout=TRANSFORMER)
+def compiled_transformer():
+    return _fit_transformer(jit_compile=True)
+
+
+# ---------------------------------------------------------------- runner
+
+
+def run_case(name: str) -> dict:
+    spec = CASES[name]
+    keras.utils.set_random_seed(SEED)
+    distribute(spec["mesh"], spec.get("layout"))
+    try:
+        result = spec["fn"]()
+        promotion = [
+            type(m).__name__
+            for m in torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+        ]
+        result["dispatch_modes"] = promotion
+        return result
+    except Exception as err:  # reported, compared by the tests
+        return {
+            "error": f"{type(err).__name__}: {err}",
+            "traceback": traceback.format_exc(),
+        }
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def main(argv: list[str]) -> int:
+    group, out_dir = argv[0], argv[1]
+    keras.config.disable_traceback_filtering()
+    if WORLD > 1:
+        keras.distribution.initialize()
+    only = [c for c in os.environ.get("SCENARIO_CASES", "").split(",") if c]
+    names = [n for n, spec in CASES.items() if spec["group"] == group]
+    if only:
+        names = [n for n in names if n in only]
+    results = {name: run_case(name) for name in names}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{group}.rank{RANK}.json"), "w") as handle:
+        json.dump({"world": WORLD, "cases": results}, handle)
+    if WORLD > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,331 @@
+"""The patch engine, on fake families and fake modules; each case in a new
+interpreter."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import family_present, last_json
+
+# Imports the fakes, records the originals, registers the fake family.
+PRELUDE = """
+import json, sys, threading
+import fake_target, fake_user
+import keras_dtensor_fix as kdf
+from keras_dtensor_fix import engine
+import fake_family
+
+RAW = {n: fake_target.Base.__dict__[n] for n in ("step", "s", "c")}
+ADD = fake_target.add
+SUB = fake_target.sub
+
+def rows(family="numpy"):
+    return {r["attribute"]: [r["state"], r["reason"]]
+            for r in engine.rows() if r["family"] == family and
+            r["module"].startswith("fake")}
+
+def restored():
+    return (all(fake_target.Base.__dict__[n] is RAW[n] for n in RAW)
+            and fake_target.add is ADD and fake_user.add is ADD
+            and fake_target.sub is SUB)
+
+def chains():
+    objs = [fake_target.add, fake_user.add]
+    objs += [fake_target.Base.__dict__[n] for n in RAW]
+    return [engine.chain_length(o) for o in objs]
+
+engine.register_family(fake_family)
+"""
+
+
+def test_apply_wraps_everything_and_keeps_semantics(run_py, fakes) -> None:
+    code = (
+        PRELUDE
+        + """
+b = fake_target.Base()
+print(json.dumps({
+    "active": kdf.is_active(),
+    "chains": chains(),
+    "user_same": fake_user.add is fake_target.add,
+    "calls": [fake_target.add(1, 2), fake_user.add(1, 2), b.step(3),
+              fake_target.Base.s(4), b.s(4), fake_target.Base.c(5),
+              fake_target.Child.c(5), fake_target.Child().step(6),
+              fake_target.sub(3, 1)],
+    "static": type(fake_target.Base.__dict__["s"].__wrapped__).__name__,
+    "original_add": engine.original("fake_target", "add") is ADD,
+    "rows": rows(),
+    "after": fake_family.CALLS,
+}))
+"""
+    )
+    out = last_json(run_py(code, path=[fakes]))
+    assert out["active"]
+    assert out["chains"] == [1, 1, 1, 1, 1]
+    assert out["user_same"] and out["original_add"]
+    assert out["calls"] == [
+        ["wrapped", 3],
+        ["wrapped", 3],
+        ["wrapped", ["step", 3]],
+        ["wrapped", ["s", 4]],
+        ["wrapped", ["s", 4]],
+        ["wrapped", ["c", "Base", 5]],
+        ["wrapped", ["c", "Child", 5]],
+        ["wrapped", ["step", 6]],
+        2,
+    ]
+    assert out["static"] == "staticmethod"
+    rows = out["rows"]
+    for name in ("add", "Base.step", "Base.s", "Base.c"):
+        assert rows[name][0] == "applied", rows
+    assert "fake_user" in rows["add"][1]
+    assert rows["Child.step"] == [
+        "skipped",
+        "inherited from Base; covered by its patch",
+    ]
+    assert rows["missing_function"][0] == "skipped"
+    assert rows["*"] == ["pending", "module not imported yet"]  # fake_late
+    assert out["after"] == ["apply"]
+
+
+def test_deactivate_restores_identity_and_late_hooks_do_nothing(run_py, fakes) -> None:
+    code = (
+        PRELUDE
+        + """
+kdf.deactivate()
+first = {"restored": restored(), "chains": chains(), "active": kdf.is_active(),
+         "rows": rows(), "after": list(fake_family.CALLS)}
+import fake_late
+late_after_deactivate = engine.chain_length(fake_late.late)
+kdf.activate()
+second = {"chains": chains(), "late": engine.chain_length(fake_late.late),
+          "call": fake_late.late()}
+kdf.deactivate(); kdf.deactivate()
+print(json.dumps({"first": first, "late_off": late_after_deactivate,
+                  "second": second, "restored": restored(),
+                  "late_restored": engine.chain_length(fake_late.late),
+                  "after": fake_family.CALLS}))
+"""
+    )
+    out = last_json(run_py(code, path=[fakes]))
+    first = out["first"]
+    assert first["restored"] and first["chains"] == [0] * 5 and not first["active"]
+    assert first["rows"]["add"][0] == "reverted"
+    assert first["after"] == ["apply", "revert"]
+    assert out["late_off"] == 0
+    assert out["second"] == {"chains": [1] * 5, "late": 1, "call": ["wrapped", "late"]}
+    assert out["restored"] and out["late_restored"] == 0
+    assert out["after"] == ["apply", "revert", "apply", "apply", "revert", "revert"]
+
+
+def test_hook_fires_on_later_import(run_py, fakes) -> None:
+    code = """
+import json
+import keras_dtensor_fix
+from keras_dtensor_fix import engine
+import fake_family
+engine.register_family(fake_family)
+before = [r["state"] for r in engine.rows() if r["module"] == "fake_target"]
+import fake_target, fake_user
+print(json.dumps({"before": before, "add": engine.chain_length(fake_target.add),
+                  "user": fake_user.add is fake_target.add}))
+"""
+    out = last_json(run_py(code, path=[fakes]))
+    assert out == {"before": ["pending"], "add": 1, "user": True}
+
+
+def test_activate_is_idempotent(run_py, fakes) -> None:
+    code = (
+        PRELUDE
+        + """
+before = rows()
+for _ in range(3):
+    kdf.activate()
+    engine.register_family(fake_family)
+    engine.activate()
+print(json.dumps({"chains": chains(), "same_rows": rows() == before,
+                  "after": fake_family.CALLS}))
+"""
+    )
+    out = last_json(run_py(code, path=[fakes]))
+    assert out == {"chains": [1] * 5, "same_rows": True, "after": ["apply"]}
+
+
+def test_two_families_on_one_target(run_py, fakes) -> None:
+    code = (
+        PRELUDE
+        + """
+import fake_family_data
+engine.register_family(fake_family_data)
+print(json.dumps({"chains": chains(), "data_rows": rows("data")}))
+"""
+    )
+    out = last_json(run_py(code, path=[fakes]))
+    assert out["chains"] == [1] * 5
+    assert out["data_rows"]["add"] == ["skipped", "already patched by family numpy"]
+
+
+def test_threads_keep_chain_length_one(run_py, fakes) -> None:
+    code = (
+        PRELUDE
+        + """
+errors, lengths = [], set()
+def worker(first, second):
+    try:
+        for _ in range(200):
+            first(); second()
+            lengths.update(chains())
+    except Exception as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=worker, args=(kdf.activate, kdf.deactivate)),
+           threading.Thread(target=worker, args=(kdf.deactivate, kdf.activate))]
+for t in threads: t.start()
+for t in threads: t.join()
+kdf.activate(); on = chains()
+kdf.deactivate(); off = chains()
+print(json.dumps({"errors": errors, "lengths": sorted(lengths), "on": on,
+                  "off": off, "restored": restored()}))
+"""
+    )
+    out = last_json(run_py(code, path=[fakes]))
+    assert out["errors"] == []
+    assert set(out["lengths"]) <= {0, 1}
+    assert out["on"] == [1] * 5 and out["off"] == [0] * 5 and out["restored"]
+
+
+@pytest.mark.parametrize(
+    ("disable", "patched"),
+    [("numpy", False), ("*", False), (" NUMPY ,data", False), ("optimizers", True)],
+)
+def test_disable_env_applies_to_families(run_py, fakes, disable, patched) -> None:
+    code = PRELUDE + 'print(json.dumps({"chains": chains(), "rows": rows()}))'
+    out = last_json(run_py(code, path=[fakes], env={"KERAS_DTENSOR_FIX_DISABLE": disable}))
+    assert out["chains"] == ([1] * 5 if patched else [0] * 5)
+    if not patched:
+        states = {state for state, _ in out["rows"].values()}
+        assert states == {"disabled"}
+
+
+def test_env_off_still_allows_explicit_activate(run_py, fakes) -> None:
+    code = (
+        PRELUDE
+        + """
+off = (kdf.is_active(), chains())
+kdf.activate()
+print(json.dumps({"off": off, "on": chains(), "active": kdf.is_active()}))
+"""
+    )
+    out = last_json(run_py(code, path=[fakes], env={"KERAS_DTENSOR_FIX": "0"}))
+    assert out == {"off": [False, [0] * 5], "on": [1] * 5, "active": True}
+
+
+BROKEN = '''
+from keras_dtensor_fix.engine import Patch
+FAMILY = "data"
+MODULES = ({module!r},)
+def patches(module):
+    raise RuntimeError("boom in patches()")
+def after_apply():
+    raise RuntimeError("boom in after_apply()")
+'''
+
+BROKEN_AFTER = '''
+from keras_dtensor_fix.engine import Patch
+FAMILY = "compile"
+MODULES = ({module!r},)
+def keep(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs)
+def patches(module):
+    return [Patch(FAMILY, module.__name__, "no_such_attribute", keep),
+            Patch(FAMILY, "module.not.imported", "x", keep)]
+def after_apply():
+    raise RuntimeError("boom in after_apply()")
+'''
+
+
+def test_raising_family_does_not_break_import_keras(run_py, tmp_path) -> None:
+    module = "keras.src.backend.torch.distribution_lib"
+    (tmp_path / "broken_family.py").write_text(BROKEN.format(module=module))
+    (tmp_path / "broken_after.py").write_text(BROKEN_AFTER.format(module=module))
+    code = """
+import json
+from keras_dtensor_fix import engine
+import broken_family, broken_after
+engine.register_family(broken_family)
+engine.register_family(broken_after)
+import keras
+import keras.src.backend.torch.distribution_lib as dl
+x = keras.ops.add(keras.ops.ones((2,)), 1.0)
+rows = [r for r in engine.rows() if r["family"] in ("data", "compile")
+        and r["module"] != "keras_dtensor_fix.patches.data"]
+print(json.dumps({"sum": float(keras.ops.sum(x)), "rows": rows}))
+"""
+    proc = run_py(code, path=[tmp_path])
+    out = last_json(proc)
+    assert out["sum"] == 4.0
+    by_family = {}
+    for row in out["rows"]:
+        by_family.setdefault(row["family"], []).append(row)
+    broken = [r for r in by_family["data"] if r["module"] == module]
+    assert any(
+        r["state"] == "skipped" and "boom in patches()" in r["reason"] for r in broken
+    ), broken
+    states = {(r["attribute"], r["state"]) for r in by_family["compile"]}
+    assert ("no_such_attribute", "skipped") in states
+    assert ("x", "skipped") in states
+    assert "boom in patches()" in proc.stderr
+    assert "boom in after_apply()" in proc.stderr
+
+
+def test_broken_gate_does_not_break_import_keras(run_py, fakes) -> None:
+    code = """
+import json
+from keras_dtensor_fix import engine, targets
+def gate():
+    raise RuntimeError("gate exploded")
+targets.gate = gate
+import keras
+print(json.dumps(float(keras.ops.sum(keras.ops.ones((3,))))))
+"""
+    proc = run_py(code, path=[fakes])
+    assert last_json(proc) == 3.0
+    assert "gate exploded" in proc.stderr
+
+
+def test_register_family_rejects_incomplete_modules(run_py) -> None:
+    code = """
+import json, types
+from keras_dtensor_fix import engine
+try:
+    engine.register_family(types.ModuleType("empty"))
+except TypeError as exc:
+    print(json.dumps(str(exc)))
+"""
+    out = last_json(run_py(code))
+    assert "missing FAMILY, MODULES, patches" in out
+
+
+def test_missing_real_families_are_reported(run_py) -> None:
+    code = """
+import json
+from keras_dtensor_fix import engine
+from keras_dtensor_fix.patches import FAMILY_MODULES
+print(json.dumps({"rows": engine.rows(), "modules": list(FAMILY_MODULES)}))
+"""
+    out = last_json(run_py(code))
+    assert out["modules"][:6] == [
+        "optimizers",
+        "numpy_ops",
+        "data",
+        "promotion",
+        "variables",
+        "compile",
+    ]
+
+    for name in out["modules"]:
+        source = f"keras_dtensor_fix.patches.{name}"
+        rows = [r for r in out["rows"] if r["module"] == source]
+        if family_present(name):
+            assert rows == []
+        else:
+            assert [(r["state"], r["reason"]) for r in rows] == [
+                ("skipped", "not implemented")
+            ]

@@ -1,0 +1,215 @@
+"""The engine on real Keras modules: the gate, keras.ops, identity on revert."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import last_json, skip_without_family
+
+# A gated fake family that counts calls through torch numpy add/subtract,
+# and one that wraps distribute_data_input (also bound in the trainer).
+COUNTING = '''
+from keras_dtensor_fix.engine import Patch
+from keras_dtensor_fix.targets import torch_module
+FAMILY = "fakeops"
+MODULES = torch_module("numpy")
+CALLS = []
+def count(wrapped, instance, args, kwargs):
+    CALLS.append(wrapped.__name__)
+    return wrapped(*args, **kwargs)
+def patches(module):
+    return [Patch(FAMILY, module.__name__, name, count) for name in ("add", "subtract")]
+'''
+
+DATA = '''
+from keras_dtensor_fix.engine import Patch
+FAMILY = "data"
+MODULES = ("keras.src.backend.torch.distribution_lib",)
+def keep(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs)
+def patches(module):
+    return [Patch(FAMILY, module.__name__, "distribute_data_input", keep,
+                  also_in=("keras.src.backend.torch.trainer",))]
+'''
+
+
+@pytest.fixture
+def keras_fakes(tmp_path):
+    (tmp_path / "counting_family.py").write_text(COUNTING)
+    (tmp_path / "fake_data_family.py").write_text(DATA)
+    return tmp_path
+
+
+def test_keras_ops_calls_the_patched_attribute(run_py, keras_fakes) -> None:
+    code = """
+import json
+from keras_dtensor_fix import engine
+import counting_family
+engine.register_family(counting_family)
+import keras
+a = keras.ops.ones((2,))
+keras.ops.add(a, a); keras.ops.subtract(a, a); (a + a)
+seen = list(counting_family.CALLS)
+engine.deactivate()
+keras.ops.add(a, a)
+print(json.dumps({"seen": seen, "after": counting_family.CALLS}))
+"""
+    proc = run_py(code, path=[keras_fakes], env={"KERAS_DTENSOR_FIX_DISABLE": "numpy"})
+    out = last_json(proc)
+    assert out["seen"][:2] == ["add", "subtract"]
+    assert out["after"] == out["seen"]
+
+
+def test_distribute_data_input_wrapped_in_module_and_trainer(run_py, keras_fakes) -> None:
+    code = """
+import json
+from keras_dtensor_fix import engine
+import fake_data_family
+engine.register_family(fake_data_family)
+import keras
+from keras.src.backend.torch import distribution_lib as dl, trainer
+module, name = "keras.src.backend.torch.distribution_lib", "distribute_data_input"
+original = engine.original(module, name)
+state = {"chain": engine.chain_length(dl.distribute_data_input),
+         "trainer_same": trainer.distribute_data_input is dl.distribute_data_input,
+         "row": [r["state"] for r in engine.rows()
+                 if r["module"] == module and r["attribute"] == name]}
+engine.deactivate()
+state["restored"] = (dl.distribute_data_input is original
+                     and trainer.distribute_data_input is original
+                     and engine.chain_length(original) == 0)
+print(json.dumps(state))
+"""
+    out = last_json(run_py(code, path=[keras_fakes]))
+    assert out["chain"] == 1 and out["trainer_same"] and out["restored"]
+    assert "applied" in out["row"]
+
+
+REAL = """
+import importlib, json, sys
+import keras
+from keras_dtensor_fix import engine
+try:
+    importlib.import_module("keras.src.backend.torch.optimizers.torch_adam")
+    importlib.import_module("keras.src.backend.torch.optimizers.torch_adamw")
+except ImportError:
+    pass
+
+def resolve(module, attribute):
+    obj = sys.modules[module]
+    *path, name = attribute.split(".")
+    for part in path:
+        obj = getattr(obj, part)
+    return obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)
+
+applied = [r for r in engine.rows() if r["state"] == "applied"]
+originals = {(r["module"], r["attribute"]): engine.original(r["module"], r["attribute"])
+             for r in applied}
+also = {}
+for (module, attribute), original in originals.items():
+    for other, mod in list(sys.modules.items()):
+        if other.startswith("keras.") and "." not in attribute and \\
+                getattr(mod, attribute, None) is resolve(module, attribute):
+            also.setdefault((module, attribute), []).append(other)
+chains = {f"{m}:{a}": engine.chain_length(resolve(m, a)) for m, a in originals}
+engine.deactivate()
+restored = {f"{m}:{a}": resolve(m, a) is o for (m, a), o in originals.items()}
+also_restored = all(getattr(sys.modules[o], a) is originals[(m, a)]
+                    for (m, a), others in also.items() for o in others)
+rows = {f"{r['family']}|{r['module']}:{r['attribute']}": r["state"] for r in engine.rows()}
+print(json.dumps({"chains": chains, "restored": restored, "rows": rows,
+                  "also_restored": also_restored, "n_also": len(also)}))
+"""
+
+EXPECTED = {
+    "numpy_ops": [("ops.numpy", "add"), ("ops.numpy", "subtract")],
+    "data": [("distribution_lib", "distribute_data_input")],
+    "promotion": [("distribution_lib", "activate_dtensor_promotion")],
+    "optimizers": [("optimizers.torch_adam", "Adam._parallel_update_step")],
+}
+
+
+def test_real_families_patch_and_deactivate_restores_identity(run_py) -> None:
+    out = last_json(run_py(REAL))
+    assert all(length == 1 for length in out["chains"].values()), out["chains"]
+    assert all(out["restored"].values()), out["restored"]
+    assert out["also_restored"]
+    assert "applied" not in out["rows"].values()
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_real_family_targets_applied_after_import_keras(run_py, family) -> None:
+    skip_without_family(family)
+    out = last_json(run_py(REAL))
+    for module, attribute in EXPECTED[family]:
+        key = f"keras.src.backend.torch.{module}:{attribute}"
+        assert out["chains"].get(key) == 1, sorted(out["chains"])
+        assert out["restored"][key]
+
+
+NON_TORCH = """
+import json, sys
+from keras_dtensor_fix import engine
+import counting_family
+engine.register_family(counting_family)
+import keras
+import keras_dtensor_fix as kdf
+s = kdf.status()
+print(json.dumps({"backend": s["backend"], "gate": s["gate"],
+    "applied": [r for r in s["targets"] if r["state"] == "applied"],
+    "states": sorted({r["state"] for r in s["targets"]}),
+    "torch_backend_loaded": any(m.startswith("keras.src.backend.torch.")
+                                for m in sys.modules),
+    "value": float(keras.ops.sum(keras.ops.ones((2,))))}))
+"""
+
+
+def test_numpy_backend_patches_nothing(run_py, keras_fakes) -> None:
+    proc = run_py(NON_TORCH, path=[keras_fakes], env={"KERAS_BACKEND": "numpy"})
+    out = last_json(proc)
+    assert out["backend"] == "numpy" and out["value"] == 2.0
+    assert out["gate"]["ok"] is False and "'numpy'" in out["gate"]["reason"]
+    assert out["applied"] == [] and "pending" not in out["states"]
+
+
+def test_maybe_and_numpy_backend_import_keras(run_py) -> None:
+    proc = run_py(
+        "import keras; print(keras.ops.sum(keras.ops.ones((2,))))",
+        env={"KERAS_BACKEND": "numpy", "KERAS_DTENSOR_FIX": "maybe"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("2.0")
+
+
+# A Keras without torch distribution support, like stable keras 3.15.1.
+FAKE_KERAS = {
+    "keras/__init__.py": "from keras.src.backend import config\n__version__ = '3.15.1'\n",
+    "keras/src/__init__.py": "",
+    "keras/src/backend/__init__.py": "from keras.src.backend import config\n",
+    "keras/src/backend/config.py": "def backend():\n    return 'torch'\n",
+    "keras/src/backend/torch/__init__.py": "from keras.src.backend.torch import numpy\n",
+    "keras/src/backend/torch/numpy.py": "def add(a, b):\n    return a + b\n",
+}
+
+
+def test_keras_without_torch_distribution_is_not_patched(run_py, tmp_path) -> None:
+    for name, text in FAKE_KERAS.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (tmp_path / "counting_family.py").write_text(COUNTING)
+    code = """
+import json
+from keras_dtensor_fix import engine
+import counting_family
+engine.register_family(counting_family)
+import keras, keras.src.backend.torch.numpy as tnp
+s = engine.state()
+print(json.dumps({"gate": s["gate"], "chain": engine.chain_length(tnp.add),
+    "applied": [r for r in s["targets"] if r["state"] == "applied"],
+    "fake": [r for r in s["targets"] if r["family"] == "fakeops"]}))
+"""
+    out = last_json(run_py(code, path=[tmp_path]))
+    assert out["gate"]["ok"] is False
+    assert "no torch distribution support" in out["gate"]["reason"]
+    assert out["chain"] == 0 and out["applied"] == []
+    assert all(r["state"] == "skipped" for r in out["fake"]), out["fake"]
