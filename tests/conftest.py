@@ -58,8 +58,9 @@ def run_py() -> RunPy:
     """Run ``code`` in a fresh interpreter; returns the CompletedProcess.
 
     ``env`` overrides variables (``None`` removes one), ``path`` prepends
-    folders to ``PYTHONPATH``, ``args`` go before ``-c``, ``python`` picks the
-    interpreter. Asserts nothing itself.
+    folders to ``PYTHONPATH``, ``args`` go before ``-c`` (or ``-m module``),
+    ``argv`` after it, ``python`` picks the interpreter, ``src=False`` leaves
+    the checkout's ``src`` off ``PYTHONPATH``. Asserts nothing itself.
     """
 
     def run(
@@ -71,6 +72,7 @@ def run_py() -> RunPy:
         python: str | os.PathLike = sys.executable,
         src: bool = True,
         module: str | None = None,
+        argv: Sequence[str] = (),
         timeout: float = 300,
     ) -> subprocess.CompletedProcess:
         full = clean_env(env, src=src)
@@ -81,6 +83,7 @@ def run_py() -> RunPy:
             full["PYTHONPATH"] = os.pathsep.join(extra)
         command = [str(python), *args]
         command += ["-m", module] if module else ["-c", textwrap.dedent(code)]
+        command += list(argv)
         return subprocess.run(
             command,
             env=full,
