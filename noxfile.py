@@ -20,7 +20,9 @@ nox.options.default_venv_backend = "virtualenv"
 ENV = {"KERAS_BACKEND": "torch"}
 
 
-def install(session: nox.Session, keras: str = KERAS_NIGHTLY, extras: str = "test") -> None:
+def install(
+    session: nox.Session, keras: str = KERAS_NIGHTLY, extras: str = "test"
+) -> None:
     """Install CPU torch, the pinned keras-nightly, then this package (editable)."""
     session.install(TORCH)
     session.install(f"keras-nightly=={keras}")

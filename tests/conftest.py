@@ -102,7 +102,7 @@ def last_json(proc: subprocess.CompletedProcess) -> object:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-FAKE_TARGET = '''
+FAKE_TARGET = """
 def add(a, b):
     return a + b
 
@@ -126,13 +126,13 @@ class Base:
 
 class Child(Base):
     pass
-'''
+"""
 
 FAKE_USER = """
 from fake_target import add, sub
 """
 
-FAKE_FAMILY = '''
+FAKE_FAMILY = """
 from keras_dtensor_fix.engine import Patch
 
 FAMILY = {family!r}
@@ -165,7 +165,7 @@ def after_apply():
 
 def after_revert():
     CALLS.append("revert")
-'''
+"""
 
 FAKE_LATE = """
 def late():
@@ -196,13 +196,19 @@ def _build_wheel(out: Path) -> Path:
     try:
         import hatchling.build  # noqa: F401
 
-        code = (
-            "import sys, hatchling.build as b; "
-            "print(b.build_wheel(sys.argv[1]))"
-        )
+        code = "import sys, hatchling.build as b; print(b.build_wheel(sys.argv[1]))"
         command = [sys.executable, "-c", code, str(out)]
     except ImportError:
-        command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out), "."]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "-w",
+            str(out),
+            ".",
+        ]
     subprocess.run(command, cwd=str(ROOT), check=True, capture_output=True, text=True)
     (wheel,) = out.glob("keras_dtensor_fix-*.whl")
     return wheel
@@ -232,7 +238,11 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
     )
     python = root / "bin" / "python"
     site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        [
+            str(python),
+            "-c",
+            "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+        ],
         check=True,
         capture_output=True,
         text=True,

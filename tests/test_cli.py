@@ -45,7 +45,14 @@ def test_status_json_under_torch(run_py) -> None:
 def test_status_human_form(run_py) -> None:
     proc = status(run_py)
     assert proc.returncode == 0, proc.stderr
-    for word in ("keras-dtensor-fix", "Keras:", "torch:", "backend:", "STATE", "REASON"):
+    for word in (
+        "keras-dtensor-fix",
+        "Keras:",
+        "torch:",
+        "backend:",
+        "STATE",
+        "REASON",
+    ):
         assert word in proc.stdout
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from conftest import last_json
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import last_json
 from keras_dtensor_fix import config
 
 OFF = ["0", "false", "off", "no", "FALSE", "Off", " no ", "\tNO\n", " 0"]

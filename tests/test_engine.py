@@ -4,6 +4,7 @@ interpreter."""
 from __future__ import annotations
 
 import pytest
+
 from conftest import family_present, last_json
 
 # Imports the fakes, records the originals, registers the fake family.
@@ -197,7 +198,9 @@ print(json.dumps({"errors": errors, "lengths": sorted(lengths), "on": on,
 )
 def test_disable_env_applies_to_families(run_py, fakes, disable, patched) -> None:
     code = PRELUDE + 'print(json.dumps({"chains": chains(), "rows": rows()}))'
-    out = last_json(run_py(code, path=[fakes], env={"KERAS_DTENSOR_FIX_DISABLE": disable}))
+    out = last_json(
+        run_py(code, path=[fakes], env={"KERAS_DTENSOR_FIX_DISABLE": disable})
+    )
     assert out["chains"] == ([1] * 5 if patched else [0] * 5)
     if not patched:
         states = {state for state, _ in out["rows"].values()}
@@ -217,7 +220,7 @@ print(json.dumps({"off": off, "on": chains(), "active": kdf.is_active()}))
     assert out == {"off": [False, [0] * 5], "on": [1] * 5, "active": True}
 
 
-BROKEN = '''
+BROKEN = """
 from keras_dtensor_fix.engine import Patch
 FAMILY = "data"
 MODULES = ({module!r},)
@@ -225,9 +228,9 @@ def patches(module):
     raise RuntimeError("boom in patches()")
 def after_apply():
     raise RuntimeError("boom in after_apply()")
-'''
+"""
 
-BROKEN_AFTER = '''
+BROKEN_AFTER = """
 from keras_dtensor_fix.engine import Patch
 FAMILY = "compile"
 MODULES = ({module!r},)
@@ -238,7 +241,7 @@ def patches(module):
             Patch(FAMILY, "module.not.imported", "x", keep)]
 def after_apply():
     raise RuntimeError("boom in after_apply()")
-'''
+"""
 
 
 def test_raising_family_does_not_break_import_keras(run_py, tmp_path) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+
 from conftest import last_json, skip_without_family
 
 # A gated fake family that counts calls through torch numpy add/subtract,
 # and one that wraps distribute_data_input (also bound in the trainer).
-COUNTING = '''
+COUNTING = """
 from keras_dtensor_fix.engine import Patch
 from keras_dtensor_fix.targets import torch_module
 FAMILY = "fakeops"
@@ -18,9 +19,9 @@ def count(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 def patches(module):
     return [Patch(FAMILY, module.__name__, name, count) for name in ("add", "subtract")]
-'''
+"""
 
-DATA = '''
+DATA = """
 from keras_dtensor_fix.engine import Patch
 FAMILY = "data"
 MODULES = ("keras.src.backend.torch.distribution_lib",)
@@ -29,7 +30,7 @@ def keep(wrapped, instance, args, kwargs):
 def patches(module):
     return [Patch(FAMILY, module.__name__, "distribute_data_input", keep,
                   also_in=("keras.src.backend.torch.trainer",))]
-'''
+"""
 
 
 @pytest.fixture
@@ -59,7 +60,9 @@ print(json.dumps({"seen": seen, "after": counting_family.CALLS}))
     assert out["after"] == out["seen"]
 
 
-def test_distribute_data_input_wrapped_in_module_and_trainer(run_py, keras_fakes) -> None:
+def test_distribute_data_input_wrapped_in_module_and_trainer(
+    run_py, keras_fakes
+) -> None:
     code = """
 import json
 from keras_dtensor_fix import engine
@@ -115,7 +118,8 @@ engine.deactivate()
 restored = {f"{m}:{a}": resolve(m, a) is o for (m, a), o in originals.items()}
 also_restored = all(getattr(sys.modules[o], a) is originals[(m, a)]
                     for (m, a), others in also.items() for o in others)
-rows = {f"{r['family']}|{r['module']}:{r['attribute']}": r["state"] for r in engine.rows()}
+rows = {f"{r['family']}|{r['module']}:{r['attribute']}": r["state"]
+        for r in engine.rows()}
 print(json.dumps({"chains": chains, "restored": restored, "rows": rows,
                   "also_restored": also_restored, "n_also": len(also)}))
 """
@@ -182,11 +186,11 @@ def test_maybe_and_numpy_backend_import_keras(run_py) -> None:
 
 # A Keras without torch distribution support, like stable keras 3.15.1.
 FAKE_KERAS = {
-    "keras/__init__.py": "from keras.src.backend import config\n__version__ = '3.15.1'\n",
+    "keras/__init__.py": "from keras.src.backend import config\n",
     "keras/src/__init__.py": "",
     "keras/src/backend/__init__.py": "from keras.src.backend import config\n",
     "keras/src/backend/config.py": "def backend():\n    return 'torch'\n",
-    "keras/src/backend/torch/__init__.py": "from keras.src.backend.torch import numpy\n",
+    "keras/src/backend/torch/__init__.py": "from . import numpy\n",
     "keras/src/backend/torch/numpy.py": "def add(a, b):\n    return a + b\n",
 }
 

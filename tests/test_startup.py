@@ -7,6 +7,7 @@ import re
 import zipfile
 
 import pytest
+
 from conftest import family_present, last_json
 
 EXPECTED_AFTER_IMPORT_KERAS = {
@@ -22,7 +23,7 @@ EXPECTED_AFTER_IMPORT_KERAS = {
 
 # Registers a fake, gated family at start-up, from a second .pth that runs
 # after ours: the user's program below never imports keras_dtensor_fix.
-STARTUP_FAMILY = '''
+STARTUP_FAMILY = """
 from keras_dtensor_fix.engine import Patch
 FAMILY = "data"
 MODULES = ("keras.src.backend.torch.distribution_lib",)
@@ -31,15 +32,15 @@ def keep(wrapped, instance, args, kwargs):
 def patches(module):
     return [Patch(FAMILY, module.__name__, "distribute_data_input", keep,
                   also_in=("keras.src.backend.torch.trainer",))]
-'''
+"""
 
 USER_PROGRAM = """
 import json, sys
 import keras
 from keras.src.backend.torch import distribution_lib as dl, trainer
-kdf = sys.modules["keras_dtensor_fix"]
-engine = sys.modules["keras_dtensor_fix.engine"]
+kdf = sys.modules["keras_dtensor_fix"]  # loaded by the .pth, not by us
 status = kdf.status()
+from keras_dtensor_fix import engine
 print(json.dumps({
     "file": kdf.__file__,
     "active": status["enabled"],
@@ -120,7 +121,9 @@ def test_real_family_patched_by_pth_alone(wheel_venv, run_py, family) -> None:
 
 def test_env_off_with_pth_patches_nothing(wheel_venv, run_py) -> None:
     out = last_json(
-        run_py(USER_PROGRAM, python=wheel_venv, src=False, env={"KERAS_DTENSOR_FIX": "0"})
+        run_py(
+            USER_PROGRAM, python=wheel_venv, src=False, env={"KERAS_DTENSOR_FIX": "0"}
+        )
     )
     assert not out["active"]
     assert out["ddi_chain"] == 0 and out["applied"] == []
@@ -140,7 +143,9 @@ def test_start_is_cheap(wheel_venv, run_py) -> None:
     imported = _imported(proc.stderr)
     assert "keras_dtensor_fix" in imported  # the .pth ran
     assert "keras_dtensor_fix.engine" in imported  # and registered the hooks
-    heavy = {name for name in imported if name.split(".")[0] in {"torch", "keras", "numpy"}}
+    heavy = {
+        name for name in imported if name.split(".")[0] in {"torch", "keras", "numpy"}
+    }
     assert heavy == set()
 
 
@@ -160,7 +165,10 @@ def test_status_json_from_wheel(wheel_venv, run_py) -> None:
     proc = run_py(python=wheel_venv, src=False, module="keras_dtensor_fix")
     assert proc.returncode == 2  # no subcommand: usage error
     proc = run_py(
-        python=wheel_venv, src=False, module="keras_dtensor_fix", argv=["status", "--json"]
+        python=wheel_venv,
+        src=False,
+        module="keras_dtensor_fix",
+        argv=["status", "--json"],
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)

@@ -39,7 +39,9 @@ def _table(rows: list[list[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = []
     for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row, widths)]
+        cells = [
+            cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)
+        ]
         lines.append("  ".join([*cells, row[-1]]).rstrip())
     return lines
 

@@ -74,6 +74,31 @@ class FixWrapper(wrapt.FunctionWrapper):
     """The type of every wrapper the engine installs."""
 
 
+class FixFunctionWrapper(FixWrapper):
+    """A module function's wrapper that torch.compile runs too.
+
+    Dynamo takes a wrapt proxy for the function it wraps and traces the
+    original's code, silently skipping the wrapper. It inlines the function an
+    object exposes as ``_torchdynamo_inline`` instead: here a plain function
+    that calls the wrapper. (Methods keep plain :class:`FixWrapper`: dynamo
+    would call that function without ``self``.)
+    """
+
+    @property
+    def _torchdynamo_inline(self) -> Callable[..., Any]:
+        try:
+            return self._self_inline
+        except AttributeError:
+            pass
+        wrapper, wrapped = self._self_wrapper, self.__wrapped__
+
+        def inline(*args: Any, **kwargs: Any) -> Any:
+            return wrapper(wrapped, None, args, kwargs)
+
+        self._self_inline = inline
+        return inline
+
+
 def is_fix_wrapper(obj: object) -> bool:
     """Whether ``obj`` is a wrapper installed by this engine."""
     return isinstance(obj, FixWrapper)
@@ -138,9 +163,7 @@ def _warn(message: str, *, exc_info: bool = False) -> None:
 
 def _check_family(module: types.ModuleType) -> str | None:
     missing = [
-        name
-        for name in ("FAMILY", "MODULES", "patches")
-        if not hasattr(module, name)
+        name for name in ("FAMILY", "MODULES", "patches") if not hasattr(module, name)
     ]
     if missing:
         return f"invalid family module: missing {', '.join(missing)}"
@@ -177,7 +200,9 @@ def _load_families() -> list[_Family]:
                 continue
             except Exception as exc:  # noqa: BLE001 - never break the user's import
                 _warn(f"patch family {fullname} failed to import", exc_info=True)
-                loaded.append(_Family(fallback, fullname, error=f"import failed: {exc}"))
+                loaded.append(
+                    _Family(fallback, fullname, error=f"import failed: {exc}")
+                )
                 continue
             family = _make_family(module, fullname)
             if family.error is None and family.name not in _config.FAMILIES:
@@ -319,7 +344,10 @@ def _apply_family(family: _Family, module: types.ModuleType) -> None:
         try:
             _apply_one(family, patch)
         except Exception as exc:  # noqa: BLE001
-            _warn(f"family {family.name}: patching {patch.attribute} failed", exc_info=True)
+            _warn(
+                f"family {family.name}: patching {patch.attribute} failed",
+                exc_info=True,
+            )
             _set_row(
                 family.name,
                 patch.module,
@@ -371,7 +399,8 @@ def _apply_one(family: _Family, patch: Patch) -> None:
         else:
             _set_row(*row, SKIPPED, "already wrapped by another keras_dtensor_fix")
         return
-    wrapper = FixWrapper(raw, patch.wrapper)
+    kind = FixWrapper if isinstance(owner, type) else FixFunctionWrapper
+    wrapper = kind(raw, patch.wrapper)
     setattr(owner, name, wrapper)
     record = _Applied(family.name, patch, owner, name, raw, wrapper)
     _applied[key] = record
@@ -407,7 +436,9 @@ def _revert_one(record: _Applied) -> None:
         setattr(record.owner, record.name, record.original)
         _set_row(*row, REVERTED, "original restored")
     else:
-        _warn(f"{patch.module}.{patch.attribute} was replaced after patching; left alone")
+        _warn(
+            f"{patch.module}.{patch.attribute} was replaced after patching; left alone"
+        )
         _set_row(*row, SKIPPED, "replaced by someone else after patching; not reverted")
     for module_name in set(patch.also_in) | record.also:
         owner = _also_owner(record, module_name)

@@ -10,6 +10,7 @@ match the size of tensor b (4)``) or wrong values.
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -62,11 +63,49 @@ def make_conv_wrapper(name: str, positions: tuple[int, ...]):
     return wrapper
 
 
+def make_attention_wrapper(signature: inspect.Signature):
+    """``dot_product_attention`` on head-sharded DTensors, eager and compiled.
+
+    Keras's torch implementation moves DTensor operands to their local shards
+    with ``hasattr(key, "to_local")``, which dynamo answers False for, so the
+    compiled step mixes a local query with DTensor keys. Here query, key and
+    value take the query's placements and go in as local shards; the result
+    comes back as a DTensor with those placements.
+    """
+    from keras_dtensor_fix.dtensor import DTensor
+    from keras_dtensor_fix.patches._values import variable_class
+
+    def value_of(value: Any) -> Any:
+        return value.value if isinstance(value, variable_class()) else value
+
+    def wrapper(wrapped, instance, args, kwargs):
+        bound = signature.bind(*args, **kwargs)
+        query = value_of(bound.arguments["query"])
+        if not isinstance(query, DTensor) or any(
+            bound.arguments.get(k) is not None for k in ("bias", "mask")
+        ):
+            return wrapped(*args, **kwargs)
+        mesh, placements = query.device_mesh, tuple(query.placements)
+        for name in ("query", "key", "value"):
+            tensor = value_of(bound.arguments[name])
+            if not isinstance(tensor, DTensor):
+                tensor = DTensor.from_local(tensor, mesh, placements, run_check=False)
+            elif tuple(tensor.placements) != placements:
+                tensor = tensor.redistribute(mesh, placements)
+            bound.arguments[name] = tensor.to_local()
+        output = wrapped(*bound.args, **bound.kwargs)
+        return DTensor.from_local(output, mesh, placements, run_check=False)
+
+    return wrapper
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
     result = []
     for name in target_names(module):
         if name in CONVOLUTIONS:
             wrapper = make_conv_wrapper(name, CONVOLUTIONS[name])
+        elif name == "dot_product_attention":
+            wrapper = make_attention_wrapper(inspect.signature(getattr(module, name)))
         else:
             wrapper = make_wrapper(name, elementwise=False)
         result.append(Patch(FAMILY, module.__name__, name, wrapper))
