@@ -15,7 +15,11 @@ from typing import Any
 from keras_dtensor_fix.engine import Patch
 
 FAMILY = "variables"
-MODULES = ("keras.src.backend.torch.ops.core", "keras.src.backend.torch.core")
+MODULES = (
+    "keras.src.backend.torch.ops.core",
+    "keras.src.backend.torch.core",
+    "keras.src.backend.torch.distribution_lib",
+)
 
 
 def _make_wrapper(convert_to_tensor: Callable[..., Any]):
@@ -57,7 +61,48 @@ def _replicated_parameter(variable, dist, convert_to_tensor, initializer):
     return torch.nn.Parameter(dtensor, requires_grad=variable.trainable)
 
 
+def placements_of(layout: Any) -> tuple | None:
+    """A Keras ``TensorLayout``'s DTensor placements, built from its axis names.
+
+    Under torch.compile, placements read from a cached backend layout come
+    through as ``None`` (dynamo did not see them created), so variable
+    assignment redistributed to ``(None, None)``. Building them here traces.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = getattr(layout, "device_mesh", None)
+    axes = getattr(layout, "axes", None)
+    if mesh is None or axes is None or not hasattr(mesh, "axis_names"):
+        return None
+    placements = []
+    for name in mesh.axis_names:
+        dims = [
+            i for i, axis in enumerate(axes)
+            if axis == name or (isinstance(axis, (list, tuple)) and name in axis)
+        ]
+        placements.append(Shard(dims[0]) if dims else Replicate())
+    return tuple(placements)
+
+
+def _distribute_tensor(wrapped, instance, args, kwargs):
+    from torch.distributed.tensor import DTensor
+
+    from keras_dtensor_fix.keras_state import compiling
+
+    tensor, layout = (list(args) + [kwargs.get("tensor"), kwargs.get("layout")])[:2]
+    if not (isinstance(tensor, DTensor) and compiling()):
+        return wrapped(*args, **kwargs)
+    placements = placements_of(layout)
+    if placements is None:
+        return wrapped(*args, **kwargs)
+    if tuple(tensor.placements) == placements:
+        return tensor
+    return tensor.redistribute(tensor.device_mesh, placements)
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
+    if module.__name__.endswith("distribution_lib"):
+        return [Patch(FAMILY, module.__name__, "distribute_tensor", _distribute_tensor)]
     if "_initialize_distributed" not in vars(module.Variable):
         raise LookupError(
             "Variable._initialize_distributed not found: this Keras creates "
