@@ -23,10 +23,10 @@ RTOL = 1e-5
 def _worker(out: Path, jit_compile: bool) -> None:
     """Train the demo model; rank 0 (or the single process) writes ``out``."""
     os.environ.setdefault("KERAS_BACKEND", "torch")
+    import keras
     import numpy as np
     import torch
 
-    import keras
     import keras_dtensor_fix  # noqa: F401  (activates, also without the .pth)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -7,7 +7,6 @@ and turns an unfixable mix into :class:`DTensorMixError`, which says what to do.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -26,12 +25,16 @@ class DTensorMixError(RuntimeError):
     """An op met DTensors and plain tensors the plugin cannot reconcile."""
 
 
-@functools.lru_cache(maxsize=1)
-def variable_class() -> type:
-    """Keras's backend-independent ``Variable`` base class."""
-    from keras.src.backend.common.variables import Variable
+_VARIABLE: list[type] = []
 
-    return Variable
+
+def variable_class() -> type:
+    """Keras's backend-independent ``Variable`` base class (looked up once)."""
+    if not _VARIABLE:
+        from keras.src.backend.common.variables import Variable
+
+        _VARIABLE.append(Variable)
+    return _VARIABLE[0]
 
 
 def _resolve(value: Any) -> Any:

@@ -26,15 +26,82 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
 
     if model_parallel() is None or not _promotion_mode_off():
         return wrapped(*args, **kwargs)
-    return bool(instance.jit_compile) and not instance.run_eagerly
+    if not instance.jit_compile or instance.run_eagerly:
+        return False
+    seeded = seeded_random_layers(instance)
+    if seeded:
+        import warnings
+
+        warnings.warn(
+            "keras-dtensor-fix: jit_compile=True is not used for this "
+            f"ModelParallel model: its seeded random layers ({', '.join(seeded)}) "
+            "draw with a torch.Generator, a graph break, and with torch "
+            "2.13 DTensor gradients across a graph break are wrong. The model "
+            "runs eagerly. To compile it, give those layers seed=None.",
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+def seeded_random_layers(model) -> list[str]:
+    """Layers whose seeded generator makes a graph break (Dropout(seed=...))."""
+    from keras.src.random.seed_generator import SeedGenerator
+
+    found = []
+    for layer in model._flatten_layers(include_self=False):
+        for value in vars(layer).values():
+            if isinstance(value, SeedGenerator) and value._initial_seed is not None:
+                if getattr(layer, "rate", 1.0) not in (0, 0.0):
+                    found.append(layer.name)
+                break
+    return found
+
+
+STEP_FUNCTIONS = {
+    "make_train_function": "train_function",
+    "make_test_function": "test_function",
+    "make_predict_function": "predict_function",
+}
+
+
+def _static_shapes(wrapped, instance, args, kwargs):
+    """Compiled ModelParallel steps trace with static shapes.
+
+    Each graph break (a seeded dropout's generator, say) starts a new frame,
+    and dynamo's "automatic dynamic" then makes the batch size symbolic; DTensor
+    sharding propagation fails on symbolic shard sizes.
+    """
+    result = wrapped(*args, **kwargs)
+    from keras_dtensor_fix.keras_state import model_parallel
+
+    attribute = STEP_FUNCTIONS[wrapped.__name__]
+    function = getattr(instance, attribute, None)
+    if (
+        function is not None
+        and model_parallel() is not None
+        and instance.jit_compile
+        and not getattr(function, "_keras_dtensor_fix_static", False)
+    ):
+        import torch
+
+        static = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(function)
+        static._keras_dtensor_fix_static = True
+        setattr(instance, attribute, static)
+    return result
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    if "_use_torch_compile" not in vars(module.Trainer):
+    from keras_dtensor_fix.patches.data import trainer_class
+
+    cls = trainer_class(module)
+    if "_use_torch_compile" not in vars(getattr(module, cls)):
         raise LookupError(
-            "Trainer._use_torch_compile not found: this Keras does not refuse "
+            f"{cls}._use_torch_compile not found: this Keras does not refuse "
             "torch.compile under ModelParallel"
         )
-    return [
-        Patch(FAMILY, module.__name__, "Trainer._use_torch_compile", _use_torch_compile)
+    attribute = f"{cls}._use_torch_compile"
+    return [Patch(FAMILY, module.__name__, attribute, _use_torch_compile)] + [
+        Patch(FAMILY, module.__name__, f"{cls}.{name}", _static_shapes)
+        for name in STEP_FUNCTIONS
     ]

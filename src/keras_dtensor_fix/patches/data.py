@@ -78,7 +78,13 @@ def _distribute_leaf(value: Any, layout: Any) -> Any:
         value = torch.as_tensor(value)
     if value.device.type != mesh.device_type:
         value = value.to(mesh.device_type)
-    return DTensor.from_local(value, mesh, placements, run_check=False)
+    dtensor = DTensor.from_local(value, mesh, placements, run_check=False)
+    # A compiled step that recompiles (a guard on optimizer state, say) would
+    # otherwise turn the batch size symbolic, and DTensor sharding propagation
+    # fails on symbolic shard sizes. Batches keep their static shapes.
+    torch._dynamo.mark_static(dtensor)
+    torch._dynamo.mark_static(dtensor._local_tensor)
+    return dtensor
 
 
 def distribute_data_input(
@@ -146,6 +152,14 @@ def _convert_to_numpy(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def trainer_class(module: types.ModuleType) -> str:
+    """The torch trainer's class name: ``Trainer`` now, ``TorchTrainer`` before."""
+    for name in ("Trainer", "TorchTrainer"):
+        if isinstance(getattr(module, name, None), type):
+            return name
+    raise LookupError(f"no Trainer class in {module.__name__}")
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
     name = module.__name__
     if name == MODULES[0]:
@@ -166,10 +180,11 @@ def patches(module: types.ModuleType) -> list[Patch]:
     if name == TRAINER:
         if hasattr(module, "distribute_data_input"):
             return []  # this trainer distributes batches itself
+        cls = trainer_class(module)
         return [
-            Patch(FAMILY, name, "Trainer.train_step", _distribute_step_data),
-            Patch(FAMILY, name, "Trainer.test_step", _distribute_step_data),
-            Patch(FAMILY, name, "Trainer.predict_step", _predict_step),
+            Patch(FAMILY, name, f"{cls}.train_step", _distribute_step_data),
+            Patch(FAMILY, name, f"{cls}.test_step", _distribute_step_data),
+            Patch(FAMILY, name, f"{cls}.predict_step", _predict_step),
         ]
     return [
         Patch(

@@ -20,6 +20,22 @@ def _bind(inputs, rate, noise_shape=None, seed=None):
     return inputs, rate, noise_shape, seed
 
 
+def _draw_kept(wrapped, shape, dtype, device, rate, noise_shape, seed):
+    """The kept-entries mask the original draws for the whole (global) tensor.
+
+    Run eagerly (like Keras's own seeded generator): traced, the draw did not
+    match the single-process one.
+    """
+    import torch
+
+    @torch._dynamo.disable
+    def draw():
+        stand_in = torch.ones(shape, dtype=dtype, device=device)
+        return wrapped(stand_in, rate, noise_shape, seed) != 0
+
+    return draw()
+
+
 def _dropout(wrapped, instance, args, kwargs):
     from keras_dtensor_fix.dtensor import DTensor, replicate
 
@@ -28,10 +44,15 @@ def _dropout(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     import torch
 
-    # The original on a plain stand-in of the global shape draws the very mask
-    # it would have drawn for the whole tensor; zeros mark dropped entries.
-    stand_in = torch.ones(inputs.shape, dtype=inputs.dtype, device=inputs.device)
-    kept = wrapped(stand_in, rate, noise_shape, seed) != 0
+    kept = _draw_kept(
+        wrapped,
+        tuple(inputs.shape),
+        inputs.dtype,
+        inputs.device,
+        rate,
+        noise_shape,
+        seed,
+    )
     mask = replicate(kept, inputs.device_mesh)
     keep_prob = 1.0 - rate
     return torch.where(mask, inputs / keep_prob, torch.zeros_like(inputs))

@@ -61,27 +61,62 @@ def _replicated_parameter(variable, dist, convert_to_tensor, initializer):
     return torch.nn.Parameter(dtensor, requires_grad=variable.trainable)
 
 
-def placements_of(layout: Any) -> tuple | None:
-    """A Keras ``TensorLayout``'s DTensor placements, built from its axis names.
+SPEC = "_keras_dtensor_fix_spec"
 
-    Under torch.compile, placements read from a cached backend layout come
-    through as ``None`` (dynamo did not see them created), so variable
-    assignment redistributed to ``(None, None)``. Building them here traces.
-    """
+
+def _spec(placements: Any) -> tuple:
+    """Placements as plain data (dynamo reads it as constants)."""
+    return tuple(("S", p.dim) if p.is_shard() else ("R",) for p in placements)
+
+
+def _placements(spec: tuple) -> tuple:
     from torch.distributed.tensor import Replicate, Shard
 
-    mesh = getattr(layout, "device_mesh", None)
-    axes = getattr(layout, "axes", None)
-    if mesh is None or axes is None or not hasattr(mesh, "axis_names"):
-        return None
-    placements = []
-    for name in mesh.axis_names:
-        dims = [
-            i for i, axis in enumerate(axes)
-            if axis == name or (isinstance(axis, (list, tuple)) and name in axis)
-        ]
-        placements.append(Shard(dims[0]) if dims else Replicate())
-    return tuple(placements)
+    return tuple(Shard(item[1]) if item[0] == "S" else Replicate() for item in spec)
+
+
+def placements_of(layout: Any, tensor: Any) -> tuple:
+    """The placements ``layout`` gives, rebuilt so that dynamo can trace them.
+
+    Under torch.compile, placements read from a cached backend layout come
+    through as ``None`` (dynamo did not see them created), and variable
+    assignment redistributed to ``(None, None)``.
+    """
+    spec = getattr(layout, SPEC, None)
+    if (
+        spec is None
+        and hasattr(layout, "axes")
+        and hasattr(getattr(layout, "device_mesh", None), "axis_names")
+    ):
+        names = layout.device_mesh.axis_names
+        spec = tuple(
+            next(
+                (
+                    ("S", i)
+                    for i, axis in enumerate(layout.axes)
+                    if axis == name
+                    or (isinstance(axis, (list, tuple)) and name in axis)
+                ),
+                ("R",),
+            )
+            for name in names
+        )
+    if spec is None:  # a layout made before activation: keep the value's own
+        spec = tuple(
+            ("S", p.dim) if p.is_shard() else ("R",) for p in tensor.placements
+        )
+    return _placements(spec)
+
+
+def _to_backend_layout(wrapped, instance, args, kwargs):
+    layout = wrapped(*args, **kwargs)
+    placements = getattr(layout, "placements", None)
+    if placements is not None and not hasattr(layout, SPEC):
+        try:
+            setattr(layout, SPEC, _spec(placements))
+        except (AttributeError, TypeError):
+            pass
+    return layout
 
 
 def _distribute_tensor(wrapped, instance, args, kwargs):
@@ -90,11 +125,9 @@ def _distribute_tensor(wrapped, instance, args, kwargs):
     from keras_dtensor_fix.keras_state import compiling
 
     tensor, layout = (list(args) + [kwargs.get("tensor"), kwargs.get("layout")])[:2]
-    if not (isinstance(tensor, DTensor) and compiling()):
+    if layout is None or not (isinstance(tensor, DTensor) and compiling()):
         return wrapped(*args, **kwargs)
-    placements = placements_of(layout)
-    if placements is None:
-        return wrapped(*args, **kwargs)
+    placements = placements_of(layout, tensor)
     if tuple(tensor.placements) == placements:
         return tensor
     return tensor.redistribute(tensor.device_mesh, placements)
@@ -102,7 +135,10 @@ def _distribute_tensor(wrapped, instance, args, kwargs):
 
 def patches(module: types.ModuleType) -> list[Patch]:
     if module.__name__.endswith("distribution_lib"):
-        return [Patch(FAMILY, module.__name__, "distribute_tensor", _distribute_tensor)]
+        return [
+            Patch(FAMILY, module.__name__, "distribute_tensor", _distribute_tensor),
+            Patch(FAMILY, module.__name__, "_to_backend_layout", _to_backend_layout),
+        ]
     if "_initialize_distributed" not in vars(module.Variable):
         raise LookupError(
             "Variable._initialize_distributed not found: this Keras creates "

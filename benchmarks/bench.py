@@ -1,0 +1,353 @@
+"""ModelParallel step time: upstream Keras vs the plugin vs plain PyTorch TP.
+
+One invocation runs, on the same machine, for each model (an MLP 64-1024-8 and
+a small transformer block, Adam, batch 32):
+
+  (a) upstream   Keras ModelParallel as shipped (plugin off, promotion mode on)
+  (b) eager      the plugin, eager
+  (c) compiled   the plugin, jit_compile=True (torch.compile)
+  (d) torch-tp   plain PyTorch tensor parallel (Colwise/Rowwise, Adam foreach)
+  (e) single     Keras on one process, plugin on; (f) single-off: plugin off
+
+and prints median ms/step, the ratios to (a) and (d), collectives per step
+(counted with torch's profiler) and, for (c), dynamo graphs and graph breaks.
+
+    python benchmarks/bench.py [--steps 30] [--models mlp,transformer]
+    nox -s bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIGS = ("upstream", "eager", "compiled", "torch-tp", "single", "single-off")
+BATCH = 32
+
+
+# ---------------------------------------------------------------- workers
+
+
+def _collectives(step, steps: int = 3) -> float:
+    """Collectives per step, counted as c10d / gloo / nccl events."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        for _ in range(steps):
+            step()
+    names = [e.name for e in p.events()]
+    count = sum(
+        1 for n in names if n.startswith("c10d::") and not n.startswith("c10d::barrier")
+    )
+    return count / steps
+
+
+def _time(step, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _keras_step(model_name: str, config: str):
+    import keras
+    import numpy as np
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        keras.distribution.initialize()
+        mesh = keras.distribution.DeviceMesh(
+            (1, world), ["batch", "model"], keras.distribution.list_devices()
+        )
+        layout_map = keras.distribution.LayoutMap(mesh)
+        for key, axes in LAYOUTS[model_name].items():
+            layout_map[key] = axes
+        dist = keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch"
+        )
+        dist.auto_shard_dataset = False
+        keras.distribution.set_distribution(dist)
+    keras.utils.set_random_seed(0)
+    model, x, y = KERAS_MODELS[model_name](np, keras)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss="mse",
+        jit_compile=config == "compiled",
+    )
+
+    def step():
+        model.train_on_batch(x, y)
+
+    return step
+
+
+def _keras_mlp(np, keras):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, 64)).astype("float32")
+    y = rng.normal(size=(BATCH, 8)).astype("float32")
+    model = keras.Sequential(
+        [
+            keras.layers.Input((64,)),
+            keras.layers.Dense(1024, activation="relu", name="fc1"),
+            keras.layers.Dense(8, name="fc2"),
+        ]
+    )
+    return model, x, y
+
+
+SEQ, DIM, HEADS, FFN = 16, 64, 4, 256
+
+
+def _keras_transformer(np, keras):
+    from keras import layers
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, SEQ, DIM)).astype("float32")
+    y = rng.normal(size=(BATCH, SEQ, DIM)).astype("float32")
+    inputs = layers.Input((SEQ, DIM))
+    attention = layers.MultiHeadAttention(HEADS, DIM // HEADS, name="mha")(
+        inputs, inputs
+    )
+    h = layers.LayerNormalization(name="ln_1")(inputs + attention)
+    f = layers.Dense(FFN, activation="relu", name="ffn_1")(h)
+    out = layers.LayerNormalization(name="ln_2")(h + layers.Dense(DIM, name="ffn_2")(f))
+    return keras.Model(inputs, out), x, y
+
+
+KERAS_MODELS = {"mlp": _keras_mlp, "transformer": _keras_transformer}
+LAYOUTS = {
+    "mlp": {".*fc1/kernel": (None, "model"), ".*fc2/kernel": ("model", None)},
+    "transformer": {
+        ".*mha/query/kernel": (None, "model", None),
+        ".*mha/key/kernel": (None, "model", None),
+        ".*mha/value/kernel": (None, "model", None),
+        ".*mha/attention_output/kernel": ("model", None, None),
+        ".*ffn_1/kernel": (None, "model"),
+        ".*ffn_2/kernel": ("model", None),
+    },
+}
+
+
+def _torch_tp_step(model_name: str):
+    """The same model in plain PyTorch tensor parallel (Megatron style)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+
+    if model_name == "mlp":
+        model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 8))
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        x, y = torch.randn(BATCH, 64), torch.randn(BATCH, 8)
+    else:
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.q, self.k, self.v = (nn.Linear(DIM, DIM) for _ in range(3))
+                self.o = nn.Linear(DIM, DIM)
+                self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+                self.f1, self.f2 = nn.Linear(DIM, FFN), nn.Linear(FFN, DIM)
+
+            def forward(self, x):
+                b, s, _ = x.shape
+                heads = HEADS // world
+
+                def split(t):
+                    return t.view(b, s, heads, -1).transpose(1, 2)
+
+                q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+                a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+                a = a.transpose(1, 2).reshape(b, s, -1)
+                h = self.ln1(x + self.o(a))
+                return self.ln2(h + self.f2(torch.relu(self.f1(h))))
+
+        model = Block()
+        plan = {
+            "q": ColwiseParallel(),
+            "k": ColwiseParallel(),
+            "v": ColwiseParallel(),
+            "o": RowwiseParallel(),
+            "f1": ColwiseParallel(),
+            "f2": RowwiseParallel(),
+        }
+        x, y = torch.randn(BATCH, SEQ, DIM), torch.randn(BATCH, SEQ, DIM)
+    model = parallelize_module(model, mesh, plan)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+
+    def step():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def worker(config: str, model_name: str, out: Path, warmup: int, steps: int) -> None:
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    import warnings
+
+    import torch
+
+    if config == "torch-tp":
+        step = _torch_tp_step(model_name)
+    else:
+        step = _keras_step(model_name, config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        times = _time(step, warmup, steps)
+    fallback = any("Running without `torch.compile`" in str(w.message) for w in caught)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    collectives = _collectives(step) if world > 1 else 0.0
+    counters = torch._dynamo.utils.counters
+    report = {
+        "ms": statistics.median(times),
+        "collectives": collectives,
+        "graphs": counters["stats"].get("unique_graphs", 0),
+        "breaks": sum(counters["graph_break"].values()),
+        "fallback": fallback,
+    }
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.write_text(json.dumps(report))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------- driver
+
+
+def run_config(config: str, model: str, args) -> dict:
+    env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
+    env["KERAS_DTENSOR_FIX"] = "0" if config in ("upstream", "single-off") else "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "out.json")
+        script = [
+            __file__,
+            "--worker",
+            config,
+            "--models",
+            model,
+            "--out",
+            str(out),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+        ]
+        if config.startswith("single"):
+            command = [sys.executable, *script]
+        else:
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                *script,
+            ]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stdout + proc.stderr)[-1500:]
+            return {"error": f"exit {proc.returncode}: {tail}"}
+        return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp,transformer")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.models, args.out, args.warmup, args.steps)
+        return 0
+
+    import platform
+
+    print(
+        f"machine: {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores; 2 ranks, gloo, CPU; batch {BATCH}"
+    )
+    results: dict[str, dict[str, dict]] = {}
+    for model in args.models.split(","):
+        results[model] = {}
+        for config in args.configs.split(","):
+            results[model][config] = run_config(config, model, args)
+            print(
+                f"  {model:12s} {config:10s} {_brief(results[model][config])}",
+                flush=True,
+            )
+    print()
+    for model, rows in results.items():
+        _table(model, rows)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def _brief(row: dict) -> str:
+    if "error" in row:
+        return "ERROR " + row["error"].strip().splitlines()[-1][:200]
+    return f"{row['ms']:.2f} ms/step"
+
+
+def _table(model: str, rows: dict) -> None:
+    base = rows.get("upstream", {}).get("ms")
+    ref = rows.get("torch-tp", {}).get("ms")
+    print(f"{model}: median ms/step, ratios, collectives/step")
+    print(
+        f"  {'config':10s} {'ms/step':>8s} {'/upstream':>9s} {'/torch-tp':>9s} "
+        f"{'coll/step':>9s}  notes"
+    )
+    for config, row in rows.items():
+        if "error" in row:
+            print(f"  {config:10s} ERROR")
+            continue
+        ms = row["ms"]
+        r_a = f"{ms / base:.2f}" if base else "-"
+        r_d = f"{ms / ref:.2f}" if ref else "-"
+        notes = []
+        if config == "compiled":
+            notes.append(f"graphs={row['graphs']} breaks={row['breaks']}")
+            if row["fallback"]:
+                notes.append("FELL BACK TO EAGER")
+        coll = f"{row['collectives']:.1f}" if not config.startswith("single") else "-"
+        print(
+            f"  {config:10s} {ms:8.2f} {r_a:>9s} {r_d:>9s} {coll:>9s}  "
+            f"{' '.join(notes)}"
+        )
+    on, off = rows.get("single", {}).get("ms"), rows.get("single-off", {}).get("ms")
+    if on and off:
+        print(f"  non-distributed overhead of the plugin: {100 * (on / off - 1):+.1f}%")
+    print()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
