@@ -127,7 +127,11 @@ def _keras_transformer(np, keras):
 
 KERAS_MODELS = {"mlp": _keras_mlp, "transformer": _keras_transformer}
 LAYOUTS = {
-    "mlp": {".*fc1/kernel": (None, "model"), ".*fc2/kernel": ("model", None)},
+    "mlp": {
+        ".*fc1/kernel": (None, "model"),
+        ".*fc1/bias": ("model",),
+        ".*fc2/kernel": ("model", None),
+    },
     "transformer": {
         ".*mha/query/kernel": (None, "model", None),
         ".*mha/key/kernel": (None, "model", None),

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import last_json
 from keras_dtensor_fix import config
+from support import last_json
 
 OFF = ["0", "false", "off", "no", "FALSE", "Off", " no ", "\tNO\n", " 0"]
 ON = ["1", "true", "on", "yes", "TRUE", "On", " yes ", "", "   ", None]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import family_present, last_json
+from support import family_present, last_json
 
 # Imports the fakes, records the originals, registers the fake family.
 PRELUDE = """

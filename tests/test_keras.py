@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import last_json, skip_without_family
+from support import last_json, skip_without_family
 
 # A gated fake family that counts calls through torch numpy add/subtract,
 # and one that wraps distribute_data_input (also bound in the trainer).

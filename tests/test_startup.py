@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-from conftest import family_present, last_json
+from support import family_present, last_json
 
 EXPECTED_AFTER_IMPORT_KERAS = {
     "numpy_ops": [

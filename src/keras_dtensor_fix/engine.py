@@ -68,6 +68,25 @@ class Patch:
     attribute: str  # dotted path inside module: "add" or "Adam._parallel_update_step"
     wrapper: Callable[[Any, Any, tuple, dict], Any]  # wrapt wrapper
     also_in: tuple[str, ...] = ()  # modules that bound the same object by name
+    # Gated wrappers run only once sharding is on (see ``note_sharding``); until
+    # then wrapt calls the original at C speed.
+    gated: bool = False
+
+
+#: Non-empty once a sharded (DTensor) distribution is in use in this process.
+#: A list, so that wrapt's C code tests it (``enabled=``) without a Python call.
+SHARDING: list[bool] = []
+
+
+def note_sharding() -> None:
+    """Open the gated wrappers: DTensors may now meet plain tensors."""
+    if not SHARDING:
+        SHARDING.append(True)
+
+
+def sharding() -> bool:
+    """Whether the gated wrappers are open."""
+    return bool(SHARDING)
 
 
 class FixWrapper(wrapt.FunctionWrapper):
@@ -400,7 +419,7 @@ def _apply_one(family: _Family, patch: Patch) -> None:
             _set_row(*row, SKIPPED, "already wrapped by another keras_dtensor_fix")
         return
     kind = FixWrapper if isinstance(owner, type) else FixFunctionWrapper
-    wrapper = kind(raw, patch.wrapper)
+    wrapper = kind(raw, patch.wrapper, enabled=SHARDING if patch.gated else None)
     setattr(owner, name, wrapper)
     record = _Applied(family.name, patch, owner, name, raw, wrapper)
     _applied[key] = record

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
@@ -10,8 +11,9 @@ def model_parallel() -> Any | None:
 
     ``DataParallel`` keeps plain tensors (DDP) and is left alone.
     """
-    from keras.src.distribution import distribution_lib
-
+    distribution_lib = sys.modules.get("keras.src.distribution.distribution_lib")
+    if distribution_lib is None or not hasattr(distribution_lib, "DataParallel"):
+        return None  # not (fully) imported yet: no distribution can be set
     dist = distribution_lib.distribution()
     if dist is None or isinstance(dist, distribution_lib.DataParallel):
         return None

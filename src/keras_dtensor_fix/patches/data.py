@@ -17,7 +17,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from keras_dtensor_fix.engine import Patch
+from keras_dtensor_fix.engine import Patch, note_sharding
 
 FAMILY = "data"
 MODULES = (
@@ -69,7 +69,8 @@ def _distribute_leaf(value: Any, layout: Any) -> Any:
     if value is None or layout is None:
         return value
     layout = _backend_layout(layout)
-    mesh, placements = layout.device_mesh, tuple(layout.placements)
+    mesh = layout.device_mesh
+    placements = trivial_axes_replicated(mesh, layout.placements)
     if isinstance(value, DTensor):
         if value.device_mesh == mesh and tuple(value.placements) == placements:
             return value
@@ -78,6 +79,7 @@ def _distribute_leaf(value: Any, layout: Any) -> Any:
         value = torch.as_tensor(value)
     if value.device.type != mesh.device_type:
         value = value.to(mesh.device_type)
+    note_sharding()
     dtensor = DTensor.from_local(value, mesh, placements, run_check=False)
     # A compiled step that recompiles (a guard on optimizer state, say) would
     # otherwise turn the batch size symbolic, and DTensor sharding propagation
@@ -85,6 +87,21 @@ def _distribute_leaf(value: Any, layout: Any) -> Any:
     torch._dynamo.mark_static(dtensor)
     torch._dynamo.mark_static(dtensor._local_tensor)
     return dtensor
+
+
+def trivial_axes_replicated(mesh: Any, placements: Any) -> tuple:
+    """``placements`` with Replicate on mesh axes of size 1.
+
+    Sharding over a single process changes nothing but makes every reduction
+    over the batch (loss, gradients) a Partial on that axis: a collective per
+    value, each step, on a one-process group.
+    """
+    from torch.distributed.tensor import Replicate
+
+    return tuple(
+        Replicate() if size == 1 else placement
+        for size, placement in zip(mesh.shape, placements, strict=True)
+    )
 
 
 def distribute_data_input(
@@ -135,6 +152,56 @@ def _predict_step(wrapped, instance, args, kwargs):
     )
 
 
+def _metrics_result(wrapped, instance, args, kwargs):
+    """Skip the metric all-reduce when one process holds the whole batch.
+
+    Upstream all-reduces every metric variable over the batch axis each step;
+    on a mesh whose batch axis has size 1 that is a collective per variable
+    that changes nothing.
+    """
+    from keras_dtensor_fix.keras_state import model_parallel
+
+    dist = model_parallel()
+    if dist is None or compiling_now():
+        return wrapped(*args, **kwargs)
+    mesh = dist.device_mesh.backend_mesh
+    names = mesh.mesh_dim_names or ()
+    if (
+        dist.batch_dim_name not in names
+        or mesh.size(names.index(dist.batch_dim_name)) != 1
+    ):
+        return wrapped(*args, **kwargs)
+    import torch
+    from keras.src import backend
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        values = []
+        for variable in instance.metrics_variables:
+            value = variable.value
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            values.append(value.clone())
+    with backend.StatelessScope(
+        state_mapping=list(zip(instance.metrics_variables, values, strict=True))
+    ):
+        owner = next(
+            c
+            for c in type(instance).__mro__
+            if c.__module__ == TRAINER and "get_metrics_result" in vars(c)
+        )
+        results = super(owner, instance).get_metrics_result()
+    return {
+        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in results.items()
+    }
+
+
+def compiling_now() -> bool:
+    from keras_dtensor_fix.keras_state import compiling
+
+    return compiling()
+
+
 def _convert_to_numpy(wrapped, instance, args, kwargs):
     from torch.distributed.tensor import DTensor
 
@@ -178,16 +245,26 @@ def patches(module: types.ModuleType) -> list[Patch]:
             )
         ]
     if name == TRAINER:
-        if hasattr(module, "distribute_data_input"):
-            return []  # this trainer distributes batches itself
         cls = trainer_class(module)
-        return [
-            Patch(FAMILY, name, f"{cls}.train_step", _distribute_step_data),
-            Patch(FAMILY, name, f"{cls}.test_step", _distribute_step_data),
-            Patch(FAMILY, name, f"{cls}.predict_step", _predict_step),
+        metrics = [
+            Patch(
+                FAMILY, name, f"{cls}.get_metrics_result", _metrics_result, gated=True
+            )
+        ]
+        if hasattr(module, "distribute_data_input"):
+            return metrics  # this trainer distributes batches itself
+        return metrics + [
+            Patch(FAMILY, name, f"{cls}.train_step", _distribute_step_data, gated=True),
+            Patch(FAMILY, name, f"{cls}.test_step", _distribute_step_data, gated=True),
+            Patch(FAMILY, name, f"{cls}.predict_step", _predict_step, gated=True),
         ]
     return [
         Patch(
-            FAMILY, name, "convert_to_numpy", _convert_to_numpy, also_in=STAR_IMPORTERS
+            FAMILY,
+            name,
+            "convert_to_numpy",
+            _convert_to_numpy,
+            also_in=STAR_IMPORTERS,
+            gated=True,
         )
     ]

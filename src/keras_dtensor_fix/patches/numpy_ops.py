@@ -105,11 +105,23 @@ def make_wrapper(name: str, elementwise: bool):
             return any(distributed(v) for v in value)
         return False
 
+    import torch
+
+    # Types that can never hold a DTensor: one set lookup per argument.
+    plain = {torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)}
+
     def wrapper(wrapped, instance, args, kwargs):
-        if any(distributed(v) for v in args) or (
-            kwargs and any(distributed(v) for v in kwargs.values())
-        ):
-            return promote_call(wrapped, args, kwargs, op=name, elementwise=elementwise)
+        for value in args:
+            if type(value) not in plain and distributed(value):
+                return promote_call(
+                    wrapped, args, kwargs, op=name, elementwise=elementwise
+                )
+        if kwargs:
+            for value in kwargs.values():
+                if type(value) not in plain and distributed(value):
+                    return promote_call(
+                        wrapped, args, kwargs, op=name, elementwise=elementwise
+                    )
         return wrapped(*args, **kwargs)
 
     return wrapper
@@ -120,5 +132,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
     for name in target_names(module):
         fn = getattr(module, name)
         wrapper = make_wrapper(name, _is_elementwise(name, fn))
-        result.append(Patch(FAMILY, module.__name__, name, wrapper, also_in=ALSO_IN))
+        result.append(
+            Patch(FAMILY, module.__name__, name, wrapper, also_in=ALSO_IN, gated=True)
+        )
     return result

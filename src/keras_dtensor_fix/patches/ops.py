@@ -108,5 +108,5 @@ def patches(module: types.ModuleType) -> list[Patch]:
             wrapper = make_attention_wrapper(inspect.signature(getattr(module, name)))
         else:
             wrapper = make_wrapper(name, elementwise=False)
-        result.append(Patch(FAMILY, module.__name__, name, wrapper))
+        result.append(Patch(FAMILY, module.__name__, name, wrapper, gated=True))
     return result

@@ -122,7 +122,11 @@ def _increment_accumulators(wrapped, instance, args, kwargs):
 def patches(module: types.ModuleType) -> list[Patch]:
     if module.__name__.endswith("torch_parallel_optimizer"):
         attribute = "TorchParallelOptimizer._backend_increment_gradient_accumulators"
-        return [Patch(FAMILY, module.__name__, attribute, _increment_accumulators)]
+        return [
+            Patch(
+                FAMILY, module.__name__, attribute, _increment_accumulators, gated=True
+            )
+        ]
     result = []
     for name, cls in vars(module).items():
         if (
@@ -136,6 +140,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
                     module.__name__,
                     f"{name}._parallel_update_step",
                     _parallel_update_step,
+                    gated=True,
                 )
             )
     if not result:

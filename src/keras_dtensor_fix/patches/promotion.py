@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import types
 
-from keras_dtensor_fix.engine import Patch
+from keras_dtensor_fix.engine import Patch, note_sharding
 
 FAMILY = "promotion"
 MODULES = ("keras.src.backend.torch.distribution_lib",)
@@ -19,7 +19,12 @@ MODE_CLASS = "KerasDTensorPromotionMode"
 
 
 def _skip_activation(wrapped, instance, args, kwargs):
-    """Replacement for ``activate_dtensor_promotion``: do not enter the mode."""
+    """Replacement for ``activate_dtensor_promotion``: do not enter the mode.
+
+    Keras calls it when a sharding distribution is set: the plugin's gated
+    wrappers open instead.
+    """
+    note_sharding()
     return None
 
 
@@ -48,6 +53,10 @@ def after_apply() -> None:
     """Exit a promotion mode entered before the plugin was activated."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+    from keras_dtensor_fix.keras_state import model_parallel
+
+    if model_parallel() is not None:
+        note_sharding()
     while promotion_modes():
         mode = _get_current_dispatch_mode()
         if type(mode).__name__ != MODE_CLASS:

@@ -61,4 +61,4 @@ def _dropout(wrapped, instance, args, kwargs):
 def patches(module: types.ModuleType) -> list[Patch]:
     if not hasattr(module, "dropout"):
         raise LookupError("random.dropout not found")
-    return [Patch(FAMILY, module.__name__, "dropout", _dropout)]
+    return [Patch(FAMILY, module.__name__, "dropout", _dropout, gated=True)]

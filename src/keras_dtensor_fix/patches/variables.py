@@ -12,7 +12,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from keras_dtensor_fix.engine import Patch
+from keras_dtensor_fix.engine import Patch, note_sharding
 
 FAMILY = "variables"
 MODULES = (
@@ -55,6 +55,7 @@ def _replicated_parameter(variable, dist, convert_to_tensor, initializer):
     mesh = dist.device_mesh.backend_mesh
     if value.device.type != mesh.device_type:
         value = value.to(mesh.device_type)
+    note_sharding()
     # distribute_tensor broadcasts rank 0's value, as upstream does for sharded
     # variables, so unseeded ranks still agree.
     dtensor = distribute_tensor(value, mesh, [Replicate()] * mesh.ndim)
@@ -119,12 +120,32 @@ def _to_backend_layout(wrapped, instance, args, kwargs):
     return layout
 
 
+def _layout_placements(layout: Any) -> tuple:
+    backend = getattr(layout, "backend_layout", layout)
+    return tuple(getattr(backend, "placements", ()) or ())
+
+
+def _mesh(layout: Any) -> Any:
+    return getattr(layout, "backend_layout", layout).device_mesh
+
+
 def _distribute_tensor(wrapped, instance, args, kwargs):
     from torch.distributed.tensor import DTensor
 
     from keras_dtensor_fix.keras_state import compiling
 
     tensor, layout = (list(args) + [kwargs.get("tensor"), kwargs.get("layout")])[:2]
+    if (
+        layout is not None
+        and getattr(tensor, "ndim", None) == 0
+        and not isinstance(tensor, DTensor)
+        and all(p.is_replicate() for p in _layout_placements(layout))
+    ):
+        # A scalar assigned to a replicated variable (``count.assign(0)``):
+        # every process passes the same value, so no broadcast is needed.
+        from keras_dtensor_fix.dtensor import replicate
+
+        return replicate(tensor, _mesh(layout))
     if layout is None or not (isinstance(tensor, DTensor) and compiling()):
         return wrapped(*args, **kwargs)
     placements = placements_of(layout, tensor)

@@ -1,0 +1,56 @@
+"""Helpers shared by the tests (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PATCHES = SRC / "keras_dtensor_fix" / "patches"
+
+RunPy = Callable[..., subprocess.CompletedProcess]
+
+
+def family_present(name: str) -> bool:
+    """Whether the real patch family module ``patches/<name>.py`` exists."""
+    return (PATCHES / f"{name}.py").is_file()
+
+
+def skip_without_family(name: str) -> None:
+    """Skip the calling test when the real family module is not written yet."""
+    if not family_present(name):
+        pytest.skip(f"patch family keras_dtensor_fix.patches.{name} not present")
+
+
+def clean_env(env: Mapping[str, str | None] | None = None, *, src: bool = True) -> dict:
+    """``os.environ`` without our variables, KERAS_BACKEND=torch, then ``env``.
+
+    ``None`` values remove a variable. With ``src`` the checkout's ``src`` is
+    first on ``PYTHONPATH``.
+    """
+    full = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KERAS_DTENSOR_FIX") and k != "PYTHONPATH"
+    }
+    full["KERAS_BACKEND"] = "torch"
+    if src:
+        full["PYTHONPATH"] = str(SRC)
+    for key, value in (env or {}).items():
+        if value is None:
+            full.pop(key, None)
+        else:
+            full[key] = value
+    return full
+
+
+def last_json(proc: subprocess.CompletedProcess) -> object:
+    """The JSON document on the last line of a process's stdout."""
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    return json.loads(proc.stdout.strip().splitlines()[-1])
