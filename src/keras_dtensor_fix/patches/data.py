@@ -153,35 +153,41 @@ def _predict_step(wrapped, instance, args, kwargs):
 
 
 def _metrics_result(wrapped, instance, args, kwargs):
-    """Skip the metric all-reduce when one process holds the whole batch.
+    """Metric results summed over the batch axis, from DTensor metric variables.
 
-    Upstream all-reduces every metric variable over the batch axis each step;
-    on a mesh whose batch axis has size 1 that is a collective per variable
-    that changes nothing.
+    Each process accumulates its own batches into its (replicated) metric
+    variables; the totals are their sum over the batch mesh axis. Upstream
+    all-reduces every variable each step, also over a one-process batch axis,
+    and early nightlies all-reduce the DTensor itself, which has no sharding
+    rule for ``c10d.allreduce_``.
     """
     from keras_dtensor_fix.keras_state import model_parallel
 
     dist = model_parallel()
     if dist is None or compiling_now():
         return wrapped(*args, **kwargs)
-    mesh = dist.device_mesh.backend_mesh
-    names = mesh.mesh_dim_names or ()
-    if (
-        dist.batch_dim_name not in names
-        or mesh.size(names.index(dist.batch_dim_name)) != 1
-    ):
-        return wrapped(*args, **kwargs)
     import torch
+    import torch.distributed
     from keras.src import backend
     from torch.distributed.tensor import DTensor
 
+    mesh = dist.device_mesh.backend_mesh
+    names = tuple(mesh.mesh_dim_names or ())
+    group = None
+    if dist.batch_dim_name in names:
+        axis = names.index(dist.batch_dim_name)
+        if mesh.size(axis) > 1:
+            group = mesh.get_group(axis)
     with torch.no_grad():
         values = []
         for variable in instance.metrics_variables:
             value = variable.value
-            if isinstance(value, DTensor):
-                value = value.full_tensor()
-            values.append(value.clone())
+            value = (value.to_local() if isinstance(value, DTensor) else value).clone()
+            if group is not None:
+                torch.distributed.all_reduce(
+                    value, op=torch.distributed.ReduceOp.SUM, group=group
+                )
+            values.append(value)
     with backend.StatelessScope(
         state_mapping=list(zip(instance.metrics_variables, values, strict=True))
     ):

@@ -33,6 +33,7 @@ OPTIMIZERS = (
 PACKAGE = "keras.src.backend.torch.optimizers"
 MODULES = tuple(f"{PACKAGE}.torch_{name}" for name in OPTIMIZERS) + (
     f"{PACKAGE}.torch_parallel_optimizer",
+    "keras",
 )
 
 
@@ -120,6 +121,14 @@ def _increment_accumulators(wrapped, instance, args, kwargs):
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
+    if module.__name__ == "keras":
+        # Keras imports its torch optimizers only when one is built; import
+        # them once Keras is complete, so that their patches land with it.
+        import importlib
+
+        for name in MODULES[:-1]:
+            importlib.import_module(name)
+        return []
     if module.__name__.endswith("torch_parallel_optimizer"):
         attribute = "TorchParallelOptimizer._backend_increment_gradient_accumulators"
         return [
