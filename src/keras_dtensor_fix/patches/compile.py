@@ -91,17 +91,43 @@ def _static_shapes(wrapped, instance, args, kwargs):
     return result
 
 
+def _refuse_on_early_nightly(wrapped, instance, args, kwargs):
+    """Early nightlies' compiled step fails under ModelParallel: run eagerly."""
+    from keras_dtensor_fix.keras_state import model_parallel
+
+    use = wrapped(*args, **kwargs)
+    if use and model_parallel() is not None:
+        import warnings
+
+        warnings.warn(
+            "keras-dtensor-fix: this keras-nightly's trainer cannot compile a "
+            "ModelParallel step (its loss.backward() meets DTensor tangents that "
+            "torch.compile guessed wrong); running without torch.compile. "
+            f"keras-nightly>={FIRST_COMPILING_NIGHTLY} compiles.",
+            stacklevel=2,
+        )
+        return False
+    return use
+
+
+FIRST_COMPILING_NIGHTLY = "3.16.0.dev2026102704"
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
     from keras_dtensor_fix.patches.data import trainer_class
 
     cls = trainer_class(module)
-    if "_use_torch_compile" not in vars(getattr(module, cls)):
-        raise LookupError(
-            f"{cls}._use_torch_compile not found: this Keras does not refuse "
-            "torch.compile under ModelParallel"
-        )
-    attribute = f"{cls}._use_torch_compile"
-    return [Patch(FAMILY, module.__name__, attribute, _use_torch_compile)] + [
+    trainer = vars(getattr(module, cls))
+    result = [
         Patch(FAMILY, module.__name__, f"{cls}.{name}", _static_shapes)
         for name in STEP_FUNCTIONS
     ]
+    if "_use_torch_compile" in trainer:
+        attribute = f"{cls}._use_torch_compile"
+        result.append(Patch(FAMILY, module.__name__, attribute, _use_torch_compile))
+    elif "_should_torch_compile" in trainer:
+        attribute = f"{cls}._should_torch_compile"
+        result.append(
+            Patch(FAMILY, module.__name__, attribute, _refuse_on_early_nightly)
+        )
+    return result

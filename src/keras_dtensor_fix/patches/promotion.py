@@ -57,6 +57,9 @@ def after_apply() -> None:
 
     if model_parallel() is not None:
         note_sharding()
+    module = sys.modules.get(MODULES[0])
+    if promotion_modes() and hasattr(module, "deactivate_dtensor_promotion"):
+        module.deactivate_dtensor_promotion()  # keeps Keras's own flags right
     while promotion_modes():
         mode = _get_current_dispatch_mode()
         if type(mode).__name__ != MODE_CLASS:

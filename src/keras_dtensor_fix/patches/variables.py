@@ -129,6 +129,25 @@ def _mesh(layout: Any) -> Any:
     return getattr(layout, "backend_layout", layout).device_mesh
 
 
+def _to_backend_mesh(wrapped, instance, args, kwargs):
+    """One torch DeviceMesh per Keras DeviceMesh.
+
+    Early nightlies build a new torch mesh in every ``get_metrics_result``
+    call, which dynamo cannot trace inside a compiled step (and which costs a
+    mesh per step eagerly). Keras caches the same object as ``_backend_mesh``.
+    """
+    device_mesh = args[0] if args else kwargs.get("device_mesh")
+    cached = getattr(device_mesh, "_backend_mesh", None)
+    if cached is not None:
+        return cached
+    mesh = wrapped(*args, **kwargs)
+    try:
+        device_mesh._backend_mesh = mesh
+    except AttributeError:
+        pass
+    return mesh
+
+
 def _distribute_tensor(wrapped, instance, args, kwargs):
     from torch.distributed.tensor import DTensor
 
@@ -159,6 +178,13 @@ def patches(module: types.ModuleType) -> list[Patch]:
         return [
             Patch(FAMILY, module.__name__, "distribute_tensor", _distribute_tensor),
             Patch(FAMILY, module.__name__, "_to_backend_layout", _to_backend_layout),
+            Patch(
+                FAMILY,
+                module.__name__,
+                "_to_backend_mesh",
+                _to_backend_mesh,
+                also_in=("keras.src.backend.torch.trainer",),
+            ),
         ]
     if "_initialize_distributed" not in vars(module.Variable):
         raise LookupError(
