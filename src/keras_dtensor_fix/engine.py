@@ -467,6 +467,27 @@ def _revert_one(record: _Applied) -> None:
 
 # -- public switches --------------------------------------------------------------
 
+#: The wrapt the engine is written for; older ones lack what it uses.
+WRAPT_MAJOR = 2
+_WRAPT_NEEDS = ("register_post_import_hook",)
+
+
+def wrapt_problem() -> str | None:
+    """Why the installed wrapt cannot run the engine (one line), or ``None``."""
+    version = str(getattr(wrapt, "__version__", "unknown"))
+    missing = [name for name in _WRAPT_NEEDS if not hasattr(wrapt, name)]
+    try:
+        too_old = int(version.split(".")[0]) < WRAPT_MAJOR
+    except ValueError:
+        too_old = False
+    if not too_old and not missing:
+        return None
+    lacking = f" without {', '.join(missing)}" if missing else ""
+    return (
+        f"keras-dtensor-fix needs wrapt>={WRAPT_MAJOR} (found {version}{lacking}); "
+        "not activated"
+    )
+
 
 def activate(cfg: _config.Config | None = None, *, why: str | None = None) -> None:
     """Register the post-import hooks and patch what is already imported.
@@ -476,6 +497,12 @@ def activate(cfg: _config.Config | None = None, *, why: str | None = None) -> No
     """
     global _active, _cfg, _why
     with _lock:
+        problem = wrapt_problem()
+        if problem is not None:
+            _why = problem
+            if problem not in _warnings:
+                _warn(problem)
+            return
         _cfg = cfg if cfg is not None else _config.load()
         _why = why or "activated by activate()"
         if _active:

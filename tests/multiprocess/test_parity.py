@@ -56,6 +56,25 @@ def test_parity(runs, group: str, name: str) -> None:
     assert_parity(name, ranks, single)
 
 
+def _compiles_model_parallel() -> bool:
+    """Whether this Keras can compile a ModelParallel step (>= 2026-10-27)."""
+    from keras.src.backend.torch import trainer
+
+    return "_use_torch_compile" in vars(trainer.Trainer)
+
+
+@pytest.mark.parametrize("name", ["compiled_mlp", "compiled_transformer"])
+def test_compiled_for_real(runs, name: str) -> None:
+    """jit_compile=True under ModelParallel runs torch.compile, not eager."""
+    ranks = runs.get("compiled", world=2)
+    result = ranks[0][name]
+    assert "error" not in result, result.get("traceback")
+    if _compiles_model_parallel():
+        assert result["dynamo_graphs"] > 0, "the compiled step fell back to eager"
+    else:
+        assert result["dynamo_graphs"] == 0
+
+
 def test_fails_without_plugin(runs) -> None:
     """With the plugin off and Keras's promotion mode exited, training fails.
 

@@ -91,23 +91,31 @@ def _static_shapes(wrapped, instance, args, kwargs):
     return result
 
 
-def _refuse_on_early_nightly(wrapped, instance, args, kwargs):
-    """Early nightlies' compiled step fails under ModelParallel: run eagerly."""
+def _eager_on_early_nightly(wrapped, instance, args, kwargs):
+    """Early nightlies cannot compile a ModelParallel step: build it eagerly.
+
+    Their trainers meet DTensor tangents that torch.compile guessed wrong
+    (``loss.backward()`` inside the graph) or nest ``with`` blocks dynamo 2.13
+    cannot inline; the step fails. Keras is told ``jit_compile=False`` while
+    it builds the step function.
+    """
     from keras_dtensor_fix.keras_state import model_parallel
 
-    use = wrapped(*args, **kwargs)
-    if use and model_parallel() is not None:
-        import warnings
+    if not (instance.jit_compile and model_parallel() is not None):
+        return wrapped(*args, **kwargs)
+    import warnings
 
-        warnings.warn(
-            "keras-dtensor-fix: this keras-nightly's trainer cannot compile a "
-            "ModelParallel step (its loss.backward() meets DTensor tangents that "
-            "torch.compile guessed wrong); running without torch.compile. "
-            f"keras-nightly>={FIRST_COMPILING_NIGHTLY} compiles.",
-            stacklevel=2,
-        )
-        return False
-    return use
+    warnings.warn(
+        "keras-dtensor-fix: this keras-nightly's trainer cannot compile a "
+        "ModelParallel step; running without torch.compile. "
+        f"keras-nightly>={FIRST_COMPILING_NIGHTLY} compiles it.",
+        stacklevel=2,
+    )
+    instance._jit_compile = False
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        instance._jit_compile = True
 
 
 FIRST_COMPILING_NIGHTLY = "3.16.0.dev2026102704"
@@ -117,17 +125,13 @@ def patches(module: types.ModuleType) -> list[Patch]:
     from keras_dtensor_fix.patches.data import trainer_class
 
     cls = trainer_class(module)
-    trainer = vars(getattr(module, cls))
-    result = [
+    if "_use_torch_compile" not in vars(getattr(module, cls)):
+        return [
+            Patch(FAMILY, module.__name__, f"{cls}.{name}", _eager_on_early_nightly)
+            for name in STEP_FUNCTIONS
+        ]
+    attribute = f"{cls}._use_torch_compile"
+    return [Patch(FAMILY, module.__name__, attribute, _use_torch_compile)] + [
         Patch(FAMILY, module.__name__, f"{cls}.{name}", _static_shapes)
         for name in STEP_FUNCTIONS
     ]
-    if "_use_torch_compile" in trainer:
-        attribute = f"{cls}._use_torch_compile"
-        result.append(Patch(FAMILY, module.__name__, attribute, _use_torch_compile))
-    elif "_should_torch_compile" in trainer:
-        attribute = f"{cls}._should_torch_compile"
-        result.append(
-            Patch(FAMILY, module.__name__, attribute, _refuse_on_early_nightly)
-        )
-    return result
