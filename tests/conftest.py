@@ -58,6 +58,53 @@ def run_py() -> RunPy:
     return run
 
 
+@pytest.fixture(scope="session")
+def mesh1(tmp_path_factory: pytest.TempPathFactory):
+    """A one-device torch ``DeviceMesh`` on a world-size-1 gloo group, in-process.
+
+    Imports Keras here (torch backend), activates the plugin and opens its gated
+    wrappers, as a sharding distribution would. All of it is undone at the end
+    of the session: the group is destroyed, the gate closed, the plugin
+    deactivated if it was off before.
+    """
+    import torch.distributed as dist
+
+    keras_module = sys.modules.get("keras")
+    if keras_module is not None and keras_module.backend.backend() != "torch":
+        pytest.skip("Keras is already imported here with a non-torch backend")
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    saved = os.environ.get("KERAS_BACKEND")
+    os.environ["KERAS_BACKEND"] = "torch"
+    try:
+        import keras  # noqa: F401
+    finally:
+        if saved is None:
+            del os.environ["KERAS_BACKEND"]
+        else:
+            os.environ["KERAS_BACKEND"] = saved
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import keras_dtensor_fix
+    from keras_dtensor_fix import engine
+
+    was_active, was_open = keras_dtensor_fix.is_active(), engine.sharding()
+    keras_dtensor_fix.activate()
+    store = tmp_path_factory.mktemp("gloo") / "store"
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=0, world_size=1
+    )
+    engine.note_sharding()
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        if not was_open:
+            engine.SHARDING.clear()
+        dist.destroy_process_group()
+        if not was_active:
+            keras_dtensor_fix.deactivate()
+
+
 FAKE_TARGET = """
 def add(a, b):
     return a + b

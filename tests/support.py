@@ -54,3 +54,34 @@ def last_json(proc: subprocess.CompletedProcess) -> object:
     """The JSON document on the last line of a process's stdout."""
     assert proc.returncode == 0, proc.stderr + proc.stdout
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_ranks(
+    script: os.PathLike | str,
+    *argv: str,
+    env: Mapping[str, str | None] | None = None,
+    nproc: int = 2,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``nproc`` CPU ranks with ``torch.distributed.run``.
+
+    The environment is :func:`clean_env` (torch backend, the checkout's
+    ``src``) with one OpenMP thread per rank.
+    """
+    import sys
+
+    full = clean_env({"OMP_NUM_THREADS": "1", **(env or {})})
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        full.pop(key, None)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *argv,
+    ]
+    return subprocess.run(
+        command, env=full, capture_output=True, text=True, timeout=timeout
+    )

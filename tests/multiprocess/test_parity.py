@@ -60,7 +60,8 @@ def _compiles_model_parallel() -> bool:
     """Whether this Keras can compile a ModelParallel step (>= 2026-10-27)."""
     from keras.src.backend.torch import trainer
 
-    return "_use_torch_compile" in vars(trainer.Trainer)
+    cls = getattr(trainer, "Trainer", None) or trainer.TorchTrainer
+    return "_use_torch_compile" in vars(cls)
 
 
 @pytest.mark.parametrize("name", ["compiled_mlp", "compiled_transformer"])
