@@ -7,6 +7,7 @@ Patches land when Keras's torch backend modules are imported.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from . import _bootstrap
@@ -82,7 +83,20 @@ def status() -> dict[str, Any]:
         "why": why,
         **report,
         "warnings": warnings,
+        "notes": _family_notes(),
     }
+
+
+def _family_notes() -> list[str]:
+    """What the loaded patch families say about this Keras build."""
+    notes: list[str] = []
+    for name in ("promotion", "data", "compile"):
+        module = sys.modules.get(f"{__name__}.patches.{name}")
+        try:
+            notes.extend(module.notes() if hasattr(module, "notes") else ())
+        except Exception as exc:  # noqa: BLE001 - a report must not fail
+            notes.append(f"{name}: notes unavailable ({exc})")
+    return notes
 
 
 _bootstrap.boot()

@@ -79,13 +79,13 @@ def format_report(report: dict[str, Any]) -> str:
 def _status(args: argparse.Namespace) -> int:
     notes = _load_keras(not args.keras_only)
     report = keras_dtensor_fix.status()
-    report["notes"] = notes
+    report["notes"] = notes + report.get("notes", [])
     report["keras_backend_env"] = os.environ.get("KERAS_BACKEND")
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
         print(format_report(report))
-        for note in notes:
+        for note in report["notes"]:
             print(f"note: {note}")
     return 0
 

@@ -135,3 +135,19 @@ def patches(module: types.ModuleType) -> list[Patch]:
         Patch(FAMILY, module.__name__, f"{cls}.{name}", _static_shapes)
         for name in STEP_FUNCTIONS
     ]
+
+
+def notes() -> list[str]:
+    """Whether this nightly can compile a ModelParallel step."""
+    from keras_dtensor_fix.patches.data import TRAINER, trainer_class
+
+    module = sys.modules.get(TRAINER)
+    if module is None:
+        return []
+    if "_use_torch_compile" in vars(getattr(module, trainer_class(module))):
+        return []
+    return [
+        "jit_compile=True under ModelParallel runs eagerly on this keras-nightly "
+        f"(its trainer cannot compile the step); >={FIRST_COMPILING_NIGHTLY} "
+        "compiles"
+    ]

@@ -274,3 +274,35 @@ def patches(module: types.ModuleType) -> list[Patch]:
             gated=True,
         )
     ]
+
+
+def notes() -> list[str]:
+    """Upstream wrong results on this nightly that the plugin corrects."""
+    import inspect
+
+    from keras_dtensor_fix import engine
+
+    found = []
+    module = sys.modules.get(TRAINER)
+    if module is not None and not hasattr(module, "distribute_data_input"):
+        found.append(
+            "this keras-nightly's trainer never distributes batches: on its own, "
+            "a mesh with the batch axis across processes trains on the wrong "
+            "data; the data family distributes them (fixed upstream in "
+            "3.16.0.dev2026101504)"
+        )
+    for core in MODULES[2:]:
+        original = engine.original(core, "convert_to_numpy")
+        if original is None:
+            continue
+        try:
+            source = inspect.getsource(original)
+        except (OSError, TypeError):
+            continue
+        if "to_local()" in source and "full_tensor()" not in source:
+            found.append(
+                "this keras-nightly's get_weights() and predict() return each "
+                "process's local shard on their own; the data family gathers "
+                "full values (fixed upstream in 3.16.0.dev2026102704)"
+            )
+    return found

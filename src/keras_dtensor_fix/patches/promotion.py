@@ -78,3 +78,12 @@ def after_revert() -> None:
     module = sys.modules.get(MODULES[0])
     if module is not None and model_parallel() is not None:
         module.activate_dtensor_promotion()
+
+
+def notes() -> list[str]:
+    """Whether Keras's promotion mode is on this thread's dispatch stack."""
+    if "torch" not in sys.modules:
+        return []
+    if promotion_modes():
+        return [f"{MODE_CLASS} is on the dispatch stack (entered under another mode)"]
+    return [f"{MODE_CLASS} is not on the dispatch stack"]
