@@ -198,13 +198,26 @@ def _torch_tp_step(model_name: str):
         }
         x, y = torch.randn(BATCH, SEQ, DIM), torch.randn(BATCH, SEQ, DIM)
     model = parallelize_module(model, mesh, plan)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+    # Unparallelized parameters (LayerNorms) stay plain tensors; foreach ops
+    # cannot mix them with DTensors, so each kind gets its own Adam.
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    groups = [
+        [p for p in params if isinstance(p, DTensor)],
+        [p for p in params if not isinstance(p, DTensor)],
+    ]
+    optimizers = [
+        torch.optim.Adam(group, lr=1e-3, foreach=True) for group in groups if group
+    ]
 
     def step():
-        optimizer.zero_grad()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.step()
 
     return step
 

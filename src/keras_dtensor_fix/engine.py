@@ -418,6 +418,8 @@ def _apply_one(family: _Family, patch: Patch) -> None:
         else:
             _set_row(*row, SKIPPED, "already wrapped by another keras_dtensor_fix")
         return
+    # Methods keep the plain wrapper: dynamo inlines the original method (the
+    # wrapper runs in eager code only); traced method wrappers broke graphs.
     kind = FixWrapper if isinstance(owner, type) else FixFunctionWrapper
     wrapper = kind(raw, patch.wrapper, enabled=SHARDING if patch.gated else None)
     setattr(owner, name, wrapper)

@@ -152,60 +152,58 @@ def _predict_step(wrapped, instance, args, kwargs):
     )
 
 
-def _metrics_result(wrapped, instance, args, kwargs):
-    """Metric results summed over the batch axis, from DTensor metric variables.
+def _make_metrics_result(owner_name: str):
+    """The ``get_metrics_result`` wrapper for the trainer class ``owner_name``."""
 
-    Each process accumulates its own batches into its (replicated) metric
-    variables; the totals are their sum over the batch mesh axis. Upstream
-    all-reduces every variable each step, also over a one-process batch axis,
-    and early nightlies all-reduce the DTensor itself, which has no sharding
-    rule for ``c10d.allreduce_``.
-    """
-    from keras_dtensor_fix.keras_state import model_parallel
+    def _metrics_result(wrapped, instance, args, kwargs):
+        """Metric results summed over the batch axis, from DTensor metric variables.
 
-    dist = model_parallel()
-    if dist is None or compiling_now():
-        return wrapped(*args, **kwargs)
-    import torch
-    import torch.distributed
-    from keras.src import backend
-    from torch.distributed.tensor import DTensor
+        Each process accumulates its own batches into its (replicated) metric
+        variables; the totals are their sum over the batch mesh axis. Upstream
+        all-reduces every variable each step, also over a one-process batch axis,
+        and early nightlies all-reduce the DTensor itself, which has no sharding
+        rule for ``c10d.allreduce_``.
+        """
+        from keras_dtensor_fix.keras_state import model_parallel
 
-    mesh = dist.device_mesh.backend_mesh
-    names = tuple(mesh.mesh_dim_names or ())
-    group = None
-    if dist.batch_dim_name in names:
-        axis = names.index(dist.batch_dim_name)
-        if mesh.size(axis) > 1:
-            group = mesh.get_group(axis)
-    with torch.no_grad():
-        values = []
-        for variable in instance.metrics_variables:
-            value = variable.value
-            value = (value.to_local() if isinstance(value, DTensor) else value).clone()
-            if group is not None:
-                torch.distributed.all_reduce(
-                    value, op=torch.distributed.ReduceOp.SUM, group=group
-                )
-            values.append(value)
-    with backend.StatelessScope(
-        state_mapping=list(zip(instance.metrics_variables, values, strict=True))
-    ):
-        owner = next(
-            c
-            for c in type(instance).__mro__
-            if c.__module__ == TRAINER and "get_metrics_result" in vars(c)
-        )
-        results = super(owner, instance).get_metrics_result()
-    return {
-        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in results.items()
-    }
+        dist = model_parallel()
+        if dist is None:
+            return wrapped(*args, **kwargs)
+        import torch
+        import torch.distributed
+        from keras.src import backend
+        from torch.distributed.tensor import DTensor
 
+        mesh = dist.device_mesh.backend_mesh
+        names = tuple(mesh.mesh_dim_names or ())
+        group = None
+        if dist.batch_dim_name in names:
+            axis = names.index(dist.batch_dim_name)
+            if mesh.size(axis) > 1:
+                group = mesh.get_group(axis)
+        with torch.no_grad():
+            values = []
+            for variable in instance.metrics_variables:
+                value = variable.value
+                value = (
+                    value.to_local() if isinstance(value, DTensor) else value
+                ).clone()
+                if group is not None:
+                    torch.distributed.all_reduce(
+                        value, op=torch.distributed.ReduceOp.SUM, group=group
+                    )
+                values.append(value)
+        with backend.StatelessScope(
+            state_mapping=list(zip(instance.metrics_variables, values, strict=True))
+        ):
+            owner = getattr(sys.modules[TRAINER], owner_name)
+            results = super(owner, instance).get_metrics_result()
+        return {
+            k: v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in results.items()
+        }
 
-def compiling_now() -> bool:
-    from keras_dtensor_fix.keras_state import compiling
-
-    return compiling()
+    return _metrics_result
 
 
 def _convert_to_numpy(wrapped, instance, args, kwargs):
@@ -254,7 +252,11 @@ def patches(module: types.ModuleType) -> list[Patch]:
         cls = trainer_class(module)
         metrics = [
             Patch(
-                FAMILY, name, f"{cls}.get_metrics_result", _metrics_result, gated=True
+                FAMILY,
+                name,
+                f"{cls}.get_metrics_result",
+                _make_metrics_result(cls),
+                gated=True,
             )
         ]
         if hasattr(module, "distribute_data_input"):
