@@ -91,9 +91,7 @@ def mesh1(tmp_path_factory: pytest.TempPathFactory):
     was_active, was_open = keras_dtensor_fix.is_active(), engine.sharding()
     keras_dtensor_fix.activate()
     store = tmp_path_factory.mktemp("gloo") / "store"
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=0, world_size=1
-    )
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     engine.note_sharding()
     try:
         yield init_device_mesh("cpu", (1,))

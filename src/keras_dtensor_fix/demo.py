@@ -37,6 +37,7 @@ def _worker(out: Path, jit_compile: bool) -> None:
         )
         layout_map = keras.distribution.LayoutMap(mesh)
         layout_map[".*hidden/kernel"] = (None, "model")  # column parallel
+        layout_map[".*hidden/bias"] = ("model",)
         layout_map[".*output/kernel"] = ("model", None)  # row parallel
         dist = keras.distribution.ModelParallel(
             layout_map=layout_map, batch_dim_name="batch"
