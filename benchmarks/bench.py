@@ -133,11 +133,11 @@ LAYOUTS = {
         ".*fc2/kernel": ("model", None),
     },
     "transformer": {
-        ".*mha/query/kernel": (None, "model", None),
-        ".*mha/key/kernel": (None, "model", None),
-        ".*mha/value/kernel": (None, "model", None),
+        ".*mha/(query|key|value)/kernel": (None, "model", None),
+        ".*mha/(query|key|value)/bias": ("model", None),
         ".*mha/attention_output/kernel": ("model", None, None),
         ".*ffn_1/kernel": (None, "model"),
+        ".*ffn_1/bias": ("model",),
         ".*ffn_2/kernel": ("model", None),
     },
 }
