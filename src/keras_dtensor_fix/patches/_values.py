@@ -84,9 +84,10 @@ def mix_error(
 
 
 HINT_RULE = (
-    "this op has no DTensor rule for these placements. Give the variables a "
-    "LayoutMap entry that shards them compatibly (or leave them replicated), "
-    "or run the op on full values (x.full_tensor())."
+    "the op fails on the full (gathered) values too ({fallback}), so the "
+    "operands do not fit each other: check their shapes and dtypes. If they "
+    "are right, give the variables a LayoutMap entry that shards them "
+    "compatibly (or leave them replicated)."
 )
 
 
@@ -130,7 +131,8 @@ def promote_call(
         )
         result = wrapped(*_full(resolved), **full_kw)
     except Exception as err:
-        raise mix_error(op, values, failure, HINT_RULE) from err
+        hint = HINT_RULE.format(fallback=f"{type(err).__name__}: {err}")
+        raise mix_error(op, values, failure, hint) from failure
     _warn_fallback(op)
     return _replicated(result, partner.device_mesh)
 
