@@ -155,10 +155,15 @@ def _torch_tp_step(model_name: str):
         parallelize_module,
     )
 
-    dist.init_process_group("gloo")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    device = "cuda" if cuda else "cpu"
+    mesh = init_device_mesh(device, (world,))
     torch.manual_seed(0)
+    torch.set_default_device(device)
 
     if model_name == "mlp":
         model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 8))
@@ -308,9 +313,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import platform
 
+    import torch
+
+    where = (
+        f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, nccl"
+        if torch.cuda.is_available()
+        else "CPU, gloo"
+    )
     print(
-        f"machine: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores; 2 ranks, gloo, CPU; batch {BATCH}"
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; 2 ranks, {where}; "
+        f"torch {torch.__version__}; batch {BATCH}"
     )
     results: dict[str, dict[str, dict]] = {}
     for model in args.models.split(","):
