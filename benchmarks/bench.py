@@ -64,20 +64,10 @@ def _keras_step(model_name: str, config: str):
     import keras
     import numpy as np
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        keras.distribution.initialize()
-        mesh = keras.distribution.DeviceMesh(
-            (1, world), ["batch", "model"], keras.distribution.list_devices()
-        )
-        layout_map = keras.distribution.LayoutMap(mesh)
-        for key, axes in LAYOUTS[model_name].items():
-            layout_map[key] = axes
-        dist = keras.distribution.ModelParallel(
-            layout_map=layout_map, batch_dim_name="batch"
-        )
-        dist.auto_shard_dataset = False
-        keras.distribution.set_distribution(dist)
+    from keras_dtensor_fix.demo import set_model_parallel
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        set_model_parallel(LAYOUTS[model_name])
     keras.utils.set_random_seed(0)
     model, x, y = KERAS_MODELS[model_name](np, keras)
     model.compile(

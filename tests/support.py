@@ -85,3 +85,16 @@ def run_ranks(
     return subprocess.run(
         command, env=full, capture_output=True, text=True, timeout=timeout
     )
+
+
+# A fake "data" family that wraps distribute_data_input with a pass-through.
+FAKE_DATA_FAMILY = """
+from keras_dtensor_fix.engine import Patch
+FAMILY = "data"
+MODULES = ("keras.src.backend.torch.distribution_lib",)
+def keep(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs)
+def patches(module):
+    return [Patch(FAMILY, module.__name__, "distribute_data_input", keep,
+                  also_in=("keras.src.backend.torch.trainer",))]
+"""

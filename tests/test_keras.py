@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from support import last_json, skip_without_family
+from support import FAKE_DATA_FAMILY, last_json, skip_without_family
 
 # A gated fake family that counts calls through torch numpy add/subtract,
 # and one that wraps distribute_data_input (also bound in the trainer).
@@ -21,16 +21,7 @@ def patches(module):
     return [Patch(FAMILY, module.__name__, name, count) for name in ("add", "subtract")]
 """
 
-DATA = """
-from keras_dtensor_fix.engine import Patch
-FAMILY = "data"
-MODULES = ("keras.src.backend.torch.distribution_lib",)
-def keep(wrapped, instance, args, kwargs):
-    return wrapped(*args, **kwargs)
-def patches(module):
-    return [Patch(FAMILY, module.__name__, "distribute_data_input", keep,
-                  also_in=("keras.src.backend.torch.trainer",))]
-"""
+DATA = FAKE_DATA_FAMILY
 
 
 @pytest.fixture

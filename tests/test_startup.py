@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-from support import family_present, last_json
+from support import FAKE_DATA_FAMILY, family_present, last_json
 
 EXPECTED_AFTER_IMPORT_KERAS = {
     "numpy_ops": [
@@ -23,16 +23,7 @@ EXPECTED_AFTER_IMPORT_KERAS = {
 
 # Registers a fake, gated family at start-up, from a second .pth that runs
 # after ours: the user's program below never imports keras_dtensor_fix.
-STARTUP_FAMILY = """
-from keras_dtensor_fix.engine import Patch
-FAMILY = "data"
-MODULES = ("keras.src.backend.torch.distribution_lib",)
-def keep(wrapped, instance, args, kwargs):
-    return wrapped(*args, **kwargs)
-def patches(module):
-    return [Patch(FAMILY, module.__name__, "distribute_data_input", keep,
-                  also_in=("keras.src.backend.torch.trainer",))]
-"""
+STARTUP_FAMILY = FAKE_DATA_FAMILY
 
 USER_PROGRAM = """
 import json, sys

@@ -20,6 +20,27 @@ EPOCHS = 5
 RTOL = 1e-5
 
 
+def set_model_parallel(layout: dict[str, tuple]) -> None:
+    """Initialize the process group and set a (1, world) ModelParallel.
+
+    ``layout`` maps LayoutMap regexes to axes over ``("batch", "model")``.
+    Every process feeds whole batches (``auto_shard_dataset = False``).
+    """
+    import keras
+
+    keras.distribution.initialize()
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for key, axes in layout.items():
+        layout_map[key] = axes
+    dist = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="batch"
+    )
+    dist.auto_shard_dataset = False
+    keras.distribution.set_distribution(dist)
+
+
 def _worker(out: Path, jit_compile: bool) -> None:
     """Train the demo model; rank 0 (or the single process) writes ``out``."""
     os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -31,19 +52,13 @@ def _worker(out: Path, jit_compile: bool) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        keras.distribution.initialize()
-        mesh = keras.distribution.DeviceMesh(
-            (1, world), ["batch", "model"], keras.distribution.list_devices()
+        set_model_parallel(
+            {
+                ".*hidden/kernel": (None, "model"),  # column parallel
+                ".*hidden/bias": ("model",),
+                ".*output/kernel": ("model", None),  # row parallel
+            }
         )
-        layout_map = keras.distribution.LayoutMap(mesh)
-        layout_map[".*hidden/kernel"] = (None, "model")  # column parallel
-        layout_map[".*hidden/bias"] = ("model",)
-        layout_map[".*output/kernel"] = ("model", None)  # row parallel
-        dist = keras.distribution.ModelParallel(
-            layout_map=layout_map, batch_dim_name="batch"
-        )
-        dist.auto_shard_dataset = False
-        keras.distribution.set_distribution(dist)
 
     keras.utils.set_random_seed(42)
     rng = np.random.default_rng(0)

@@ -56,7 +56,7 @@ REVERTED = "reverted"
 ANY = "*"
 
 #: Patch module name -> family name, where the two differ.
-_FAMILY_OF_MODULE = {"numpy_ops": "numpy"}
+_FAMILY_OF_MODULE = {"numpy_ops": "numpy"}  # the inverse of MODULE_OF_FAMILY
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,9 @@ Each family module exposes ``FAMILY``, ``MODULES`` and ``patches(module)``
 (no torch, keras or numpy): the engine imports them at interpreter start.
 """
 
-FAMILY_MODULES: tuple[str, ...] = (
-    "optimizers",
-    "numpy_ops",
-    "data",
-    "promotion",
-    "variables",
-    "compile",
-    "ops",
-    "random",
-)
+from keras_dtensor_fix.config import FAMILIES
+
+#: Family name -> its module in this package, where the two differ.
+MODULE_OF_FAMILY = {"numpy": "numpy_ops"}
+
+FAMILY_MODULES: tuple[str, ...] = tuple(MODULE_OF_FAMILY.get(f, f) for f in FAMILIES)
