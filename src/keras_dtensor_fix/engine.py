@@ -168,6 +168,7 @@ _registered: set[str] = set()  # module names with a hook not fired yet
 _applied: dict[tuple[str, str], _Applied] = {}
 _done: dict[tuple[int, str], _Family] = {}  # (id(family), module) after_apply ran
 _deferred: dict[tuple[int, str], _Family] = {}  # waiting for the gate to decide
+_retry: dict[str, None] = {}  # half-imported at activation: applied at a later hook
 _rows: dict[tuple[str, str, str], tuple[str, str]] = {}
 _warnings: list[str] = []
 
@@ -269,6 +270,12 @@ def _enabled(family: _Family) -> bool:
 def _ensure_hook(name: str) -> None:
     module = sys.modules.get(name)
     if module is not None:
+        if targets._initializing(module):
+            # Activated while this module is still being imported (from
+            # another post-import hook): its body may be half run, and wrapt
+            # would fire a hook at once. Retry at the next hook instead.
+            _retry[name] = None
+            return
         _on_import(module)
     elif name not in _registered:
         _registered.add(name)
@@ -290,13 +297,25 @@ def _on_import(module: types.ModuleType) -> None:
                 _registered.discard(name)
             if not _active:
                 return
-            for family in _load_families():
-                if _enabled(family) and name in family.modules:
-                    _apply_family(family, module)
+            _apply_module(module)
+            for pending in list(_retry):
+                other = sys.modules.get(pending)
+                if other is None or not targets._initializing(other):
+                    _retry.pop(pending, None)
+                    if other is not None:
+                        _apply_module(other)
+                    else:
+                        _ensure_hook(pending)
             if _deferred:
                 _flush_deferred()
     except Exception:  # noqa: BLE001 - never break the user's import
         _warn(f"keras_dtensor_fix: hook for {module!r} failed", exc_info=True)
+
+
+def _apply_module(module: types.ModuleType) -> None:
+    for family in _load_families():
+        if _enabled(family) and module.__name__ in family.modules:
+            _apply_family(family, module)
 
 
 def _flush_deferred() -> None:
@@ -534,6 +553,7 @@ def deactivate() -> None:
                 _warn(f"reverting {record.patch.attribute} failed", exc_info=True)
         _applied.clear()
         _deferred.clear()
+        _retry.clear()
         for key in [k for k in _rows if k[2] == ANY]:
             del _rows[key]
         done = list(_done.values())
