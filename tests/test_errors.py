@@ -175,7 +175,7 @@ def test_mix_inside_nested_keras_layers(mesh1, filtering) -> None:
     assert_explains(
         ours,
         "multiply",
-        "in Keras layer block > block/scale ",
+        "in Keras layer block/scale ",
         "Tensor(shape=(3, 5), dtype=torch.float32)",
         f"placements=({shard(1)})",
     )
@@ -248,7 +248,7 @@ def test_per_rank_shard_inside_keras_layers(two_ranks) -> None:
             assert_explains(
                 ours,
                 "add",
-                "in Keras layer block > block/add_offset ",
+                "in Keras layer block/add_offset ",
                 "Tensor(shape=(3, 4), dtype=torch.float32)",
                 "DTensor(shape=(3, 8), local=(3, 4)",
                 "per-rank shard",

@@ -374,6 +374,12 @@ def _apply_family(family: _Family, module: types.ModuleType) -> None:
     _rows.pop((family.name, name, ANY), None)
     try:
         patches = list(family.module.patches(module))
+    except LookupError as exc:
+        # The family's way of saying "this Keras has no such target": a
+        # one-line warning and a status row, no traceback.
+        _warn(f"keras_dtensor_fix: family {family.name} skips {name}: {exc}")
+        _set_row(family.name, name, ANY, SKIPPED, str(exc))
+        return
     except Exception as exc:  # noqa: BLE001
         _warn(f"family {family.name}: patches({name}) failed", exc_info=True)
         _set_row(family.name, name, ANY, SKIPPED, f"{type(exc).__name__}: {exc}")
@@ -530,9 +536,16 @@ def activate(cfg: _config.Config | None = None, *, why: str | None = None) -> No
             return
         _active = True
         try:
-            for family in _load_families():
-                _hook_family(family)
-            for name in ("keras", targets.DISTRIBUTION_LIB):
+            # Each module once: a module hook applies every family that
+            # targets it, so a failing family warns once.
+            names = dict.fromkeys(
+                name
+                for family in _load_families()
+                if _enabled(family)
+                for name in family.modules
+            )
+            names.update(dict.fromkeys(("keras", targets.DISTRIBUTION_LIB)))
+            for name in names:
                 _ensure_hook(name)
         except Exception:  # noqa: BLE001 - never break the caller
             _warn("keras_dtensor_fix: activation failed part way", exc_info=True)

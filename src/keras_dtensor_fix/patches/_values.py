@@ -54,20 +54,21 @@ def _resolve(value: Any) -> Any:
 
 
 def keras_path() -> str:
-    """The Keras layers being called on this stack, outermost first ("" if none)."""
+    """The path of the innermost Keras layer being called ("" if none).
+
+    ``Layer.path`` already names the enclosing layers (``block/scale``).
+    """
     try:
         from keras.src.layers.layer import Layer
     except ImportError:  # pragma: no cover - Keras moved it
         return ""
-    frame, names = sys._getframe(1), []
+    frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, Layer) and frame.f_code.co_name == "call":
-            name = getattr(owner, "path", None) or owner.name
-            if not names or names[-1] != name:
-                names.append(name)
+            return getattr(owner, "path", None) or owner.name
         frame = frame.f_back
-    return " > ".join(reversed(names))
+    return ""
 
 
 def mix_error(
