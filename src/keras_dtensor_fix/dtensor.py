@@ -11,13 +11,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = [
     "DTensor",
     "PromotionError",
     "describe",
     "find_dtensor",
+    "gather_non_batch_axes",
+    "has_plain_tensor",
     "local_shard_dim",
     "promote",
     "promote_args",
@@ -164,13 +166,6 @@ def to_placements(value: torch.Tensor, like: DTensor) -> DTensor:
     raise PromotionError(
         f"a plain {describe(value)} cannot take the layout of {describe(like)}: "
         "its shape is neither the global nor the local shape."
-    )
-
-
-def is_partial(value: Any) -> bool:
-    """Whether ``value`` is a DTensor with a pending (Partial) reduction."""
-    return isinstance(value, DTensor) and any(
-        isinstance(p, Partial) for p in value.placements
     )
 
 

@@ -23,6 +23,7 @@ import wrapt
 
 from . import config as _config
 from . import targets
+from .patches import MODULE_OF_FAMILY
 
 __all__ = [
     "ANY",
@@ -56,7 +57,7 @@ REVERTED = "reverted"
 ANY = "*"
 
 #: Patch module name -> family name, where the two differ.
-_FAMILY_OF_MODULE = {"numpy_ops": "numpy"}  # the inverse of MODULE_OF_FAMILY
+_FAMILY_OF_MODULE = {module: family for family, module in MODULE_OF_FAMILY.items()}
 
 
 @dataclass(frozen=True)
