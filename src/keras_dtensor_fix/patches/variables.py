@@ -103,9 +103,7 @@ def placements_of(layout: Any, tensor: Any) -> tuple:
             for name in names
         )
     if spec is None:  # a layout made before activation: keep the value's own
-        spec = tuple(
-            ("S", p.dim) if p.is_shard() else ("R",) for p in tensor.placements
-        )
+        spec = _spec(tensor.placements)
     return _placements(spec)
 
 
