@@ -169,6 +169,22 @@ def to_placements(value: torch.Tensor, like: DTensor) -> DTensor:
     )
 
 
+def reduce_partial(value: Any) -> Any:
+    """``value`` with its ``Partial`` mesh axes reduced to ``Replicate``.
+
+    What Megatron's row-parallel layer does with its output. Left Partial, the
+    first nonlinear op reduces it in the forward pass and its backward reduces
+    the saved Partial input a second time.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    placements = tuple(value.placements)
+    if not any(p.is_partial() for p in placements):
+        return value
+    settled = [Replicate() if p.is_partial() else p for p in placements]
+    return value.redistribute(value.device_mesh, settled)
+
+
 def gather_non_batch_axes(value: Any, batch_dim_name: str | None) -> Any:
     """This process's rows of ``value``: sharded on the batch mesh axis only.
 

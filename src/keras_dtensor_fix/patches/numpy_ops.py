@@ -54,6 +54,10 @@ NOT_ELEMENTWISE = frozenset(
 )
 
 
+# Contractions: over a sharded axis they return Partial sums, reduced at once.
+CONTRACTIONS = frozenset({"matmul", "dot", "inner", "tensordot", "vdot", "einsum"})
+
+
 def takes_several_tensors(fn: Any) -> bool:
     """Whether ``fn``'s signature lets it take two or more tensors."""
     try:
@@ -90,8 +94,12 @@ def _is_elementwise(name: str, fn: Any) -> bool:
 
 
 def make_wrapper(name: str, elementwise: bool):
-    """The wrapper for one numpy op: fast path, or promote then call."""
-    from keras_dtensor_fix.dtensor import DTensor
+    """The wrapper for one numpy op: fast path, or promote then call.
+
+    A contraction's Partial result is reduced where it is made (see
+    :func:`~keras_dtensor_fix.dtensor.reduce_partial`).
+    """
+    from keras_dtensor_fix.dtensor import DTensor, reduce_partial
     from keras_dtensor_fix.patches._values import promote_call, variable_class
 
     keras_variable = variable_class()
@@ -110,18 +118,20 @@ def make_wrapper(name: str, elementwise: bool):
     # Types that can never hold a DTensor: one set lookup per argument.
     plain = {torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)}
 
+    contraction = name in CONTRACTIONS
+
+    def call(wrapped, args, kwargs):
+        result = promote_call(wrapped, args, kwargs, op=name, elementwise=elementwise)
+        return reduce_partial(result) if contraction else result
+
     def wrapper(wrapped, instance, args, kwargs):
         for value in args:
             if type(value) not in plain and distributed(value):
-                return promote_call(
-                    wrapped, args, kwargs, op=name, elementwise=elementwise
-                )
+                return call(wrapped, args, kwargs)
         if kwargs:
             for value in kwargs.values():
                 if type(value) not in plain and distributed(value):
-                    return promote_call(
-                        wrapped, args, kwargs, op=name, elementwise=elementwise
-                    )
+                    return call(wrapped, args, kwargs)
         return wrapped(*args, **kwargs)
 
     return wrapper
