@@ -35,7 +35,7 @@ BATCH = 32
 # ---------------------------------------------------------------- workers
 
 
-def _collectives(step, steps: int = 3) -> float:
+def collectives(step, steps: int = 3) -> float:
     """Collectives per step, counted as c10d / gloo / nccl events."""
     import torch
 
@@ -232,7 +232,7 @@ def worker(config: str, model_name: str, out: Path, warmup: int, steps: int) -> 
         times = _time(step, warmup, steps)
     fallback = any("Running without `torch.compile`" in str(w.message) for w in caught)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    collectives = _collectives(step) if world > 1 else 0.0
+    collectives = collectives(step) if world > 1 else 0.0
     counters = torch._dynamo.utils.counters
     report = {
         "ms": statistics.median(times),

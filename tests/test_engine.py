@@ -332,3 +332,57 @@ print(json.dumps({"rows": engine.rows(), "modules": list(FAMILY_MODULES)}))
             assert [(r["state"], r["reason"]) for r in rows] == [
                 ("skipped", "not implemented")
             ]
+
+
+TRACED_TARGET = """
+class Model:
+    def scale(self, x):
+        return x * 2
+"""
+
+TRACED_FAMILY = """
+from keras_dtensor_fix.engine import Patch
+
+FAMILY = "data"
+MODULES = ("fake_model",)
+GATED = False
+
+
+def plus_one(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs) + 1
+
+
+def patches(module):
+    return [Patch(FAMILY, module.__name__, "Model.scale", plus_one, traced=True)]
+"""
+
+
+def test_traced_method_wrapper_runs_under_torch_compile(run_py, tmp_path) -> None:
+    """A ``traced=True`` method patch runs inside compiled code, and reverts."""
+    (tmp_path / "fake_model.py").write_text(TRACED_TARGET)
+    (tmp_path / "fake_traced.py").write_text(TRACED_FAMILY)
+    code = """
+import json, torch, fake_model, fake_traced
+import keras_dtensor_fix as kdf
+from keras_dtensor_fix import engine
+
+raw = fake_model.Model.__dict__["scale"]
+engine.register_family(fake_traced)
+kdf.activate()
+entry = fake_model.Model.__dict__["scale"]
+model = fake_model.Model()
+step = lambda x: model.scale(x)
+compiled = torch.compile(step, backend="eager", fullgraph=True)
+x = torch.ones(2)
+out = {"eager": step(x).tolist(), "compiled": compiled(x).tolist(),
+       "fix": engine.is_fix_wrapper(entry), "chain": engine.chain_length(entry),
+       "name": entry.__name__, "wrapped": entry.__wrapped__ is raw}
+kdf.deactivate()
+out["restored"] = fake_model.Model.__dict__["scale"] is raw
+print(json.dumps(out))
+"""
+    out = last_json(run_py(code, path=[tmp_path]))
+    assert out["eager"] == [3.0, 3.0]
+    assert out["compiled"] == [3.0, 3.0], "dynamo skipped the wrapper"
+    assert out["fix"] and out["chain"] == 1 and out["name"] == "scale"
+    assert out["wrapped"] and out["restored"]

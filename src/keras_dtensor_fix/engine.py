@@ -10,6 +10,7 @@ and the patch skipped; it never reaches the code that imported Keras.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import sys
@@ -72,6 +73,8 @@ class Patch:
     # Gated wrappers run only once sharding is on (see ``note_sharding``); until
     # then wrapt calls the original at C speed.
     gated: bool = False
+    # A method whose wrapper torch.compile must run too (see ``traced_method``).
+    traced: bool = False
 
 
 #: Non-empty once a sharded (DTensor) distribution is in use in this process.
@@ -119,19 +122,55 @@ class FixFunctionWrapper(FixWrapper):
         return inline
 
 
+#: Attribute of a traced method's entry function that holds its FixWrapper.
+FIX = "__keras_dtensor_fix__"
+
+
+def traced_method(fix: FixWrapper) -> Callable[..., Any]:
+    """A plain function for the class that runs ``fix``'s wrapper.
+
+    Dynamo traces a method found on a class as a function: given a wrapt proxy
+    it traces the original's code and skips the wrapper, and it guards the
+    closure of what it inlines, which only a real function has. This entry is
+    one, so a compiled step runs the wrapper too. It honours ``enabled=``.
+    """
+    wrapper, raw, enabled = fix._self_wrapper, fix.__wrapped__, fix._self_enabled
+
+    @functools.wraps(raw)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if enabled is not None and not enabled:
+            return raw(self, *args, **kwargs)
+
+        def bound(*inner: Any, **inner_kw: Any) -> Any:
+            return raw(self, *inner, **inner_kw)
+
+        return wrapper(bound, self, args, kwargs)
+
+    setattr(method, FIX, fix)
+    return method
+
+
+def _fix_of(obj: object) -> FixWrapper | None:
+    if isinstance(obj, FixWrapper):
+        return obj
+    fix = getattr(obj, FIX, None) if isinstance(obj, types.FunctionType) else None
+    return fix if isinstance(fix, FixWrapper) else None
+
+
 def is_fix_wrapper(obj: object) -> bool:
     """Whether ``obj`` is a wrapper installed by this engine."""
-    return isinstance(obj, FixWrapper)
+    return _fix_of(obj) is not None
 
 
 def chain_length(obj: object) -> int:
     """How many engine wrappers are stacked on ``obj`` (0 when unpatched)."""
     count = 0
     seen: set[int] = set()
-    while isinstance(obj, FixWrapper) and id(obj) not in seen:
-        seen.add(id(obj))
+    fix = _fix_of(obj)
+    while fix is not None and id(fix) not in seen:
+        seen.add(id(fix))
         count += 1
-        obj = obj.__wrapped__
+        fix = _fix_of(fix.__wrapped__)
     return count
 
 
@@ -155,7 +194,7 @@ class _Applied:
     owner: Any
     name: str
     original: Any
-    wrapper: FixWrapper
+    wrapper: Any  # what is installed: a FixWrapper, or a traced method's entry
     also: set[str] = field(default_factory=set)
 
 
@@ -431,12 +470,12 @@ def _apply_one(family: _Family, patch: Patch) -> None:
         _set_row(*row, SKIPPED, f"not found: {patch.module}.{patch.attribute}")
         return
     if inherited_from is not None:
-        covered = isinstance(raw, FixWrapper)
+        covered = is_fix_wrapper(raw)
         tail = "covered by its patch" if covered else "not patched there"
         _set_row(*row, SKIPPED, f"inherited from {inherited_from.__name__}; {tail}")
         return
     key = (patch.module, patch.attribute)
-    if isinstance(raw, FixWrapper):
+    if is_fix_wrapper(raw):
         existing = _applied.get(key)
         if existing is not None and existing.wrapper is raw:
             if existing.family != family.name:
@@ -448,6 +487,8 @@ def _apply_one(family: _Family, patch: Patch) -> None:
     # wrapper runs in eager code only); traced method wrappers broke graphs.
     kind = FixWrapper if isinstance(owner, type) else FixFunctionWrapper
     wrapper = kind(raw, patch.wrapper, enabled=SHARDING if patch.gated else None)
+    if patch.traced and isinstance(owner, type) and isinstance(raw, types.FunctionType):
+        wrapper = traced_method(wrapper)
     setattr(owner, name, wrapper)
     record = _Applied(family.name, patch, owner, name, raw, wrapper)
     _applied[key] = record

@@ -1,0 +1,52 @@
+"""Collectives per ModelParallel train step on two ranks, for test_collectives.py.
+
+Run as ``torch.distributed.run --nproc_per_node=2 collectives.py OUT``. Trains
+the benchmark's MLP and transformer block (Megatron layouts) eagerly and with
+``jit_compile=True`` and writes, from rank 0, collectives per step (counted with
+torch's profiler, as the benchmark does) and dynamo's graph count.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench  # noqa: E402
+import keras  # noqa: E402
+import numpy  # noqa: E402
+import torch  # noqa: E402
+
+import keras_dtensor_fix  # noqa: E402, F401  (activates, also without the .pth)
+from keras_dtensor_fix.demo import set_model_parallel  # noqa: E402
+
+
+def main(out: Path) -> None:
+    results = {}
+    for model_name in ("mlp", "transformer"):
+        set_model_parallel(bench.LAYOUTS[model_name])
+        for config in ("eager", "compiled"):
+            keras.utils.set_random_seed(0)
+            model, x, y = bench.KERAS_MODELS[model_name](numpy, keras)
+            model.compile(
+                optimizer=keras.optimizers.Adam(1e-3),
+                loss="mse",
+                jit_compile=config == "compiled",
+            )
+            for _ in range(2):
+                model.train_on_batch(x, y)
+            results[f"{model_name}/{config}"] = bench.collectives(
+                lambda: model.train_on_batch(x, y)
+            )
+    results["graphs"] = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
+    if torch.distributed.get_rank() == 0:
+        out.write_text(json.dumps(results))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
