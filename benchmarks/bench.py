@@ -232,11 +232,11 @@ def worker(config: str, model_name: str, out: Path, warmup: int, steps: int) -> 
         times = _time(step, warmup, steps)
     fallback = any("Running without `torch.compile`" in str(w.message) for w in caught)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    collectives = collectives(step) if world > 1 else 0.0
+    per_step = collectives(step) if world > 1 else 0.0
     counters = torch._dynamo.utils.counters
     report = {
         "ms": statistics.median(times),
-        "collectives": collectives,
+        "collectives": per_step,
         "graphs": counters["stats"].get("unique_graphs", 0),
         "breaks": sum(counters["graph_break"].values()),
         "fallback": fallback,

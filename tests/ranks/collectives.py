@@ -8,6 +8,7 @@ torch's profiler, as the benchmark does) and dynamo's graph count.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -38,9 +39,8 @@ def main(out: Path) -> None:
             )
             for _ in range(2):
                 model.train_on_batch(x, y)
-            results[f"{model_name}/{config}"] = bench.collectives(
-                lambda: model.train_on_batch(x, y)
-            )
+            step = functools.partial(model.train_on_batch, x, y)
+            results[f"{model_name}/{config}"] = bench.collectives(step)
     results["graphs"] = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
     if torch.distributed.get_rank() == 0:
         out.write_text(json.dumps(results))
