@@ -26,6 +26,7 @@ FAMILIES: tuple[str, ...] = (
     "compile",
     "ops",
     "random",
+    "replicated",
 )
 
 OFF_VALUES: tuple[str, ...] = ("0", "false", "off", "no")

@@ -6,8 +6,10 @@ Dense) needs one all-reduce per step: the row-parallel output. The transformer
 block needs three: the attention and FFN row-parallel outputs, and the
 column-parallel layers' input gradient in the backward pass. Upstream Keras
 runs 12 and 45; leaving a matmul's Partial sum unreduced costs one more
-all-reduce in the backward pass, and upstream's metric all-reduces over the
-one-process batch axis two more per compiled step.
+all-reduce in the backward pass. Compiled steps add two: Keras's own
+``get_metrics_result`` runs inside the compiled step (the plugin's wrapper is
+eager-only there) and all-reduces the loss tracker's two variables over the
+one-process batch axis.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from support import ROOT, run_ranks
 
 SCRIPT = ROOT / "tests" / "ranks" / "collectives.py"
 MEGATRON = {"mlp": 1, "transformer": 3}
+EXTRA = {"eager": 0, "compiled": 2}
 
 
 def test_collectives_per_step(tmp_path) -> None:
@@ -27,5 +30,5 @@ def test_collectives_per_step(tmp_path) -> None:
     counts = json.loads(out.read_text())
     assert counts["graphs"] > 0, "the compiled steps fell back to eager"
     for model, expected in MEGATRON.items():
-        for config in ("eager", "compiled"):
-            assert counts[f"{model}/{config}"] == expected, (model, config, counts)
+        for config, extra in EXTRA.items():
+            assert counts[f"{model}/{config}"] == expected + extra, (model, counts)

@@ -257,7 +257,6 @@ def patches(module: types.ModuleType) -> list[Patch]:
                 f"{cls}.get_metrics_result",
                 _make_metrics_result(cls),
                 gated=True,
-                traced=True,  # it also runs inside a compiled train step
             )
         ]
         if hasattr(module, "distribute_data_input"):

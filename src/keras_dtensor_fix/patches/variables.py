@@ -171,6 +171,40 @@ def _distribute_tensor(wrapped, instance, args, kwargs):
     return tensor.redistribute(tensor.device_mesh, placements)
 
 
+def _direct_assign(wrapped, instance, args, kwargs):
+    """Write a replicated variable's local tensor when nothing moves.
+
+    A value with the variable's own mesh and placements, or a scalar, becomes
+    the same local copy that ``distribute_tensor`` + DTensor ``copy_`` make,
+    without their dispatch (metric resets and updates, moving statistics).
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from keras_dtensor_fix.keras_state import compiling
+
+    current = getattr(instance, "_value", None)
+    value = args[0] if args else kwargs.get("value")
+    if (
+        isinstance(current, DTensor)
+        and isinstance(value, torch.Tensor)
+        and not compiling()
+        and all(p.is_replicate() for p in current.placements)
+    ):
+        local = None
+        if not isinstance(value, DTensor):
+            local = value if value.ndim == 0 else None
+        elif value.device_mesh is current.device_mesh and tuple(
+            value.placements
+        ) == tuple(current.placements):
+            local = value._local_tensor
+        if local is not None:
+            with torch.no_grad():
+                current._local_tensor.copy_(local)
+            return None
+    return wrapped(*args, **kwargs)
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
     if module.__name__.endswith("distribution_lib"):
         return [
@@ -190,4 +224,20 @@ def patches(module: types.ModuleType) -> list[Patch]:
             "distributed variables another way"
         )
     wrapper = _make_wrapper(module.convert_to_tensor)
-    return [Patch(FAMILY, module.__name__, "Variable._initialize_distributed", wrapper)]
+    result = [
+        Patch(FAMILY, module.__name__, "Variable._initialize_distributed", wrapper)
+    ]
+    if "_direct_assign" in vars(module.Variable):
+        # traced: compiled steps assign too (the optimizer's iteration count);
+        # dynamo must run the original there, not a wrapt proxy of it.
+        result.append(
+            Patch(
+                FAMILY,
+                module.__name__,
+                "Variable._direct_assign",
+                _direct_assign,
+                gated=True,
+                traced=True,
+            )
+        )
+    return result

@@ -1,0 +1,127 @@
+"""Keras's loss and metric updates on local tensors when all they see is replicated.
+
+Once a row-parallel layer's Partial sum is reduced where it is made, ``y_pred``,
+``y`` and the sample weights hold the same full values on every process, and so
+do the metric variables (Replicate DTensors). DTensor's per-op dispatch then
+only adds time to the many small ops of a loss or a metric update: these run on
+the local tensors instead, with the metric variables showing their local
+tensors for the call (written in place, so the DTensors see every update). A
+loss comes back as a Replicate DTensor, as the per-op path returns it. Any
+other placement (``y_pred`` sharded over a batch axis, a sharded metric
+variable) keeps the DTensor path. Eager only: compiled steps trace the original.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from keras_dtensor_fix.engine import Patch
+
+FAMILY = "replicated"
+MODULES = ("keras.src.trainers.compile_utils", "keras.src.metrics.reduction_metrics")
+
+
+def _replicated(value: Any) -> bool:
+    return all(p.is_replicate() for p in value.placements)
+
+
+def local_inputs(values: list[Any]) -> tuple[Any, list[Any]] | None:
+    """``values`` with replicated DTensors as local tensors, and their mesh.
+
+    None when there is no DTensor, or one is sharded or on another mesh. A
+    Partial one is reduced first, as its first op would.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from keras_dtensor_fix.dtensor import reduce_partial
+
+    mesh = None
+    local = []
+    for value in values:
+        if isinstance(value, DTensor):
+            if mesh is None:
+                mesh = value.device_mesh
+            elif value.device_mesh is not mesh:
+                return None
+            value = reduce_partial(value)
+            if not _replicated(value):
+                return None
+            value = value.to_local()
+        local.append(value)
+    return None if mesh is None else (mesh, local)
+
+
+@contextmanager
+def local_variables(variables: list[Any]) -> Iterator[bool]:
+    """Show replicated DTensor variables as their local tensors; yields False
+    (and swaps nothing) when one of them is sharded."""
+    from torch.distributed.tensor import DTensor
+
+    values = [getattr(v, "_value", None) for v in variables]
+    if any(isinstance(x, DTensor) and not _replicated(x) for x in values):
+        yield False
+        return
+    swapped = [
+        (v, x) for v, x in zip(variables, values, strict=True) if isinstance(x, DTensor)
+    ]
+    try:
+        for variable, value in swapped:
+            variable._value = value._local_tensor
+        yield True
+    finally:
+        for variable, value in swapped:
+            variable._value = value
+
+
+def _run_local(wrapped, instance, args, kwargs, variables: list[Any]) -> Any:
+    from keras.src import tree
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from keras_dtensor_fix.keras_state import compiling
+
+    if compiling() or not getattr(instance, "built", True):
+        return wrapped(*args, **kwargs)
+    structure = (args, kwargs)
+    found = local_inputs(tree.flatten(structure))
+    if found is None:
+        return wrapped(*args, **kwargs)
+    mesh, local = found
+    with local_variables(variables) as ok:
+        if not ok:
+            return wrapped(*args, **kwargs)
+        args, kwargs = tree.pack_sequence_as(structure, local)
+        result = wrapped(*args, **kwargs)
+    if isinstance(result, DTensor) or not hasattr(result, "shape"):
+        return result
+    return DTensor.from_local(result, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _with_own_variables(wrapped, instance, args, kwargs):
+    return _run_local(wrapped, instance, args, kwargs, list(instance.variables))
+
+
+def patches(module: types.ModuleType) -> list[Patch]:
+    if module.__name__.endswith("compile_utils"):
+        targets = ("CompileLoss.__call__", "CompileMetrics.update_state")
+    else:
+        targets = ("Mean.update_state",)
+    for target in targets:
+        owner, name = target.split(".")
+        if name not in vars(getattr(module, owner, object)):
+            raise LookupError(f"{target} not found: this Keras moved it")
+    # traced: a compiled step then meets a plain function on the class (dynamo
+    # guards ``type(loss).__call__`` by identity), which calls the original.
+    return [
+        Patch(
+            FAMILY,
+            module.__name__,
+            target,
+            _with_own_variables,
+            gated=True,
+            traced=True,
+        )
+        for target in targets
+    ]
