@@ -12,7 +12,7 @@ a small transformer block, Adam, batch 32):
 and prints median ms/step, the ratios to (a) and (d), collectives per step
 (counted with torch's profiler) and, for (c), dynamo graphs and graph breaks.
 
-    python benchmarks/bench.py [--steps 30] [--models mlp,transformer]
+    python benchmarks/bench.py [--steps 30] [--rounds 3] [--models mlp,transformer]
     nox -s bench
 """
 
@@ -236,6 +236,7 @@ def worker(config: str, model_name: str, out: Path, warmup: int, steps: int) -> 
     counters = torch._dynamo.utils.counters
     report = {
         "ms": statistics.median(times),
+        "times": times,
         "collectives": per_step,
         "graphs": counters["stats"].get("unique_graphs", 0),
         "breaks": sum(counters["graph_break"].values()),
@@ -293,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="runs of every configuration"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -317,18 +321,33 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict]] = {}
     for model in args.models.split(","):
         results[model] = {}
-        for config in args.configs.split(","):
-            results[model][config] = run_config(config, model, args)
-            print(
-                f"  {model:12s} {config:10s} {_brief(results[model][config])}",
-                flush=True,
-            )
+        # Rounds interleave the configurations, so that a slow spell of a
+        # shared machine spreads over all of them; the median is over every
+        # timed step of every round.
+        for round_ in range(args.rounds):
+            for config in args.configs.split(","):
+                row = run_config(config, model, args)
+                print(
+                    f"  {model:12s} {config:10s} round {round_ + 1}: {_brief(row)}",
+                    flush=True,
+                )
+                results[model][config] = _merge(results[model].get(config), row)
     print()
     for model, rows in results.items():
         _table(model, rows)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
+
+
+def _merge(previous: dict | None, row: dict) -> dict:
+    """``row`` with the step times of earlier rounds; an error sticks."""
+    if previous is None or "error" in row:
+        return row
+    if "error" in previous:
+        return previous
+    times = previous["times"] + row["times"]
+    return {**row, "times": times, "ms": statistics.median(times)}
 
 
 def _brief(row: dict) -> str:

@@ -25,3 +25,13 @@ def compiling() -> bool:
     import torch
 
     return bool(torch.compiler.is_compiling())
+
+
+#: Non-empty once a ModelParallel step function is compiled in this process.
+COMPILED_STEPS: list[bool] = []
+
+
+def note_compiled_step() -> None:
+    """Record that a compiled ModelParallel step exists (batches go static)."""
+    if not COMPILED_STEPS:
+        COMPILED_STEPS.append(True)

@@ -73,7 +73,7 @@ def _static_shapes(wrapped, instance, args, kwargs):
     sharding propagation fails on symbolic shard sizes.
     """
     result = wrapped(*args, **kwargs)
-    from keras_dtensor_fix.keras_state import model_parallel
+    from keras_dtensor_fix.keras_state import model_parallel, note_compiled_step
 
     attribute = STEP_FUNCTIONS[wrapped.__name__]
     function = getattr(instance, attribute, None)
@@ -88,6 +88,7 @@ def _static_shapes(wrapped, instance, args, kwargs):
         static = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(function)
         static._keras_dtensor_fix_static = True
         setattr(instance, attribute, static)
+        note_compiled_step()
     return result
 
 

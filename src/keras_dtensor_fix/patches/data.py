@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_dtensor_fix.engine import Patch, note_sharding
+from keras_dtensor_fix.keras_state import COMPILED_STEPS
 
 FAMILY = "data"
 MODULES = (
@@ -81,11 +82,13 @@ def _distribute_leaf(value: Any, layout: Any) -> Any:
         value = value.to(mesh.device_type)
     note_sharding()
     dtensor = DTensor.from_local(value, mesh, placements, run_check=False)
-    # A compiled step that recompiles (a guard on optimizer state, say) would
-    # otherwise turn the batch size symbolic, and DTensor sharding propagation
-    # fails on symbolic shard sizes. Batches keep their static shapes.
-    torch._dynamo.mark_static(dtensor)
-    torch._dynamo.mark_static(dtensor._local_tensor)
+    if COMPILED_STEPS:
+        # A compiled step that recompiles (a guard on optimizer state, say)
+        # would otherwise turn the batch size symbolic, and DTensor sharding
+        # propagation fails on symbolic shard sizes. Batches keep their static
+        # shapes. (Skipped while every step is eager: it costs a third of this.)
+        torch._dynamo.mark_static(dtensor)
+        torch._dynamo.mark_static(dtensor._local_tensor)
     return dtensor
 
 
