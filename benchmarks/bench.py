@@ -217,8 +217,17 @@ def _torch_tp_step(model_name: str):
     return step
 
 
+def _pin() -> None:
+    """One core per rank (where the OS allows it): less jitter between runs."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= int(os.environ.get("WORLD_SIZE", "1")) > 0:
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
 def worker(config: str, model_name: str, out: Path, warmup: int, steps: int) -> None:
     os.environ.setdefault("KERAS_BACKEND", "torch")
+    _pin()
     import warnings
 
     import torch
