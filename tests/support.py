@@ -22,6 +22,14 @@ def family_present(name: str) -> bool:
     return (PATCHES / f"{name}.py").is_file()
 
 
+def compiles_model_parallel() -> bool:
+    """Whether this Keras can compile a ModelParallel step (>= 2026-10-27)."""
+    from keras.src.backend.torch import trainer
+
+    cls = getattr(trainer, "Trainer", None) or trainer.TorchTrainer
+    return "_use_torch_compile" in vars(cls)
+
+
 def skip_without_family(name: str) -> None:
     """Skip the calling test when the real family module is not written yet."""
     if not family_present(name):

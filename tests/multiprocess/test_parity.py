@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from scenarios import CASES
 
+from support import compiles_model_parallel
+
 # bfloat16 compute is not reproducible across shardings (a different split of
 # a matmul rounds differently): those cases get bfloat16's own tolerance.
 LOOSE = {"loss_scale_bf16": (2e-3, 5e-2)}
@@ -56,21 +58,13 @@ def test_parity(runs, group: str, name: str) -> None:
     assert_parity(name, ranks, single)
 
 
-def _compiles_model_parallel() -> bool:
-    """Whether this Keras can compile a ModelParallel step (>= 2026-10-27)."""
-    from keras.src.backend.torch import trainer
-
-    cls = getattr(trainer, "Trainer", None) or trainer.TorchTrainer
-    return "_use_torch_compile" in vars(cls)
-
-
 @pytest.mark.parametrize("name", ["compiled_mlp", "compiled_transformer"])
 def test_compiled_for_real(runs, name: str) -> None:
     """jit_compile=True under ModelParallel runs torch.compile, not eager."""
     ranks = runs.get("compiled", world=2)
     result = ranks[0][name]
     assert "error" not in result, result.get("traceback")
-    if _compiles_model_parallel():
+    if compiles_model_parallel():
         assert result["dynamo_graphs"] > 0, "the compiled step fell back to eager"
     else:
         assert result["dynamo_graphs"] == 0

@@ -24,6 +24,9 @@ import torch  # noqa: E402
 import keras_dtensor_fix  # noqa: E402, F401  (activates, also without the .pth)
 from keras_dtensor_fix.demo import set_model_parallel  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests"))
+from support import compiles_model_parallel  # noqa: E402
+
 
 def main(out: Path) -> None:
     results = {}
@@ -42,6 +45,7 @@ def main(out: Path) -> None:
             step = functools.partial(model.train_on_batch, x, y)
             results[f"{model_name}/{config}"] = bench.collectives(step)
     results["graphs"] = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
+    results["compiles"] = compiles_model_parallel()
     if torch.distributed.get_rank() == 0:
         out.write_text(json.dumps(results))
     torch.distributed.barrier()
