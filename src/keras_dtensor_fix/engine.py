@@ -483,8 +483,8 @@ def _apply_one(family: _Family, patch: Patch) -> None:
         else:
             _set_row(*row, SKIPPED, "already wrapped by another keras_dtensor_fix")
         return
-    # Methods keep the plain wrapper: dynamo inlines the original method (the
-    # wrapper runs in eager code only); traced method wrappers broke graphs.
+    # A method's plain wrapper runs in eager code only: dynamo inlines the
+    # original method. ``traced`` installs a real function that dynamo runs.
     kind = FixWrapper if isinstance(owner, type) else FixFunctionWrapper
     wrapper = kind(raw, patch.wrapper, enabled=SHARDING if patch.gated else None)
     if patch.traced and isinstance(owner, type) and isinstance(raw, types.FunctionType):
