@@ -20,6 +20,7 @@ __all__ = [
     "find_dtensor",
     "gather_non_batch_axes",
     "has_plain_tensor",
+    "is_replicated",
     "local_shard_dim",
     "promote",
     "promote_args",
@@ -167,6 +168,11 @@ def to_placements(value: torch.Tensor, like: DTensor) -> DTensor:
         f"a plain {describe(value)} cannot take the layout of {describe(like)}: "
         "its shape is neither the global nor the local shape."
     )
+
+
+def is_replicated(value: DTensor) -> bool:
+    """Whether ``value`` holds the same full value on every rank."""
+    return all(p.is_replicate() for p in value.placements)
 
 
 def reduce_partial(value: Any) -> Any:

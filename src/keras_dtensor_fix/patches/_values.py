@@ -7,8 +7,9 @@ and turns an unfixable mix into :class:`DTensorMixError`, which says what to do.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from keras_dtensor_fix.dtensor import (
@@ -51,6 +52,25 @@ def _resolve(value: Any) -> Any:
     ):
         return type(value)(_resolve(v) for v in value)
     return value
+
+
+@contextlib.contextmanager
+def local_tensors(variables: Sequence[Any]) -> Iterator[None]:
+    """Let each DTensor Keras variable's ``.value`` be its local tensor for a while.
+
+    Writes go to that tensor, so the DTensor sees them.
+    """
+    swapped = []
+    try:
+        for variable in variables:
+            raw = getattr(variable, "_value", None)
+            if isinstance(raw, DTensor):
+                swapped.append((variable, raw))
+                variable._value = raw._local_tensor
+        yield
+    finally:
+        for variable, raw in swapped:
+            variable._value = raw
 
 
 def keras_path() -> str:
@@ -187,4 +207,11 @@ def _about_dtensor(err: BaseException) -> bool:
     )
 
 
-__all__ = ["DTensor", "DTensorMixError", "keras_path", "mix_error", "promote_call"]
+__all__ = [
+    "DTensor",
+    "DTensorMixError",
+    "keras_path",
+    "local_tensors",
+    "mix_error",
+    "promote_call",
+]

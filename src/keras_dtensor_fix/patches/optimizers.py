@@ -11,9 +11,8 @@ torch.compile the original runs on the aligned DTensors.
 
 from __future__ import annotations
 
-import contextlib
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from keras_dtensor_fix.engine import Patch
@@ -60,24 +59,6 @@ def _local(value: Any) -> Any:
     return value._local_tensor if isinstance(value, DTensor) else value
 
 
-@contextlib.contextmanager
-def local_shards(variables: Sequence[Any]) -> Iterator[None]:
-    """Let each Keras variable's ``.value`` be its local shard for a while."""
-    from keras_dtensor_fix.dtensor import DTensor
-
-    swapped = []
-    try:
-        for variable in variables:
-            raw = getattr(variable, "_value", None)
-            if isinstance(raw, DTensor):
-                swapped.append((variable, raw))
-                variable._value = raw._local_tensor
-        yield
-    finally:
-        for variable, raw in swapped:
-            variable._value = raw
-
-
 def _shardwise_ok(optimizer: Any, values: Sequence[Any]) -> bool:
     """Local-shard math is exact when every non-scalar state is a DTensor too."""
     from keras_dtensor_fix.dtensor import DTensor
@@ -95,6 +76,7 @@ def _shardwise_ok(optimizer: Any, values: Sequence[Any]) -> bool:
 def _parallel_update_step(wrapped, instance, args, kwargs):
     from keras_dtensor_fix.dtensor import DTensor
     from keras_dtensor_fix.keras_state import compiling
+    from keras_dtensor_fix.patches._values import local_tensors
 
     grads, variables, learning_rate = _bind(*args, **kwargs)
     values = [v._value for v in variables]
@@ -105,7 +87,7 @@ def _parallel_update_step(wrapped, instance, args, kwargs):
     grads = align_gradients(grads, values)
     if compiling() or not _shardwise_ok(instance, values):
         return wrapped(grads, variables, learning_rate)
-    with local_shards(list(variables) + list(instance.variables)):
+    with local_tensors(list(variables) + list(instance.variables)):
         return wrapped([_local(g) for g in grads], variables, _local(learning_rate))
 
 

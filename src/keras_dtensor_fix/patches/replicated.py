@@ -14,8 +14,6 @@ variable) keeps the DTensor path. Eager only: compiled steps trace the original.
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from keras_dtensor_fix.engine import Patch
@@ -24,19 +22,13 @@ FAMILY = "replicated"
 MODULES = ("keras.src.trainers.compile_utils", "keras.src.metrics.reduction_metrics")
 
 
-def _replicated(value: Any) -> bool:
-    return all(p.is_replicate() for p in value.placements)
-
-
 def local_inputs(values: list[Any]) -> tuple[Any, list[Any]] | None:
     """``values`` with replicated DTensors as local tensors, and their mesh.
 
     None when there is no DTensor, or one is sharded or on another mesh. A
     Partial one is reduced first, as its first op would.
     """
-    from torch.distributed.tensor import DTensor
-
-    from keras_dtensor_fix.dtensor import reduce_partial
+    from keras_dtensor_fix.dtensor import DTensor, is_replicated, reduce_partial
 
     mesh = None
     local = []
@@ -47,60 +39,39 @@ def local_inputs(values: list[Any]) -> tuple[Any, list[Any]] | None:
             elif value.device_mesh is not mesh:
                 return None
             value = reduce_partial(value)
-            if not _replicated(value):
+            if not is_replicated(value):
                 return None
             value = value.to_local()
         local.append(value)
     return None if mesh is None else (mesh, local)
 
 
-@contextmanager
-def local_variables(variables: list[Any]) -> Iterator[bool]:
-    """Show replicated DTensor variables as their local tensors; yields False
-    (and swaps nothing) when one of them is sharded."""
-    from torch.distributed.tensor import DTensor
-
-    values = [getattr(v, "_value", None) for v in variables]
-    if any(isinstance(x, DTensor) and not _replicated(x) for x in values):
-        yield False
-        return
-    swapped = [
-        (v, x) for v, x in zip(variables, values, strict=True) if isinstance(x, DTensor)
-    ]
-    try:
-        for variable, value in swapped:
-            variable._value = value._local_tensor
-        yield True
-    finally:
-        for variable, value in swapped:
-            variable._value = value
-
-
-def _run_local(wrapped, instance, args, kwargs, variables: list[Any]) -> Any:
+def _run_local(wrapped, instance, args, kwargs):
+    """Call ``wrapped`` on local tensors, with ``instance``'s variables local."""
     from keras.src import tree
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Replicate
 
+    from keras_dtensor_fix.dtensor import DTensor, is_replicated
     from keras_dtensor_fix.keras_state import compiling
+    from keras_dtensor_fix.patches._values import local_tensors
 
     if compiling() or not getattr(instance, "built", True):
+        return wrapped(*args, **kwargs)
+    variables = list(instance.variables)
+    values = [getattr(v, "_value", None) for v in variables]
+    if any(isinstance(x, DTensor) and not is_replicated(x) for x in values):
         return wrapped(*args, **kwargs)
     structure = (args, kwargs)
     found = local_inputs(tree.flatten(structure))
     if found is None:
         return wrapped(*args, **kwargs)
     mesh, local = found
-    with local_variables(variables) as ok:
-        if not ok:
-            return wrapped(*args, **kwargs)
+    with local_tensors(variables):
         args, kwargs = tree.pack_sequence_as(structure, local)
         result = wrapped(*args, **kwargs)
     if isinstance(result, DTensor) or not hasattr(result, "shape"):
         return result
     return DTensor.from_local(result, mesh, [Replicate()] * mesh.ndim, run_check=False)
-
-
-def _with_own_variables(wrapped, instance, args, kwargs):
-    return _run_local(wrapped, instance, args, kwargs, list(instance.variables))
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
@@ -119,7 +90,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
             FAMILY,
             module.__name__,
             target,
-            _with_own_variables,
+            _run_local,
             gated=True,
             traced=True,
         )

@@ -181,6 +181,7 @@ def _direct_assign(wrapped, instance, args, kwargs):
     import torch
     from torch.distributed.tensor import DTensor
 
+    from keras_dtensor_fix.dtensor import is_replicated
     from keras_dtensor_fix.keras_state import compiling
 
     current = getattr(instance, "_value", None)
@@ -189,7 +190,7 @@ def _direct_assign(wrapped, instance, args, kwargs):
         isinstance(current, DTensor)
         and isinstance(value, torch.Tensor)
         and not compiling()
-        and all(p.is_replicate() for p in current.placements)
+        and is_replicated(current)
     ):
         local = None
         if not isinstance(value, DTensor):
