@@ -176,9 +176,14 @@ def megatron_sgd():
 @case("data", mesh=(2, 1), layout={}, per_rank=True)
 def batch_axis_numpy():
     """(2,1): each rank feeds its half of every batch; equals the full batch."""
+    return fit_rank_rows()
+
+
+def fit_rank_rows(**compile_kwargs):
+    """An Adam MLP fit on this rank's rows of every batch of 16."""
     x, y = data()
     model = mlp()
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", **compile_kwargs)
     history = model.fit(
         rank_rows(x, 16),
         rank_rows(y, 16),
@@ -484,6 +489,14 @@ def compiled_transformer():
     # No seeded dropout: its generator is a graph break, which the plugin
     # refuses to compile under ModelParallel (see compiled_seeded_dropout).
     return _fit_transformer(jit_compile=True, dropout=0.0)
+
+
+@case(
+    "compiled", mesh=(2, 1), layout={".*dense_1/kernel": (None, "model")}, per_rank=True
+)
+def compiled_batch_axis():
+    """(2,1), compiled: metric sums over the batch axis run inside the step."""
+    return fit_rank_rows(jit_compile=True)
 
 
 @case("compiled", layout=TRANSFORMER)
