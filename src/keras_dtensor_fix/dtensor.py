@@ -26,6 +26,7 @@ __all__ = [
     "promote_args",
     "replicate",
     "to_placements",
+    "wrap_local",
 ]
 
 
@@ -75,11 +76,46 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
-def replicate(value: torch.Tensor, mesh: Any) -> DTensor:
-    """Wrap a plain tensor holding the full value as a Replicate DTensor on ``mesh``."""
+def wrap_local(value: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> DTensor:
+    """``DTensor.from_local(value, mesh, placements, run_check=False)``, cheaper.
+
+    A tensor that needs no gradient (a batch, a metric input) skips
+    ``from_local``'s autograd op, which costs as much as a small DTensor op;
+    the DTensor is built as ``from_local`` builds it. Anything else, and any
+    torch without those internals, goes through ``from_local``.
+    """
     if value.device.type != mesh.device_type:
         value = value.to(mesh.device_type)
-    return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    placements = tuple(placements)
+    if (
+        _SPEC is None
+        or (value.requires_grad and torch.is_grad_enabled())
+        or torch.compiler.is_compiling()
+        or any(isinstance(p, Shard) and p.dim < 0 for p in placements)
+    ):
+        return DTensor.from_local(value, mesh, placements, run_check=False)
+    spec_class, meta_class, global_info = _SPEC
+    shape, stride = global_info(value, mesh, placements)
+    meta = meta_class(torch.Size(shape), tuple(stride), value.dtype)
+    spec = spec_class(mesh, placements, tensor_meta=meta)
+    return DTensor(value.view_as(value), spec, requires_grad=False)
+
+
+def _spec_internals() -> tuple[Any, Any, Any] | None:
+    try:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        from torch.distributed.tensor._utils import compute_global_tensor_info
+    except ImportError:  # pragma: no cover - torch moved them
+        return None
+    return DTensorSpec, TensorMeta, compute_global_tensor_info
+
+
+_SPEC = _spec_internals()
+
+
+def replicate(value: torch.Tensor, mesh: Any) -> DTensor:
+    """Wrap a plain tensor holding the full value as a Replicate DTensor on ``mesh``."""
+    return wrap_local(value, mesh, [Replicate()] * mesh.ndim)
 
 
 def local_shard_dim(value: torch.Tensor, partner: DTensor) -> int | None:
@@ -161,9 +197,7 @@ def to_placements(value: torch.Tensor, like: DTensor) -> DTensor:
     if tuple(value.shape) == tuple(like.shape):
         return replicate(value, mesh).redistribute(mesh, placements)
     if tuple(value.shape) == tuple(like._local_tensor.shape):
-        if value.device.type != mesh.device_type:
-            value = value.to(mesh.device_type)
-        return DTensor.from_local(value, mesh, placements, run_check=False)
+        return wrap_local(value, mesh, placements)
     raise PromotionError(
         f"a plain {describe(value)} cannot take the layout of {describe(like)}: "
         "its shape is neither the global nor the local shape."
@@ -180,15 +214,51 @@ def reduce_partial(value: Any) -> Any:
 
     What Megatron's row-parallel layer does with its output. Left Partial, the
     first nonlinear op reduces it in the forward pass and its backward reduces
-    the saved Partial input a second time.
+    the saved Partial input a second time. Eager sums take one c10d
+    all-reduce per axis (:class:`_SumPartial`); anything else (another reduce
+    op, a traced step) goes through ``redistribute``.
     """
     if not isinstance(value, DTensor):
         return value
     placements = tuple(value.placements)
     if not any(p.is_partial() for p in placements):
         return value
-    settled = [Replicate() if p.is_partial() else p for p in placements]
+    settled = tuple(Replicate() if p.is_partial() else p for p in placements)
+    if (
+        _SPEC is not None
+        and not torch.compiler.is_compiling()
+        and all(
+            getattr(p, "reduce_op", None) == "sum" for p in placements if p.is_partial()
+        )
+    ):
+        return _SumPartial.apply(value, settled)
     return value.redistribute(value.device_mesh, settled)
+
+
+class _SumPartial(torch.autograd.Function):
+    """Partial("sum") to Replicate with plain c10d all-reduces.
+
+    The same result and gradient as ``redistribute`` (whose backward keeps a
+    replicated gradient replicated), without its functional-collective
+    machinery, which on a CPU (gloo) step costs more than the all-reduce.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, settled: tuple) -> DTensor:
+        mesh = value.device_mesh
+        ctx.placements = settled
+        local = value._local_tensor.contiguous().clone()
+        for axis, placement in enumerate(value.placements):
+            if placement.is_partial():
+                torch.distributed.all_reduce(local, group=mesh.get_group(axis))
+        spec = _SPEC[0](mesh, settled, tensor_meta=value._spec.tensor_meta)
+        return DTensor(local, spec, requires_grad=value.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None]:
+        if tuple(grad.placements) != ctx.placements:
+            grad = grad.redistribute(grad.device_mesh, ctx.placements)
+        return grad, None
 
 
 def gather_non_batch_axes(value: Any, batch_dim_name: str | None) -> Any:

@@ -67,6 +67,8 @@ def _distribute_leaf(value: Any, layout: Any) -> Any:
     import torch
     from torch.distributed.tensor import DTensor
 
+    from keras_dtensor_fix.dtensor import wrap_local
+
     if value is None or layout is None:
         return value
     layout = _backend_layout(layout)
@@ -78,10 +80,8 @@ def _distribute_leaf(value: Any, layout: Any) -> Any:
         return value.redistribute(mesh, placements)
     if not isinstance(value, torch.Tensor):
         value = torch.as_tensor(value)
-    if value.device.type != mesh.device_type:
-        value = value.to(mesh.device_type)
     note_sharding()
-    dtensor = DTensor.from_local(value, mesh, placements, run_check=False)
+    dtensor = wrap_local(value, mesh, placements)
     if COMPILED_STEPS:
         # A compiled step that recompiles (a guard on optimizer state, say)
         # would otherwise turn the batch size symbolic, and DTensor sharding

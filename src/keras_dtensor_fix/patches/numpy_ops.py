@@ -54,6 +54,10 @@ NOT_ELEMENTWISE = frozenset(
 )
 
 
+# Public helpers of the numpy module, not ops: only its (wrapped) ops call them,
+# after promoting, so a wrapper there would check every binary op twice.
+HELPERS = frozenset({"convert_to_tensors_of_same_dtype"})
+
 # Contractions: over a sharded axis they return Partial sums, reduced at once.
 CONTRACTIONS = frozenset({"matmul", "dot", "inner", "tensordot", "vdot", "einsum"})
 
@@ -80,6 +84,7 @@ def target_names(module: types.ModuleType) -> list[str]:
         name
         for name, fn in vars(module).items()
         if not name.startswith("_")
+        and name not in HELPERS
         and inspect.isfunction(fn)
         and fn.__module__ == module.__name__
         and takes_several_tensors(fn)

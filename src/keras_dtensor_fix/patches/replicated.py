@@ -26,7 +26,8 @@ def local_inputs(values: list[Any]) -> tuple[Any, list[Any]] | None:
     """``values`` with replicated DTensors as local tensors, and their mesh.
 
     None when there is no DTensor, or one is sharded or on another mesh. A
-    Partial one is reduced first, as its first op would.
+    Partial one is reduced first, as its first op would. Only a DTensor that
+    needs a gradient goes through ``to_local()`` (an autograd op).
     """
     from keras_dtensor_fix.dtensor import DTensor, is_replicated, reduce_partial
 
@@ -41,37 +42,58 @@ def local_inputs(values: list[Any]) -> tuple[Any, list[Any]] | None:
             value = reduce_partial(value)
             if not is_replicated(value):
                 return None
-            value = value.to_local()
+            value = value.to_local() if value.requires_grad else value._local_tensor
         local.append(value)
     return None if mesh is None else (mesh, local)
 
 
+def _flat(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    """The leaves of a call's arguments and how to put them back.
+
+    Calls with flat arguments (the usual ``y_true, y_pred, sample_weight``)
+    skip Keras's tree functions, which cost more than the op they wrap here.
+    """
+    if not any(isinstance(v, (list, tuple, dict)) for v in (*args, *kwargs.values())):
+        return [*args, *kwargs.values()], None
+    from keras.src import tree
+
+    structure = (args, kwargs)
+    return tree.flatten(structure), structure
+
+
+def _unflat(args: tuple, kwargs: dict, structure: Any, leaves: list[Any]):
+    if structure is None:
+        n = len(args)
+        return tuple(leaves[:n]), dict(zip(kwargs, leaves[n:], strict=True))
+    from keras.src import tree
+
+    return tree.pack_sequence_as(structure, leaves)
+
+
 def _run_local(wrapped, instance, args, kwargs):
     """Call ``wrapped`` on local tensors, with ``instance``'s variables local."""
-    from keras.src import tree
-    from torch.distributed.tensor import Replicate
-
-    from keras_dtensor_fix.dtensor import DTensor, is_replicated
+    from keras_dtensor_fix.dtensor import DTensor, is_replicated, replicate
     from keras_dtensor_fix.keras_state import compiling
     from keras_dtensor_fix.patches._values import local_tensors
 
     if compiling() or not getattr(instance, "built", True):
         return wrapped(*args, **kwargs)
     variables = list(instance.variables)
-    values = [getattr(v, "_value", None) for v in variables]
-    if any(isinstance(x, DTensor) and not is_replicated(x) for x in values):
-        return wrapped(*args, **kwargs)
-    structure = (args, kwargs)
-    found = local_inputs(tree.flatten(structure))
+    for variable in variables:
+        value = getattr(variable, "_value", None)
+        if isinstance(value, DTensor) and not is_replicated(value):
+            return wrapped(*args, **kwargs)
+    leaves, structure = _flat(args, kwargs)
+    found = local_inputs(leaves)
     if found is None:
         return wrapped(*args, **kwargs)
     mesh, local = found
     with local_tensors(variables):
-        args, kwargs = tree.pack_sequence_as(structure, local)
+        args, kwargs = _unflat(args, kwargs, structure, local)
         result = wrapped(*args, **kwargs)
     if isinstance(result, DTensor) or not hasattr(result, "shape"):
         return result
-    return DTensor.from_local(result, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicate(result, mesh)
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
