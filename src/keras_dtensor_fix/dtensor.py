@@ -7,6 +7,7 @@ rank's shard of the partner is refused with :class:`PromotionError`.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -94,11 +95,35 @@ def wrap_local(value: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> DTe
         or any(isinstance(p, Shard) and p.dim < 0 for p in placements)
     ):
         return DTensor.from_local(value, mesh, placements, run_check=False)
-    spec_class, meta_class, global_info = _SPEC
-    shape, stride = global_info(value, mesh, placements)
-    meta = meta_class(torch.Size(shape), tuple(stride), value.dtype)
-    spec = spec_class(mesh, placements, tensor_meta=meta)
-    return DTensor(value.view_as(value), spec, requires_grad=False)
+    key = (mesh, placements, value.shape, value.stride(), value.dtype)
+    spec = _SPECS.get(key)
+    if spec is None:
+        _, meta_class, global_info = _SPEC
+        shape, stride = global_info(value, mesh, placements)
+        meta = meta_class(torch.Size(shape), tuple(stride), value.dtype)
+        spec = _remember(key, _spec(mesh, placements, meta))
+    return DTensor(value.view_as(value), copy.copy(spec), requires_grad=False)
+
+
+#: DTensorSpecs by what they are built from: building one costs more than the
+#: rest of a small op. Each DTensor gets its own (shallow) copy.
+_SPECS: dict[tuple, Any] = {}
+
+
+def _remember(key: tuple, spec: Any) -> Any:
+    if len(_SPECS) >= 1024:
+        _SPECS.clear()
+    _SPECS[key] = spec
+    return spec
+
+
+def _spec(mesh: Any, placements: tuple, meta: Any) -> Any:
+    """The (cached) DTensorSpec of ``mesh``, ``placements`` and a TensorMeta."""
+    key = (mesh, placements, meta)
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = _remember(key, _SPEC[0](mesh, placements, tensor_meta=meta))
+    return spec
 
 
 def _spec_internals() -> tuple[Any, Any, Any] | None:
@@ -251,7 +276,7 @@ class _SumPartial(torch.autograd.Function):
         for axis, placement in enumerate(value.placements):
             if placement.is_partial():
                 torch.distributed.all_reduce(local, group=mesh.get_group(axis))
-        spec = _SPEC[0](mesh, settled, tensor_meta=value._spec.tensor_meta)
+        spec = copy.copy(_spec(mesh, settled, value._spec.tensor_meta))
         return DTensor(local, spec, requires_grad=value.requires_grad)
 
     @staticmethod

@@ -189,6 +189,7 @@ def _make_metrics_result(owner_name: str):
         all; it runs inside compiled steps too (a traced patch).
         """
         from keras_dtensor_fix.keras_state import model_parallel
+        from keras_dtensor_fix.patches._values import local_tensors
 
         dist = model_parallel()
         if dist is None:
@@ -209,21 +210,26 @@ def _make_metrics_result(owner_name: str):
             # equal with the aot_eager backend).
             if mesh.size(axis) > 1 or torch.compiler.is_compiling():
                 group = mesh.get_group(axis)
-        with torch.no_grad():
-            values = []
-            for variable in instance.metrics_variables:
-                value = variable.value
-                value = (
-                    value.to_local() if isinstance(value, DTensor) else value
-                ).clone()
-                values.append(value)
-            if group is not None and values:
-                values = _sum_over(values, group)
-        with backend.StatelessScope(
-            state_mapping=list(zip(instance.metrics_variables, values, strict=True))
-        ):
-            owner = getattr(sys.modules[TRAINER], owner_name)
-            results = super(owner, instance).get_metrics_result()
+        variables = instance.metrics_variables
+        owner = getattr(sys.modules[TRAINER], owner_name)
+        if group is None:
+            # Nothing to sum: the local tensors hold the totals.
+            with torch.no_grad(), local_tensors(variables):
+                results = super(owner, instance).get_metrics_result()
+        else:
+            with torch.no_grad():
+                values = []
+                for variable in variables:
+                    value = variable.value
+                    value = (
+                        value.to_local() if isinstance(value, DTensor) else value
+                    ).clone()
+                    values.append(value)
+                values = _sum_over(values, group) if values else values
+            with backend.StatelessScope(
+                state_mapping=list(zip(variables, values, strict=True))
+            ):
+                results = super(owner, instance).get_metrics_result()
         return {
             k: v.clone() if isinstance(v, torch.Tensor) else v
             for k, v in results.items()
