@@ -9,7 +9,9 @@ a small transformer block, Adam, batch 32):
   (d) torch-tp   plain PyTorch tensor parallel (Colwise/Rowwise, Adam foreach)
   (e) single     Keras on one process, plugin on; (f) single-off: plugin off
 
-and prints median ms/step, the ratios to (a) and (d), collectives per step
+and prints median ms/step (over every timed step of every round), the ratios
+to (a) and (d), the same ratios paired by round (the median over rounds of
+this round's ratio: steadier on a noisy machine), collectives per step
 (counted with torch's profiler) and, for (c), dynamo graphs and graph breaks.
 
     python benchmarks/bench.py [--steps 30] [--rounds 3] [--models mlp,transformer]
@@ -351,12 +353,27 @@ def main(argv: list[str] | None = None) -> int:
 
 def _merge(previous: dict | None, row: dict) -> dict:
     """``row`` with the step times of earlier rounds; an error sticks."""
+    if "error" not in row:
+        row = {**row, "rounds": [row["ms"]]}
     if previous is None or "error" in row:
         return row
     if "error" in previous:
         return previous
     times = previous["times"] + row["times"]
-    return {**row, "times": times, "ms": statistics.median(times)}
+    rounds = previous["rounds"] + row["rounds"]
+    return {**row, "times": times, "ms": statistics.median(times), "rounds": rounds}
+
+
+def _paired(row: dict, base: dict | None) -> str:
+    """Median over rounds of ``row``'s round median over ``base``'s, same round.
+
+    Configurations of one round run back to back, so a slow spell of a shared
+    machine weighs on both sides of each ratio.
+    """
+    if not base or "error" in base or "rounds" not in row:
+        return "-"
+    pairs = zip(row["rounds"], base["rounds"], strict=False)
+    return f"{statistics.median(a / b for a, b in pairs):.2f}"
 
 
 def _brief(row: dict) -> str:
@@ -371,7 +388,7 @@ def _table(model: str, rows: dict) -> None:
     print(f"{model}: median ms/step, ratios, collectives/step")
     print(
         f"  {'config':10s} {'ms/step':>8s} {'/upstream':>9s} {'/torch-tp':>9s} "
-        f"{'coll/step':>9s}  notes"
+        f"{'paired /a':>9s} {'paired /d':>9s} {'coll/step':>9s}  notes"
     )
     for config, row in rows.items():
         if "error" in row:
@@ -386,13 +403,23 @@ def _table(model: str, rows: dict) -> None:
             if row["fallback"]:
                 notes.append("FELL BACK TO EAGER")
         coll = f"{row['collectives']:.1f}" if not config.startswith("single") else "-"
+        p_a = _paired(row, rows.get("upstream"))
+        p_d = _paired(row, rows.get("torch-tp"))
         print(
-            f"  {config:10s} {ms:8.2f} {r_a:>9s} {r_d:>9s} {coll:>9s}  "
-            f"{' '.join(notes)}"
+            f"  {config:10s} {ms:8.2f} {r_a:>9s} {r_d:>9s} {p_a:>9s} {p_d:>9s} "
+            f"{coll:>9s}  {' '.join(notes)}"
         )
     on, off = rows.get("single", {}).get("ms"), rows.get("single-off", {}).get("ms")
     if on and off:
-        print(f"  non-distributed overhead of the plugin: {100 * (on / off - 1):+.1f}%")
+        paired = _paired(rows["single"], rows["single-off"])
+        if paired != "-":
+            paired = f", paired by round {100 * (float(paired) - 1):+.0f}%"
+        else:
+            paired = ""
+        print(
+            f"  non-distributed overhead of the plugin: {100 * (on / off - 1):+.1f}%"
+            f"{paired}"
+        )
     print()
 
 

@@ -22,12 +22,15 @@ FAMILY = "replicated"
 MODULES = ("keras.src.trainers.compile_utils", "keras.src.metrics.reduction_metrics")
 
 
-def local_inputs(values: list[Any]) -> tuple[Any, list[Any]] | None:
+def local_inputs(
+    values: list[Any], *, grad: bool = True
+) -> tuple[Any, list[Any]] | None:
     """``values`` with replicated DTensors as local tensors, and their mesh.
 
     None when there is no DTensor, or one is sharded or on another mesh. A
     Partial one is reduced first, as its first op would. Only a DTensor that
-    needs a gradient goes through ``to_local()`` (an autograd op).
+    needs a gradient goes through ``to_local()`` (an autograd op), and only
+    when the caller wants gradients (``grad``).
     """
     from keras_dtensor_fix.dtensor import DTensor, is_replicated, reduce_partial
 
@@ -42,7 +45,10 @@ def local_inputs(values: list[Any]) -> tuple[Any, list[Any]] | None:
             value = reduce_partial(value)
             if not is_replicated(value):
                 return None
-            value = value.to_local() if value.requires_grad else value._local_tensor
+            if grad and value.requires_grad:
+                value = value.to_local()
+            else:
+                value = value._local_tensor
         local.append(value)
     return None if mesh is None else (mesh, local)
 
@@ -71,6 +77,16 @@ def _unflat(args: tuple, kwargs: dict, structure: Any, leaves: list[Any]):
 
 
 def _run_local(wrapped, instance, args, kwargs):
+    """A loss on local tensors (its result keeps the gradient path)."""
+    return _call_local(wrapped, instance, args, kwargs, grad=True)
+
+
+def _update_local(wrapped, instance, args, kwargs):
+    """A metric update on local tensors (metrics take no gradients)."""
+    return _call_local(wrapped, instance, args, kwargs, grad=False)
+
+
+def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
     """Call ``wrapped`` on local tensors, with ``instance``'s variables local."""
     from keras_dtensor_fix.dtensor import DTensor, is_replicated, replicate
     from keras_dtensor_fix.keras_state import compiling
@@ -84,7 +100,7 @@ def _run_local(wrapped, instance, args, kwargs):
         if isinstance(value, DTensor) and not is_replicated(value):
             return wrapped(*args, **kwargs)
     leaves, structure = _flat(args, kwargs)
-    found = local_inputs(leaves)
+    found = local_inputs(leaves, grad=grad)
     if found is None:
         return wrapped(*args, **kwargs)
     mesh, local = found
@@ -112,7 +128,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
             FAMILY,
             module.__name__,
             target,
-            _run_local,
+            _run_local if target.endswith("__call__") else _update_local,
             gated=True,
             traced=True,
         )
