@@ -7,7 +7,8 @@ a small transformer block, Adam, batch 32):
   (b) eager      the plugin, eager
   (c) compiled   the plugin, jit_compile=True (torch.compile)
   (d) torch-tp   plain PyTorch tensor parallel (Colwise/Rowwise, Adam foreach)
-  (e) single     Keras on one process, plugin on; (f) single-off: plugin off
+  (e) single     Keras on one process, plugin on; (f) single-off: plugin off;
+      single-ab: both in one process, alternating blocks (activate/deactivate)
 
 and prints median ms/step (over every timed step of every round), the ratios
 to (a) and (d), the same ratios paired by round (the median over rounds of
@@ -30,7 +31,15 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = ("upstream", "eager", "compiled", "torch-tp", "single", "single-off")
+CONFIGS = (
+    "upstream",
+    "eager",
+    "compiled",
+    "torch-tp",
+    "single",
+    "single-off",
+    "single-ab",
+)
 BATCH = 32
 
 
@@ -49,6 +58,29 @@ def collectives(step, steps: int = 3) -> float:
         1 for n in names if n.startswith("c10d::") and not n.startswith("c10d::barrier")
     )
     return count / steps
+
+
+def _alternate(step, warmup: int, steps: int, blocks: int = 20) -> tuple[list, list]:
+    """Step times with the plugin on and off, in alternating blocks of one process.
+
+    ``deactivate()`` restores Keras's own functions, so this measures what the
+    wrappers' fast path costs a non-distributed program, free of the variance
+    between processes.
+    """
+    import keras_dtensor_fix
+
+    on: list[float] = []
+    off: list[float] = []
+    for block in range(blocks):
+        order = [(True, on), (False, off)]
+        for active, times in order if block % 2 == 0 else order[::-1]:
+            if active:
+                keras_dtensor_fix.activate()
+            else:
+                keras_dtensor_fix.deactivate()
+            times.extend(_time(step, warmup, steps))
+    keras_dtensor_fix.activate()
+    return on, off
 
 
 def _time(step, warmup: int, steps: int) -> list[float]:
@@ -238,9 +270,13 @@ def worker(config: str, model_name: str, out: Path, warmup: int, steps: int) -> 
         step = _torch_tp_step(model_name)
     else:
         step = _keras_step(model_name, config)
+    times_off = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        times = _time(step, warmup, steps)
+        if config == "single-ab":
+            times, times_off = _alternate(step, warmup, steps)
+        else:
+            times = _time(step, warmup, steps)
     fallback = any("Running without `torch.compile`" in str(w.message) for w in caught)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_step = collectives(step) if world > 1 else 0.0
@@ -253,6 +289,8 @@ def worker(config: str, model_name: str, out: Path, warmup: int, steps: int) -> 
         "breaks": sum(counters["graph_break"].values()),
         "fallback": fallback,
     }
+    if times_off:
+        report["ms_off"] = statistics.median(times_off)
     if int(os.environ.get("RANK", "0")) == 0:
         out.write_text(json.dumps(report))
     if torch.distributed.is_initialized():
@@ -400,6 +438,9 @@ def _table(model: str, rows: dict) -> None:
         notes = []
         if config == "compiled":
             notes.append(f"graphs={row['graphs']} breaks={row['breaks']}")
+        if "ms_off" in row:
+            change = 100 * (ms / row["ms_off"] - 1)
+            notes.append(f"plugin off {row['ms_off']:.2f} ms: {change:+.1f}% on")
             if row["fallback"]:
                 notes.append("FELL BACK TO EAGER")
         coll = f"{row['collectives']:.1f}" if not config.startswith("single") else "-"
