@@ -55,12 +55,31 @@ def walk(data: Any, layout: Any, leaf: Callable[[Any, Any], Any]) -> Any:
     return leaf(data, layout)
 
 
-def _backend_layout(layout: Any) -> Any:
+def _placements(layout: Any) -> tuple[Any, tuple]:
+    """The torch mesh and batch placements of a Keras or backend layout.
+
+    Keras builds a new ``TensorLayout`` for every batch; its conversion is
+    remembered by axes and mesh.
+    """
     from keras.src.distribution.distribution_lib import TensorLayout
 
+    key = None
     if isinstance(layout, TensorLayout):
-        return sys.modules[MODULES[0]]._to_backend_layout(layout)
-    return layout
+        key = (tuple(layout.axes), layout.device_mesh)
+        found = _LAYOUTS.get(key)
+        if found is not None:
+            return found
+        layout = sys.modules[MODULES[0]]._to_backend_layout(layout)
+    mesh = layout.device_mesh
+    found = (mesh, trivial_axes_replicated(mesh, layout.placements))
+    if key is not None:
+        if len(_LAYOUTS) >= 64:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = found
+    return found
+
+
+_LAYOUTS: dict[tuple, tuple] = {}
 
 
 def _distribute_leaf(value: Any, layout: Any) -> Any:
@@ -71,9 +90,7 @@ def _distribute_leaf(value: Any, layout: Any) -> Any:
 
     if value is None or layout is None:
         return value
-    layout = _backend_layout(layout)
-    mesh = layout.device_mesh
-    placements = trivial_axes_replicated(mesh, layout.placements)
+    mesh, placements = _placements(layout)
     if isinstance(value, DTensor):
         if value.device_mesh == mesh and tuple(value.placements) == placements:
             return value
