@@ -402,16 +402,20 @@ def _merge(previous: dict | None, row: dict) -> dict:
     return {**row, "times": times, "ms": statistics.median(times), "rounds": rounds}
 
 
-def _paired(row: dict, base: dict | None) -> str:
+def _paired(row: dict, base: dict | None) -> float | None:
     """Median over rounds of ``row``'s round median over ``base``'s, same round.
 
     Configurations of one round run back to back, so a slow spell of a shared
     machine weighs on both sides of each ratio.
     """
     if not base or "error" in base or "rounds" not in row:
-        return "-"
+        return None
     pairs = zip(row["rounds"], base["rounds"], strict=False)
-    return f"{statistics.median(a / b for a, b in pairs):.2f}"
+    return statistics.median(a / b for a, b in pairs)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _brief(row: dict) -> str:
@@ -433,19 +437,19 @@ def _table(model: str, rows: dict) -> None:
             print(f"  {config:10s} ERROR")
             continue
         ms = row["ms"]
-        r_a = f"{ms / base:.2f}" if base else "-"
-        r_d = f"{ms / ref:.2f}" if ref else "-"
+        r_a = _ratio(ms / base if base else None)
+        r_d = _ratio(ms / ref if ref else None)
         notes = []
         if config == "compiled":
             notes.append(f"graphs={row['graphs']} breaks={row['breaks']}")
+            if row["fallback"]:
+                notes.append("FELL BACK TO EAGER")
         if "ms_off" in row:
             change = 100 * (ms / row["ms_off"] - 1)
             notes.append(f"plugin off {row['ms_off']:.2f} ms: {change:+.1f}% on")
-            if row["fallback"]:
-                notes.append("FELL BACK TO EAGER")
         coll = f"{row['collectives']:.1f}" if not config.startswith("single") else "-"
-        p_a = _paired(row, rows.get("upstream"))
-        p_d = _paired(row, rows.get("torch-tp"))
+        p_a = _ratio(_paired(row, rows.get("upstream")))
+        p_d = _ratio(_paired(row, rows.get("torch-tp")))
         print(
             f"  {config:10s} {ms:8.2f} {r_a:>9s} {r_d:>9s} {p_a:>9s} {p_d:>9s} "
             f"{coll:>9s}  {' '.join(notes)}"
@@ -453,13 +457,12 @@ def _table(model: str, rows: dict) -> None:
     on, off = rows.get("single", {}).get("ms"), rows.get("single-off", {}).get("ms")
     if on and off:
         paired = _paired(rows["single"], rows["single-off"])
-        if paired != "-":
-            paired = f", paired by round {100 * (float(paired) - 1):+.0f}%"
-        else:
-            paired = ""
+        by_round = ""
+        if paired is not None:
+            by_round = f", paired by round {100 * (paired - 1):+.1f}%"
         print(
             f"  non-distributed overhead of the plugin: {100 * (on / off - 1):+.1f}%"
-            f"{paired}"
+            f"{by_round}"
         )
     print()
 
