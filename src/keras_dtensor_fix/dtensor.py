@@ -272,7 +272,7 @@ class _SumPartial(torch.autograd.Function):
     def forward(ctx: Any, value: DTensor, settled: tuple) -> DTensor:
         mesh = value.device_mesh
         ctx.placements = settled
-        local = value._local_tensor.contiguous().clone()
+        local = value._local_tensor.clone(memory_format=torch.contiguous_format)
         for axis, placement in enumerate(value.placements):
             if placement.is_partial():
                 torch.distributed.all_reduce(local, group=mesh.get_group(axis))

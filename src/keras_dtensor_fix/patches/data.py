@@ -235,13 +235,11 @@ def _make_metrics_result(owner_name: str):
                 results = super(owner, instance).get_metrics_result()
         else:
             with torch.no_grad():
-                values = []
-                for variable in variables:
-                    value = variable.value
-                    value = (
-                        value.to_local() if isinstance(value, DTensor) else value
-                    ).clone()
-                    values.append(value)
+                values = [
+                    v.to_local() if isinstance(v, DTensor) else v
+                    for v in (variable.value for variable in variables)
+                ]
+                # _sum_over reduces a concatenated copy: the variables stay.
                 values = _sum_over(values, group) if values else values
             with backend.StatelessScope(
                 state_mapping=list(zip(variables, values, strict=True))
