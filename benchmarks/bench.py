@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -84,14 +85,46 @@ def _alternate(step, warmup: int, steps: int, blocks: int = 20) -> tuple[list, l
 
 
 def _time(step, warmup: int, steps: int) -> list[float]:
+    import torch
+
+    sync = torch.cuda.synchronize if _device() == "cuda" else lambda: None
     for _ in range(warmup):
         step()
+    sync()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         step()
+        sync()
         times.append((time.perf_counter() - start) * 1e3)
     return times
+
+
+def _device() -> str:
+    """``cuda`` or ``cpu``, as the driver chose (``--device``)."""
+    return os.environ.get("BENCH_DEVICE", "cpu")
+
+
+def _init_distributed() -> str | None:
+    """Start the process group before Keras or the reference does; its backend.
+
+    On CUDA each rank takes GPU ``local_rank % count``. NCCL refuses two ranks
+    on one GPU, so with fewer GPUs than ranks the ranks share them over gloo
+    (CUDA tensors; gloo stages them through host memory).
+    """
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return None
+    backend = "gloo"
+    if _device() == "cuda":
+        count = torch.cuda.device_count()
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % count)
+        backend = "nccl" if count >= world else "gloo"
+    dist.init_process_group(backend)
+    return backend
 
 
 def _keras_step(model_name: str, config: str):
@@ -100,8 +133,12 @@ def _keras_step(model_name: str, config: str):
 
     from keras_dtensor_fix.demo import set_model_parallel
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        set_model_parallel(LAYOUTS[model_name])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        # Keras names one device per rank; on a GPU shared by the ranks
+        # list_devices() would name only the one GPU.
+        kind = "gpu" if _device() == "cuda" else "cpu"
+        set_model_parallel(LAYOUTS[model_name], [f"{kind}:{r}" for r in range(world)])
     keras.utils.set_random_seed(0)
     model, x, y = KERAS_MODELS[model_name](np, keras)
     model.compile(
@@ -179,12 +216,8 @@ def _torch_tp_step(model_name: str):
         parallelize_module,
     )
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
     world = dist.get_world_size()
-    device = "cuda" if cuda else "cpu"
+    device = _device()
     mesh = init_device_mesh(device, (world,))
     torch.manual_seed(0)
     torch.set_default_device(device)
@@ -266,6 +299,7 @@ def worker(config: str, model_name: str, out: Path, warmup: int, steps: int) -> 
 
     import torch
 
+    backend = _init_distributed()
     if config == "torch-tp":
         step = _torch_tp_step(model_name)
     else:
@@ -277,17 +311,23 @@ def worker(config: str, model_name: str, out: Path, warmup: int, steps: int) -> 
             times, times_off = _alternate(step, warmup, steps)
         else:
             times = _time(step, warmup, steps)
-    fallback = any("Running without `torch.compile`" in str(w.message) for w in caught)
+    counters = torch._dynamo.utils.counters
+    graphs = counters["stats"].get("unique_graphs", 0)
+    # Upstream's refusal, the plugin's (an old torch, say), or nothing compiled.
+    refused = ("Running without `torch.compile`", "jit_compile=True is not used")
+    fallback = config == "compiled" and (
+        graphs == 0 or any(r in str(w.message) for w in caught for r in refused)
+    )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_step = collectives(step) if world > 1 else 0.0
-    counters = torch._dynamo.utils.counters
     report = {
         "ms": statistics.median(times),
         "times": times,
         "collectives": per_step,
-        "graphs": counters["stats"].get("unique_graphs", 0),
+        "graphs": graphs,
         "breaks": sum(counters["graph_break"].values()),
         "fallback": fallback,
+        "backend": backend,
     }
     if times_off:
         report["ms_off"] = statistics.median(times_off)
@@ -303,6 +343,9 @@ def worker(config: str, model_name: str, out: Path, warmup: int, steps: int) -> 
 
 def run_config(config: str, model: str, args) -> dict:
     env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
+    env["BENCH_DEVICE"] = args.device
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # Keras and the reference on the CPU
     env["KERAS_DTENSOR_FIX"] = "0" if config in ("upstream", "single-off") else "1"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "out.json")
@@ -332,9 +375,24 @@ def run_config(config: str, model: str, args) -> dict:
             ]
         proc = subprocess.run(command, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
-            tail = (proc.stdout + proc.stderr)[-1500:]
-            return {"error": f"exit {proc.returncode}: {tail}"}
+            output = proc.stdout + proc.stderr
+            if args.errors:
+                with args.errors.open("a") as log:
+                    log.write(f"==== {model} {config}: exit {proc.returncode}\n")
+                    log.write(output + "\n")
+            return {"error": f"exit {proc.returncode}: {_reason(output)}"}
         return json.loads(out.read_text())
+
+
+def _reason(output: str) -> str:
+    """The last exception line of a failed run's output (else its last line)."""
+    lines = [re.sub(r"^\[rank\d+\]:", "", line).strip() for line in output.splitlines()]
+    lines = [line for line in lines if line]
+    for line in reversed(lines):
+        head = line.split(":", 1)[0].split(".")[-1]
+        if head.endswith(("Error", "Exception")) and " " not in head:
+            return line
+    return lines[-1] if lines else "no output"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,6 +403,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument(
         "--rounds", type=int, default=3, help="runs of every configuration"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: cuda where torch sees a GPU",
+    )
+    parser.add_argument(
+        "--errors", type=Path, help="append the whole output of failed runs here"
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -358,11 +425,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    where = (
-        f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, nccl"
-        if torch.cuda.is_available()
-        else "CPU, gloo"
-    )
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no GPU (torch.cuda.is_available())")
+    where = "CPU, gloo"
+    if args.device == "cuda":
+        count = torch.cuda.device_count()
+        shared = "nccl" if count >= 2 else "gloo, both ranks on one GPU"
+        where = f"{count} x {torch.cuda.get_device_name(0)}, {shared}"
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores; 2 ranks, {where}; "
         f"torch {torch.__version__}; batch {BATCH}"
@@ -381,11 +452,11 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 results[model][config] = _merge(results[model].get(config), row)
+                if args.json:  # after every run: a cut-short run keeps its figures
+                    args.json.write_text(json.dumps(results, indent=1))
     print()
     for model, rows in results.items():
         _table(model, rows)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
     return 0
 
 
@@ -420,7 +491,7 @@ def _ratio(value: float | None) -> str:
 
 def _brief(row: dict) -> str:
     if "error" in row:
-        return "ERROR " + row["error"].strip().splitlines()[-1][:200]
+        return "ERROR " + row["error"][:300]
     return f"{row['ms']:.2f} ms/step"
 
 

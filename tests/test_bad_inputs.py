@@ -306,3 +306,40 @@ def test_wrapt_too_old(run_py, mode, found) -> None:
     assert one_line(warning) and out["why"] == warning
     assert proc.stderr.count(warning) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+OLD_TORCH = """
+import json, types, warnings
+import torch
+import keras
+import keras_dtensor_fix as kdf
+from keras_dtensor_fix import keras_state
+from keras_dtensor_fix.patches import compile as compile_patch
+keras_state.model_parallel = lambda: object()      # as if ModelParallel were set
+model = types.SimpleNamespace(jit_compile=True, run_eagerly=False,
+                              _flatten_layers=lambda include_self: [])
+out = {}
+for version in ("2.11.0+cu130", "2.12.0", "2.13.0+cpu"):
+    torch.__version__ = version
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiles = compile_patch._use_torch_compile(
+            lambda: "upstream", model, (), {})
+    out[version] = {"compiles": compiles, "notes": kdf.status()["notes"],
+                    "warnings": [str(w.message) for w in caught]}
+print(json.dumps(out))
+"""
+
+
+def test_torch_too_old_to_compile(run_py) -> None:
+    """Before torch 2.12 a compiled ModelParallel step fails in dynamo: run eagerly."""
+    out = last_json(run_py(OLD_TORCH))
+    old = out["2.11.0+cu130"]
+    assert old["compiles"] is False
+    (warning,) = old["warnings"]
+    assert "torch 2.11.0+cu130" in warning and "torch>=2.12" in warning, warning
+    assert any("torch 2.11.0+cu130" in note for note in old["notes"]), old
+    for version in ("2.12.0", "2.13.0+cpu"):
+        new = out[version]
+        assert new["compiles"] is True and new["warnings"] == [], new
+        assert not any("torch>=2.12" in note for note in new["notes"]), new

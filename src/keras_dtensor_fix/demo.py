@@ -20,16 +20,19 @@ EPOCHS = 5
 RTOL = 1e-5
 
 
-def set_model_parallel(layout: dict[str, tuple]) -> None:
+def set_model_parallel(
+    layout: dict[str, tuple], devices: list[str] | None = None
+) -> None:
     """Initialize the process group and set a (1, world) ModelParallel.
 
-    ``layout`` maps LayoutMap regexes to axes over ``("batch", "model")``.
+    ``layout`` maps LayoutMap regexes to axes over ``("batch", "model")``;
+    ``devices`` (one per rank, default ``list_devices()``) names the mesh's.
     Every process feeds whole batches (``auto_shard_dataset = False``).
     """
     import keras
 
     keras.distribution.initialize()
-    devices = keras.distribution.list_devices()
+    devices = devices or keras.distribution.list_devices()
     mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
     layout_map = keras.distribution.LayoutMap(mesh)
     for key, axes in layout.items():

@@ -7,6 +7,7 @@ family) the step compiles to a graph like any other.
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 
@@ -28,10 +29,22 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     if not instance.jit_compile or instance.run_eagerly:
         return False
+    import warnings
+
+    if not torch_compiles_dtensor_grad():
+        import torch
+
+        warnings.warn(
+            "keras-dtensor-fix: jit_compile=True is not used for this "
+            f"ModelParallel model: torch {torch.__version__} cannot compile its "
+            "gradient (before torch 2.12 dynamo cannot trace torch.autograd.grad "
+            "over DTensors). The model runs eagerly. Install torch>=2.12 to "
+            "compile it.",
+            stacklevel=2,
+        )
+        return False
     seeded = seeded_random_layers(instance)
     if seeded:
-        import warnings
-
         warnings.warn(
             "keras-dtensor-fix: jit_compile=True is not used for this "
             f"ModelParallel model: its seeded random layers ({', '.join(seeded)}) "
@@ -42,6 +55,24 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
         )
         return False
     return True
+
+
+#: The first torch whose dynamo traces ``torch.autograd.grad`` (Keras's compiled
+#: train step) over DTensors; 2.11 asserts that every tensor is a FakeTensor.
+FIRST_COMPILING_TORCH = (2, 12)
+
+
+def release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string such as ``"2.13.0+cpu"``."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
+
+
+def torch_compiles_dtensor_grad() -> bool:
+    """Whether the installed torch can compile a ModelParallel train step."""
+    import torch
+
+    return release(torch.__version__) >= FIRST_COMPILING_TORCH
 
 
 def seeded_random_layers(model) -> list[str]:
@@ -139,16 +170,24 @@ def patches(module: types.ModuleType) -> list[Patch]:
 
 
 def notes() -> list[str]:
-    """Whether this nightly can compile a ModelParallel step."""
+    """Whether this nightly and this torch can compile a ModelParallel step."""
     from keras_dtensor_fix.patches.data import TRAINER, trainer_class
 
     module = sys.modules.get(TRAINER)
     if module is None:
         return []
-    if "_use_torch_compile" in vars(getattr(module, trainer_class(module))):
-        return []
-    return [
-        "jit_compile=True under ModelParallel runs eagerly on this keras-nightly "
-        f"(its trainer cannot compile the step); >={FIRST_COMPILING_NIGHTLY} "
-        "compiles"
-    ]
+    if "_use_torch_compile" not in vars(getattr(module, trainer_class(module))):
+        return [
+            "jit_compile=True under ModelParallel runs eagerly on this "
+            "keras-nightly (its trainer cannot compile the step); "
+            f">={FIRST_COMPILING_NIGHTLY} compiles"
+        ]
+    if not torch_compiles_dtensor_grad():
+        import torch
+
+        return [
+            "jit_compile=True under ModelParallel runs eagerly with torch "
+            f"{torch.__version__} (dynamo cannot trace autograd.grad over "
+            "DTensors); torch>=2.12 compiles"
+        ]
+    return []
