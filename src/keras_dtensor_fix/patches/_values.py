@@ -38,7 +38,7 @@ def variable_class() -> type:
     return _VARIABLE[0]
 
 
-def _resolve(value: Any) -> Any:
+def resolve(value: Any) -> Any:
     """A Keras variable as its tensor, a numpy array as a tensor, lists inside."""
     if isinstance(value, variable_class()):
         return value.value
@@ -50,7 +50,7 @@ def _resolve(value: Any) -> Any:
     if isinstance(value, (list, tuple)) and any(
         isinstance(v, variable_class()) for v in value
     ):
-        return type(value)(_resolve(v) for v in value)
+        return type(value)(resolve(v) for v in value)
     return value
 
 
@@ -121,8 +121,8 @@ def promote_call(
     elementwise: bool,
 ) -> Any:
     """Call ``wrapped`` after promoting plain tensors next to a DTensor argument."""
-    resolved = [_resolve(v) for v in args]
-    kw_resolved = {k: _resolve(v) for k, v in kwargs.items()}
+    resolved = [resolve(v) for v in args]
+    kw_resolved = {k: resolve(v) for k, v in kwargs.items()}
     values = resolved + list(kw_resolved.values())
     partner = find_dtensor(values)
     if partner is None:

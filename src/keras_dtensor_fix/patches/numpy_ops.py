@@ -105,7 +105,8 @@ def make_wrapper(name: str, elementwise: bool):
     :func:`~keras_dtensor_fix.dtensor.reduce_partial`).
     """
     from keras_dtensor_fix.dtensor import DTensor, reduce_partial
-    from keras_dtensor_fix.patches._values import promote_call, variable_class
+    from keras_dtensor_fix.einsum import local_einsum, local_matmul
+    from keras_dtensor_fix.patches._values import promote_call, resolve, variable_class
 
     keras_variable = variable_class()
 
@@ -126,6 +127,14 @@ def make_wrapper(name: str, elementwise: bool):
     contraction = name in CONTRACTIONS
 
     def call(wrapped, args, kwargs):
+        # DTensor operands whose placements allow it: one local einsum.
+        local = None
+        if name == "einsum" and args and isinstance(args[0], str) and not kwargs:
+            local = local_einsum(args[0], [resolve(v) for v in args[1:]])
+        elif name == "matmul" and len(args) == 2 and not kwargs:
+            local = local_matmul(resolve(args[0]), resolve(args[1]))
+        if local is not None:
+            return reduce_partial(local)
         result = promote_call(wrapped, args, kwargs, op=name, elementwise=elementwise)
         return reduce_partial(result) if contraction else result
 

@@ -1,0 +1,128 @@
+"""Local einsum on two ranks: values and gradients equal plain torch's.
+
+Run as ``torch.distributed.run --nproc_per_node=2 einsum.py``. For each case
+(an equation, shapes, the operands' placements) it checks what
+``keras_dtensor_fix.einsum.local_einsum`` returns, and the operands'
+gradients after a backward through ``reduce_partial`` (as the numpy wrapper
+runs it), against ``torch.einsum`` on the full plain tensors. It prints one
+JSON line from rank 0, ``CASES {name: "local" | "fallback"}``, and exits
+non-zero on a failure on any rank.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+
+from keras_dtensor_fix.dtensor import reduce_partial
+from keras_dtensor_fix.einsum import local_einsum, local_matmul
+
+R = Replicate()
+#: name -> (equation, shapes, placements, whether the local path applies)
+CASES = {
+    "column": ("abk,kn->abn", [(4, 3, 6), (6, 8)], [R, Shard(1)], True),
+    "row": ("abk,kn->abn", [(4, 3, 6), (6, 8)], [Shard(2), Shard(0)], True),
+    "uneven_rows": ("abk,kn->abn", [(4, 3, 6), (6, 8)], [Shard(1), R], False),
+    "batch_rows": ("abk,kn->abn", [(4, 2, 6), (6, 8)], [Shard(0), R], True),
+    "heads_in": ("abc,cde->abde", [(2, 5, 6), (6, 4, 3)], [R, Shard(1)], True),
+    "scores": ("aecd,abcd->acbe", [(2, 5, 4, 3)] * 2, [Shard(2), Shard(2)], True),
+    "context": (
+        "acbe,aecd->abcd",
+        [(2, 4, 5, 5), (2, 5, 4, 3)],
+        [Shard(1), Shard(2)],
+        True,
+    ),
+    "heads_out": (
+        "abcd,cde->abe",
+        [(2, 5, 4, 3), (4, 3, 6)],
+        [Shard(2), Shard(0)],
+        True,
+    ),
+    "summed_letter": ("abc,cd->ad", [(4, 3, 6), (6, 8)], [R, Shard(1)], True),
+    "replicated": ("ij,jk->ik", [(3, 4), (4, 5)], [R, R], True),
+    # No local form: a sharded letter held unsharded by the other operand,
+    # an uneven shard, a Partial operand, an ellipsis.
+    "unsharded_partner": ("abk,kn->abn", [(4, 3, 6), (6, 8)], [Shard(2), R], False),
+    "uneven": ("ij,jk->ik", [(3, 4), (4, 5)], [R, Shard(1)], False),
+    "partial": ("ij,jk->ik", [(4, 4), (4, 6)], [Partial(), R], False),
+    "ellipsis": ("...k,kn->...n", [(4, 3, 6), (6, 8)], [R, Shard(1)], False),
+}
+
+
+def check(name: str, mesh, seed: int) -> str:
+    equation, shapes, placements, local = CASES[name]
+    generator = torch.Generator().manual_seed(seed)
+    fulls = [torch.randn(shape, generator=generator) for shape in shapes]
+    operands = []
+    for full, placement in zip(fulls, placements, strict=True):
+        if placement.is_partial():
+            # Each rank holds half of the value: their sum is ``full``.
+            operand = DTensor.from_local(full / 2, mesh, [placement])
+        else:
+            operand = distribute_tensor(full, mesh, [placement])
+        operands.append(operand.detach().requires_grad_())
+    got = local_einsum(equation, operands)
+    assert (got is not None) == local, f"{name}: local path {got is not None}"
+    if got is None:
+        return "fallback"
+    plain = [f.clone().requires_grad_() for f in fulls]
+    want = torch.einsum(equation, *plain)
+    weights = torch.randn(want.shape, generator=generator)
+    (want * weights).sum().backward()
+    settled = reduce_partial(got)
+    torch.testing.assert_close(settled.full_tensor(), want.detach(), msg=name)
+    loss = (settled * distribute_tensor(weights, mesh, [R])).sum()
+    loss.backward()
+    for i, (operand, reference) in enumerate(zip(operands, plain, strict=True)):
+        grad = operand.grad
+        assert isinstance(grad, DTensor), f"{name}: operand {i} grad {type(grad)}"
+        torch.testing.assert_close(
+            grad.full_tensor(), reference.grad, msg=f"{name} operand {i} grad"
+        )
+    return "local"
+
+
+def check_matmul(mesh) -> str:
+    """``local_matmul`` takes 3-d by 2-d products and leaves 2-d ones to DTensor."""
+    x = distribute_tensor(torch.randn(4, 3, 6), mesh, [R])
+    w = distribute_tensor(torch.randn(6, 8), mesh, [Shard(1)])
+    got = local_matmul(x, w)
+    assert got is not None and tuple(got.placements) == (Shard(2),)
+    torch.testing.assert_close(got.full_tensor(), x.full_tensor() @ w.full_tensor())
+    assert local_matmul(distribute_tensor(torch.randn(4, 6), mesh, [R]), w) is None
+    return "local"
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    results, status = {}, 0
+    for seed, name in enumerate(CASES):
+        try:
+            results[name] = check(name, mesh, seed)
+        except Exception:  # noqa: BLE001 - report, go on, fail at the end
+            import traceback
+
+            traceback.print_exc()
+            results[name] = "FAILED"
+            status = 1
+    results["matmul"] = check_matmul(mesh)
+    if dist.get_rank() == 0:
+        print("CASES " + json.dumps(results), flush=True)
+    dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
