@@ -80,19 +80,21 @@ def describe(value: Any) -> str:
 def wrap_local(value: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> DTensor:
     """``DTensor.from_local(value, mesh, placements, run_check=False)``, cheaper.
 
-    A tensor that needs no gradient (a batch, a metric input) skips
-    ``from_local``'s autograd op, which costs as much as a small DTensor op;
-    the DTensor is built as ``from_local`` builds it. Anything else, and any
-    torch without those internals, goes through ``from_local``.
+    The DTensor is built as ``from_local`` builds it, from a cached spec. A
+    tensor that needs no gradient (a batch, a metric input) skips the autograd
+    op; one that does takes :class:`_WrapLocal`, a smaller one. A Partial
+    value that needs a gradient, a negative shard dim, a traced step and any
+    torch without those internals go through ``from_local``.
     """
     if value.device.type != mesh.device_type:
         value = value.to(mesh.device_type)
     placements = tuple(placements)
+    grad = value.requires_grad and torch.is_grad_enabled()
     if (
         _SPEC is None
-        or (value.requires_grad and torch.is_grad_enabled())
         or torch.compiler.is_compiling()
         or any(isinstance(p, Shard) and p.dim < 0 for p in placements)
+        or (grad and any(p.is_partial() for p in placements))
     ):
         return DTensor.from_local(value, mesh, placements, run_check=False)
     key = (mesh, placements, value.shape, value.stride(), value.dtype)
@@ -102,7 +104,34 @@ def wrap_local(value: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> DTe
         shape, stride = global_info(value, mesh, placements)
         meta = meta_class(torch.Size(shape), tuple(stride), value.dtype)
         spec = _remember(key, _spec(mesh, placements, meta))
+    if grad:
+        return _WrapLocal.apply(value, spec)
     return DTensor(value.view_as(value), copy.copy(spec), requires_grad=False)
+
+
+class _WrapLocal(torch.autograd.Function):
+    """``from_local``'s autograd op for Replicate and Shard placements.
+
+    The gradient goes back as the local tensor of a gradient with the forward
+    placements (redistributed to them first if it has others).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, spec: Any) -> DTensor:
+        ctx.spec = spec
+        # As from_local: the wrapper's requires_grad follows the local tensor's.
+        return DTensor(
+            value.view_as(value), copy.copy(spec), requires_grad=value.requires_grad
+        )
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        if isinstance(grad, DTensor):
+            spec = ctx.spec
+            if tuple(grad.placements) != spec.placements:
+                grad = grad.redistribute(spec.mesh, spec.placements)
+            grad = grad._local_tensor
+        return grad, None
 
 
 #: DTensorSpecs by what they are built from: building one costs more than the
