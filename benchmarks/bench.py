@@ -331,6 +331,7 @@ def worker(config: str, model_name: str, out: Path, warmup: int, steps: int) -> 
     }
     if times_off:
         report["ms_off"] = statistics.median(times_off)
+        report["times_off"] = times_off
     if int(os.environ.get("RANK", "0")) == 0:
         out.write_text(json.dumps(report))
     if torch.distributed.is_initialized():
@@ -470,7 +471,11 @@ def _merge(previous: dict | None, row: dict) -> dict:
         return previous
     times = previous["times"] + row["times"]
     rounds = previous["rounds"] + row["rounds"]
-    return {**row, "times": times, "ms": statistics.median(times), "rounds": rounds}
+    merged = {**row, "times": times, "ms": statistics.median(times), "rounds": rounds}
+    if "times_off" in row:  # single-ab: the plugin-off side pools the same way
+        off = previous["times_off"] + row["times_off"]
+        merged.update(times_off=off, ms_off=statistics.median(off))
+    return merged
 
 
 def _paired(row: dict, base: dict | None) -> float | None:
