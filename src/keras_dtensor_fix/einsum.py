@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from keras_dtensor_fix.dtensor import wrap_local
+from keras_dtensor_fix.dtensor import replicate, wrap_local
 
 __all__ = ["local_einsum", "local_matmul", "plan"]
 
@@ -71,6 +71,18 @@ def local_matmul(x: Any, w: Any) -> DTensor | None:
     return local_einsum(f"{batch}k,kn->{batch}n", (x, w))
 
 
+def _parse(equation: str) -> tuple[list[str], str] | None:
+    """Operand subscripts and output of an explicit einsum equation, or None.
+
+    None for an implicit output (no ``->``) or an ellipsis.
+    """
+    equation = equation.replace(" ", "")
+    if "..." in equation or "->" not in equation:
+        return None
+    inputs, output = equation.split("->")
+    return inputs.split(","), output
+
+
 @functools.lru_cache(maxsize=512)
 def plan(
     equation: str,
@@ -84,11 +96,10 @@ def plan(
     broadcast letter, Partial or uneven or strided shards, two letters sharded
     on one mesh axis, or a sharded letter that some operand holds unsharded.
     """
-    equation = equation.replace(" ", "")
-    if "..." in equation or "->" not in equation:
+    parsed = _parse(equation)
+    if parsed is None:
         return None
-    inputs, output = equation.split("->")
-    subscripts = inputs.split(",")
+    subscripts, output = parsed
     if len(subscripts) != len(shapes) or len(set(output)) != len(output):
         return None
     sizes: dict[str, int] = {}
@@ -144,7 +155,7 @@ class _LocalEinsum(torch.autograd.Function):
         # A Partial output's gradient is the full (replicated) gradient.
         want = tuple(Replicate() if p.is_partial() else p for p in out_placements)
         if not isinstance(grad, DTensor):
-            grad = wrap_local(grad, mesh, (Replicate(),) * mesh.ndim)
+            grad = replicate(grad, mesh)
         if tuple(grad.placements) != want:
             grad = grad.redistribute(mesh, want)
         needs = ctx.needs_input_grad[2:]
@@ -180,8 +191,7 @@ def _grad_equations(equation: str) -> tuple[str, ...] | None:
     ``"abk,kn->abn"`` gives ``("abn,kn->abk", "abn,abk->kn")``. None where an
     operand has a letter that neither the output nor another operand has.
     """
-    inputs, output = equation.replace(" ", "").split("->")
-    subscripts = inputs.split(",")
+    subscripts, output = _parse(equation)  # plan() parsed it already
     found = []
     for i, letters in enumerate(subscripts):
         others = [s for j, s in enumerate(subscripts) if j != i]

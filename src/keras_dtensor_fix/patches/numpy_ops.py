@@ -126,15 +126,24 @@ def make_wrapper(name: str, elementwise: bool):
 
     contraction = name in CONTRACTIONS
 
+    def einsum_form(args: tuple) -> Any:
+        if args and isinstance(args[0], str):
+            return local_einsum(args[0], [resolve(v) for v in args[1:]])
+        return None
+
+    def matmul_form(args: tuple) -> Any:
+        if len(args) == 2:
+            return local_matmul(resolve(args[0]), resolve(args[1]))
+        return None
+
+    # DTensor operands whose placements allow it: one local einsum.
+    local_form = {"einsum": einsum_form, "matmul": matmul_form}.get(name)
+
     def call(wrapped, args, kwargs):
-        # DTensor operands whose placements allow it: one local einsum.
-        local = None
-        if name == "einsum" and args and isinstance(args[0], str) and not kwargs:
-            local = local_einsum(args[0], [resolve(v) for v in args[1:]])
-        elif name == "matmul" and len(args) == 2 and not kwargs:
-            local = local_matmul(resolve(args[0]), resolve(args[1]))
-        if local is not None:
-            return reduce_partial(local)
+        if local_form is not None and not kwargs:
+            local = local_form(args)
+            if local is not None:
+                return reduce_partial(local)
         result = promote_call(wrapped, args, kwargs, op=name, elementwise=elementwise)
         return reduce_partial(result) if contraction else result
 
