@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: E402
 
 from keras_dtensor_fix.einsum import _grad_equations, plan  # noqa: E402
-from ranks.einsum import CASES  # noqa: E402
+from ranks.einsum import CASES, LINEAR_CASES  # noqa: E402
 from support import ROOT, run_ranks  # noqa: E402
 
 R = Replicate()
@@ -69,4 +69,7 @@ def test_two_ranks() -> None:
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("CASES ")]
     results = json.loads(line[len("CASES ") :])
     expected = {name: "local" if c[3] else "fallback" for name, c in CASES.items()}
+    expected.update(
+        (name, "local" if c[-1] else "fallback") for name, c in LINEAR_CASES.items()
+    )
     assert results == {**expected, "matmul": "local"}, results

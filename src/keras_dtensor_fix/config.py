@@ -27,6 +27,7 @@ FAMILIES: tuple[str, ...] = (
     "ops",
     "random",
     "replicated",
+    "layers",
 )
 
 OFF_VALUES: tuple[str, ...] = ("0", "false", "off", "no")

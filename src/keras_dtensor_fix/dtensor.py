@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 __all__ = [
     "DTensor",
     "PromotionError",
+    "all_reduce_sum",
     "describe",
     "find_dtensor",
     "gather_non_batch_axes",
@@ -27,6 +28,7 @@ __all__ = [
     "promote_args",
     "replicate",
     "to_placements",
+    "unwrap_local",
     "wrap_local",
 ]
 
@@ -132,6 +134,74 @@ class _WrapLocal(torch.autograd.Function):
                 grad = grad.redistribute(spec.mesh, spec.placements)
             grad = grad._local_tensor
         return grad, None
+
+
+def unwrap_local(
+    value: DTensor, grad_placements: Sequence[Any] | None = None
+) -> torch.Tensor:
+    """``value.to_local(grad_placements=...)``, cheaper when it needs a gradient.
+
+    The gradient comes back as :func:`wrap_local` of the plain gradient with
+    ``grad_placements`` (default: the forward placements), from a cached spec,
+    where ``to_local``'s backward builds a new one. A Partial ``value``, a
+    traced step and any torch without those internals go through ``to_local``.
+    """
+    if not (value.requires_grad and torch.is_grad_enabled()):
+        return value._local_tensor.view_as(value._local_tensor)
+    if (
+        _SPEC is None
+        or torch.compiler.is_compiling()
+        or any(p.is_partial() for p in value.placements)
+    ):
+        return value.to_local(grad_placements=grad_placements)
+    placements = tuple(grad_placements or value.placements)
+    return _UnwrapLocal.apply(value, placements)
+
+
+class _UnwrapLocal(torch.autograd.Function):
+    """``to_local``'s autograd op for Replicate and Shard placements."""
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, placements: tuple) -> torch.Tensor:
+        ctx.mesh, ctx.placements = value.device_mesh, placements
+        ctx.set_materialize_grads(False)
+        local = value._local_tensor
+        # A fresh tensor: autograd writes its metadata into the result.
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        if grad is not None and not isinstance(grad, DTensor):
+            grad = wrap_local(grad, ctx.mesh, ctx.placements)
+        return grad, None
+
+
+def all_reduce_sum(value: torch.Tensor, mesh: Any, axes: Sequence[int]) -> torch.Tensor:
+    """Sum a plain tensor (one rank's partial sum) over ``mesh`` axes ``axes``.
+
+    Autograd sees the identity: every rank's partial sum gets the (replicated)
+    gradient of the total. Megatron's row-parallel "g" operator.
+    """
+    if torch.is_grad_enabled() and value.requires_grad:
+        return _AllReduceSum.apply(value, mesh, tuple(axes))
+    return _all_reduce(value, mesh, axes)
+
+
+def _all_reduce(value: torch.Tensor, mesh: Any, axes: Sequence[int]) -> torch.Tensor:
+    value = value.clone(memory_format=torch.contiguous_format)
+    for axis in axes:
+        torch.distributed.all_reduce(value, group=mesh.get_group(axis))
+    return value
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, mesh: Any, axes: tuple) -> torch.Tensor:
+        return _all_reduce(value, mesh, axes)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None]:
+        return grad, None, None
 
 
 #: DTensorSpecs by what they are built from: building one costs more than the

@@ -13,15 +13,26 @@ sharded gets a ``Partial("sum")`` gradient, as DTensor's own einsum gives.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from keras_dtensor_fix.dtensor import replicate, wrap_local
+from keras_dtensor_fix.dtensor import (
+    all_reduce_sum,
+    replicate,
+    unwrap_local,
+    wrap_local,
+)
 
-__all__ = ["local_einsum", "local_matmul", "plan"]
+__all__ = [
+    "linear_equation",
+    "local_dense",
+    "local_einsum",
+    "local_matmul",
+    "plan",
+]
 
 Placements = tuple[Any, ...]
 
@@ -67,8 +78,131 @@ def local_matmul(x: Any, w: Any) -> DTensor | None:
         return None
     if w.ndim != 2 or not 3 <= x.ndim <= 10:
         return None
-    batch = "abcdefghij"[: x.ndim - 1]
-    return local_einsum(f"{batch}k,kn->{batch}n", (x, w))
+    return local_einsum(linear_equation(x.ndim), (x, w))
+
+
+#: How far an activation reaches: each element alone, along the last dim, or
+#: anywhere (it needs the whole value).
+SCOPES = ("elementwise", "last", "whole")
+
+
+def linear_equation(ndim: int) -> str:
+    """The einsum of a ``(..., k)`` input (``ndim`` dims) by a ``(k, n)`` kernel."""
+    if not 1 <= ndim <= 10:
+        raise ValueError(f"a linear product takes 1 to 10 input dims, not {ndim}")
+    batch = "abcdefghij"[: ndim - 1]
+    return f"{batch}k,kn->{batch}n"
+
+
+def local_dense(
+    equation: str,
+    x: Any,
+    w: DTensor,
+    b: DTensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    scope: str = "elementwise",
+) -> DTensor | None:
+    """``activation(einsum(equation, x, w) + b)`` on local tensors, or None.
+
+    A dense layer (Keras ``Dense``, ``EinsumDense``). ``x`` is a DTensor or a
+    plain tensor holding the full value (no gradient), ``w`` a DTensor kernel,
+    ``b`` a DTensor bias that broadcasts against the output's trailing dims,
+    sharded where they are. The product is planned by :func:`plan`; a summed
+    sharded letter is all-reduced before the bias (Megatron's row-parallel
+    layer). Between the unwrapped inputs and the wrapped output every op,
+    forward and backward, is a plain torch op: no DTensor dispatch. None where
+    anything does not fit: a traced step, mixed dtypes or meshes, placements
+    with no local form, a bias placed otherwise, an activation whose ``scope``
+    the output's sharding splits.
+    """
+    if torch.compiler.is_compiling() or not isinstance(w, DTensor):
+        return None
+    mesh = w.device_mesh
+    if isinstance(x, DTensor):
+        if x.device_mesh is not mesh and x.device_mesh != mesh:
+            return None
+        x_placements = tuple(x.placements)
+    elif isinstance(x, torch.Tensor) and not x.requires_grad:
+        x_placements = (Replicate(),) * mesh.ndim
+    else:
+        return None
+    if x.dtype != w.dtype or not w.dtype.is_floating_point:
+        return None
+    found = plan(
+        equation,
+        (tuple(x.shape), tuple(w.shape)),
+        (x_placements, tuple(w.placements)),
+        tuple(mesh.shape),
+    )
+    if found is None:
+        return None
+    out, (x_grad, w_grad) = found
+    summed = [axis for axis, p in enumerate(out) if p.is_partial()]
+    settled = tuple(Replicate() if p.is_partial() else p for p in out)
+    out_shape = _output_shape(equation, x.shape, w.shape)
+    if b is not None:
+        if (
+            not isinstance(b, DTensor)
+            or b.dtype != w.dtype
+            or (b.device_mesh is not mesh and b.device_mesh != mesh)
+        ):
+            return None
+        b_plan = _bias_plan(out_shape, settled, tuple(b.shape))
+        if b_plan is None or b_plan[0] != tuple(b.placements):
+            return None
+    if activation is not None and not _scope_fits(scope, settled, len(out_shape)):
+        return None
+    local = x if not isinstance(x, DTensor) else unwrap_local(x, x_grad)
+    y = torch.einsum(equation, local, unwrap_local(w, w_grad))
+    if summed:
+        y = all_reduce_sum(y, mesh, summed)
+    if b is not None:
+        y = y + unwrap_local(b, b_plan[1])
+    if activation is not None:
+        y = activation(y)
+    return wrap_local(y, mesh, settled)
+
+
+def _output_shape(equation: str, x_shape: Any, w_shape: Any) -> tuple[int, ...]:
+    (x_letters, w_letters), output = _parse(equation)  # plan() parsed it
+    sizes = dict(zip(x_letters, x_shape, strict=True))
+    sizes.update(zip(w_letters, w_shape, strict=True))
+    return tuple(sizes[letter] for letter in output)
+
+
+def _bias_plan(
+    out_shape: tuple[int, ...], out: Placements, bias_shape: tuple[int, ...]
+) -> tuple[Placements, Placements] | None:
+    """A bias's placements and its gradient's, next to an output placed ``out``.
+
+    The bias lines up with the output's trailing dims: sharded where the
+    output is, on a dim it does not broadcast; else replicated, with a
+    Partial gradient where it broadcasts over a sharded dim (each rank sums
+    its rows). None where it does not line up.
+    """
+    offset = len(out_shape) - len(bias_shape)
+    if offset < 0 or any(
+        size not in (1, out_shape[offset + i]) for i, size in enumerate(bias_shape)
+    ):
+        return None
+    placements, grads = [], []
+    for p in out:
+        dim = p.dim - offset if p.is_shard() else -1
+        if dim >= 0 and bias_shape[dim] != 1:
+            placements.append(Shard(dim))
+            grads.append(Shard(dim))
+        else:
+            placements.append(Replicate())
+            grads.append(Partial() if p.is_shard() else Replicate())
+    return tuple(placements), tuple(grads)
+
+
+def _scope_fits(scope: str, placements: Placements, ndim: int) -> bool:
+    if scope == "elementwise":
+        return True
+    if scope == "last":
+        return Shard(ndim - 1) not in placements
+    return all(p.is_replicate() for p in placements)
 
 
 def _parse(equation: str) -> tuple[list[str], str] | None:

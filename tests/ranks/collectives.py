@@ -3,7 +3,8 @@
 Run as ``torch.distributed.run --nproc_per_node=2 collectives.py OUT``. Trains
 the benchmark's MLP and transformer block (Megatron layouts) eagerly and with
 ``jit_compile=True`` and writes, from rank 0, collectives per step (counted with
-torch's profiler, as the benchmark does) and dynamo's graph count.
+torch's profiler, as the benchmark does), dynamo's graph count, and the ops
+that an eager step dispatches on DTensors (each costs DTensor's dispatch).
 """
 
 from __future__ import annotations
@@ -20,12 +21,36 @@ import bench  # noqa: E402
 import keras  # noqa: E402
 import numpy  # noqa: E402
 import torch  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import keras_dtensor_fix  # noqa: E402, F401  (activates, also without the .pth)
 from keras_dtensor_fix.demo import set_model_parallel  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
 from support import compiles_model_parallel  # noqa: E402
+
+
+class _DTensorOps(TorchDispatchMode):
+    """Counts the aten ops called with a DTensor among their arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs))):
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def dtensor_ops(step) -> int:
+    """DTensor-dispatched ops in one call of ``step``."""
+    with _DTensorOps() as mode:
+        step()
+    return mode.count
 
 
 def main(out: Path) -> None:
@@ -44,6 +69,8 @@ def main(out: Path) -> None:
                 model.train_on_batch(x, y)
             step = functools.partial(model.train_on_batch, x, y)
             results[f"{model_name}/{config}"] = bench.collectives(step)
+            if config == "eager":
+                results[f"{model_name}/dtensor_ops"] = dtensor_ops(step)
     results["graphs"] = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
     results["compiles"] = compiles_model_parallel()
     if torch.distributed.get_rank() == 0:

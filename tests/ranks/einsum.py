@@ -4,9 +4,10 @@ Run as ``torch.distributed.run --nproc_per_node=2 einsum.py``. For each case
 (an equation, shapes, the operands' placements) it checks what
 ``keras_dtensor_fix.einsum.local_einsum`` returns, and the operands'
 gradients after a backward through ``reduce_partial`` (as the numpy wrapper
-runs it), against ``torch.einsum`` on the full plain tensors. It prints one
-JSON line from rank 0, ``CASES {name: "local" | "fallback"}``, and exits
-non-zero on a failure on any rank.
+runs it), against ``torch.einsum`` on the full plain tensors; likewise each
+``LINEAR_CASES`` dense layer (``local_dense``) against ``act(x @ w + b)``. It
+prints one JSON line from rank 0, ``CASES {name: "local" | "fallback"}``, and
+exits non-zero on a failure on any rank.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from torch.distributed.tensor import (
 )
 
 from keras_dtensor_fix.dtensor import reduce_partial
-from keras_dtensor_fix.einsum import local_einsum, local_matmul
+from keras_dtensor_fix.einsum import (
+    linear_equation,
+    local_dense,
+    local_einsum,
+    local_matmul,
+)
 
 R = Replicate()
 #: name -> (equation, shapes, placements, whether the local path applies)
@@ -59,6 +65,83 @@ CASES = {
     "partial": ("ij,jk->ik", [(4, 4), (4, 6)], [Partial(), R], False),
     "ellipsis": ("...k,kn->...n", [(4, 3, 6), (6, 8)], [R, Shard(1)], False),
 }
+
+
+PLAIN = None  # the input is a plain tensor holding the full value
+
+
+def _softmax(x):
+    return torch.softmax(x, dim=-1)
+
+
+#: name -> (x shape, x placement or PLAIN, kernel shape, kernel placement,
+#: bias placement or None, activation and its scope, whether it runs locally)
+LINEAR_CASES = {
+    "linear_column": ((4, 6), PLAIN, (6, 8), Shard(1), Shard(0), "relu", True),
+    "linear_column_grad": ((4, 6), R, (6, 8), Shard(1), Shard(0), "relu", True),
+    "linear_row": ((4, 6), Shard(1), (6, 8), Shard(0), R, None, True),
+    "linear_row_softmax": ((4, 6), Shard(1), (6, 8), Shard(0), R, "softmax", True),
+    "linear_3d": ((2, 3, 6), R, (6, 8), Shard(1), Shard(0), "relu", True),
+    "linear_batch": ((4, 6), Shard(0), (6, 8), R, R, "relu", True),
+    "linear_no_bias": ((4, 6), R, (6, 8), Shard(1), None, None, True),
+    # No local form: a replicated bias next to a sharded output, a softmax over
+    # a sharded last dim, a plain input that needs a gradient, an uneven shard.
+    "linear_bias_replicated": ((4, 6), R, (6, 8), Shard(1), R, None, False),
+    "linear_softmax_split": ((4, 6), R, (6, 8), Shard(1), Shard(0), "softmax", False),
+    "linear_plain_grad": (
+        (4, 6),
+        "plain_grad",
+        (6, 8),
+        Shard(1),
+        Shard(0),
+        None,
+        False,
+    ),
+    "linear_uneven": ((4, 6), R, (6, 7), Shard(1), Shard(0), None, False),
+}
+ACTIVATIONS = {"relu": (torch.relu, "elementwise"), "softmax": (_softmax, "last")}
+
+
+def check_linear(name: str, mesh, seed: int) -> str:
+    x_shape, x_place, w_shape, w_place, b_place, act, local = LINEAR_CASES[name]
+    generator = torch.Generator().manual_seed(seed)
+    x_full = torch.randn(x_shape, generator=generator)
+    w_full = torch.randn(w_shape, generator=generator)
+    b_full = torch.randn(w_shape[1], generator=generator)
+    if x_place is PLAIN:
+        x = x_full.clone()
+    elif x_place == "plain_grad":
+        x = x_full.clone().requires_grad_()
+    else:
+        x = distribute_tensor(x_full, mesh, [x_place]).detach().requires_grad_()
+    w = distribute_tensor(w_full, mesh, [w_place]).detach().requires_grad_()
+    b = None
+    if b_place is not None:
+        b = distribute_tensor(b_full, mesh, [b_place]).detach().requires_grad_()
+    fn, scope = ACTIVATIONS[act] if act else (None, "elementwise")
+    got = local_dense(linear_equation(x.ndim), x, w, b, fn, scope)
+    assert (got is not None) == local, f"{name}: local path {got is not None}"
+    if got is None:
+        return "fallback"
+    plain = [t.clone().requires_grad_() for t in (x_full, w_full, b_full)]
+    want = plain[0] @ plain[1] + (plain[2] if b is not None else 0)
+    want = fn(want) if fn else want
+    weights = torch.randn(want.shape, generator=generator)
+    (want * weights).sum().backward()
+    assert not any(p.is_partial() for p in got.placements), name
+    torch.testing.assert_close(got.full_tensor(), want.detach(), msg=name)
+    (got * distribute_tensor(weights, mesh, [R])).sum().backward()
+    pairs = [(w, plain[1]), (b, plain[2])]
+    if isinstance(x, DTensor):
+        pairs.append((x, plain[0]))
+    for operand, reference in pairs:
+        if operand is None:
+            continue
+        assert isinstance(operand.grad, DTensor), f"{name}: grad {operand.grad!r}"
+        torch.testing.assert_close(
+            operand.grad.full_tensor(), reference.grad, msg=f"{name} grad"
+        )
+    return "local"
 
 
 def check(name: str, mesh, seed: int) -> str:
@@ -112,6 +195,15 @@ def main() -> int:
     for seed, name in enumerate(CASES):
         try:
             results[name] = check(name, mesh, seed)
+        except Exception:  # noqa: BLE001 - report, go on, fail at the end
+            import traceback
+
+            traceback.print_exc()
+            results[name] = "FAILED"
+            status = 1
+    for seed, name in enumerate(LINEAR_CASES):
+        try:
+            results[name] = check_linear(name, mesh, seed)
         except Exception:  # noqa: BLE001 - report, go on, fail at the end
             import traceback
 

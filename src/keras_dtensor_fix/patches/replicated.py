@@ -29,10 +29,15 @@ def local_inputs(
 
     None when there is no DTensor, or one is sharded or on another mesh. A
     Partial one is reduced first, as its first op would. Only a DTensor that
-    needs a gradient goes through ``to_local()`` (an autograd op), and only
-    when the caller wants gradients (``grad``).
+    needs a gradient takes an autograd op (``unwrap_local``), and only when
+    the caller wants gradients (``grad``).
     """
-    from keras_dtensor_fix.dtensor import DTensor, is_replicated, reduce_partial
+    from keras_dtensor_fix.dtensor import (
+        DTensor,
+        is_replicated,
+        reduce_partial,
+        unwrap_local,
+    )
 
     mesh = None
     local = []
@@ -46,7 +51,7 @@ def local_inputs(
             if not is_replicated(value):
                 return None
             if grad and value.requires_grad:
-                value = value.to_local()
+                value = unwrap_local(value)
             else:
                 value = value._local_tensor
         local.append(value)

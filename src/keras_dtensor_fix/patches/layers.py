@@ -1,0 +1,115 @@
+"""Keras dense layers with a sharded kernel, computed on local tensors.
+
+``Dense.call`` and ``EinsumDense.call`` are a product, a bias add and an
+activation. Through DTensor each is a dispatched op forward and a few more
+backward (about 12 per layer, each costing more than the small op it runs).
+Where the kernel and bias are DTensors whose placements have a local form
+(column or row parallel, a batch-sharded input), the layer runs as
+:func:`~keras_dtensor_fix.einsum.local_dense`: plain torch ops on the local
+tensors between one unwrap per input and one wrap of the output. Anything else
+(LoRA, quantized kernels, a plain kernel, placements without a local form, an
+activation the output's sharding would split) calls the original ``call``, as
+do compiled steps.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from keras_dtensor_fix.engine import Patch
+
+FAMILY = "layers"
+MODULES = ("keras.src.layers.core.dense", "keras.src.layers.core.einsum_dense")
+
+#: Keras activations (``keras.activations.<name>``) by how far they reach.
+#: Any other callable runs locally only where the output is whole everywhere.
+ELEMENTWISE = (
+    "celu",
+    "elu",
+    "exponential",
+    "gelu",
+    "hard_shrink",
+    "hard_sigmoid",
+    "hard_silu",
+    "hard_tanh",
+    "leaky_relu",
+    "linear",
+    "log_sigmoid",
+    "mish",
+    "relu",
+    "relu6",
+    "selu",
+    "sigmoid",
+    "silu",
+    "soft_shrink",
+    "softplus",
+    "softsign",
+    "sparse_plus",
+    "sparse_sigmoid",
+    "squareplus",
+    "tanh",
+    "tanh_shrink",
+)
+LAST_AXIS = ("glu", "log_softmax", "softmax", "sparsemax")
+
+_SCOPES: dict[Any, str] = {}
+
+
+def activation_scope(activation: Any) -> str:
+    """``"elementwise"``, ``"last"`` or ``"whole"``: see :data:`ELEMENTWISE`."""
+    if not _SCOPES:
+        from keras.src.activations import activations
+
+        for names, scope in ((ELEMENTWISE, "elementwise"), (LAST_AXIS, "last")):
+            for name in names:
+                function = getattr(activations, name, None)
+                if function is not None:
+                    _SCOPES[function] = scope
+    try:
+        return _SCOPES.get(activation, "whole")
+    except TypeError:  # unhashable callable
+        return "whole"
+
+
+def _dense_call(wrapped, instance, args, kwargs):
+    """``Dense.call`` (``EinsumDense.call``: the layer's equation) on local tensors."""
+    from keras_dtensor_fix.dtensor import DTensor
+    from keras_dtensor_fix.einsum import linear_equation, local_dense
+    from keras_dtensor_fix.keras_state import compiling
+    from keras_dtensor_fix.patches._values import resolve
+
+    kernel = getattr(instance, "_kernel", None)
+    if (
+        compiling()
+        or not isinstance(getattr(kernel, "_value", None), DTensor)
+        or getattr(instance, "lora_enabled", False)
+        or getattr(instance, "quantization_mode", None) is not None
+        or len(args) + len(kwargs) < 1
+    ):
+        return wrapped(*args, **kwargs)
+    inputs = resolve(args[0] if args else kwargs.get("inputs"))
+    bias = instance.bias
+    activation = instance.activation
+    operands = (
+        inputs,
+        resolve(instance.kernel),
+        None if bias is None else resolve(bias),
+        activation,
+        "elementwise" if activation is None else activation_scope(activation),
+    )
+    equation = getattr(instance, "equation", None)  # EinsumDense's own
+    if not isinstance(equation, str):
+        ndim = getattr(inputs, "ndim", 0)
+        equation = linear_equation(ndim) if 1 <= ndim <= 10 else None
+    result = None if equation is None else local_dense(equation, *operands)
+    if result is None:
+        return wrapped(*args, **kwargs)
+    return result
+
+
+def patches(module: types.ModuleType) -> list[Patch]:
+    name = "EinsumDense" if module.__name__.endswith("einsum_dense") else "Dense"
+    if "call" not in vars(getattr(module, name, object)):
+        raise LookupError(f"{name}.call not found: this Keras moved it")
+    return [Patch(FAMILY, module.__name__, f"{name}.call", _dense_call, gated=True)]
