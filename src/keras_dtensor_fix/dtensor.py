@@ -371,10 +371,8 @@ class _SumPartial(torch.autograd.Function):
     def forward(ctx: Any, value: DTensor, settled: tuple) -> DTensor:
         mesh = value.device_mesh
         ctx.placements = settled
-        local = value._local_tensor.clone(memory_format=torch.contiguous_format)
-        for axis, placement in enumerate(value.placements):
-            if placement.is_partial():
-                torch.distributed.all_reduce(local, group=mesh.get_group(axis))
+        axes = [axis for axis, p in enumerate(value.placements) if p.is_partial()]
+        local = _all_reduce(value._local_tensor, mesh, axes)
         spec = copy.copy(_spec(mesh, settled, value._spec.tensor_meta))
         return DTensor(local, spec, requires_grad=value.requires_grad)
 
