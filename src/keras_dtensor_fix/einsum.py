@@ -52,7 +52,7 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
     for operand in operands[1:]:
         if (
             not isinstance(operand, DTensor)
-            or (operand.device_mesh is not mesh and operand.device_mesh != mesh)
+            or not _same_mesh(operand, mesh)
             or operand.dtype != first.dtype
         ):
             return None
@@ -81,20 +81,23 @@ def local_matmul(x: Any, w: Any) -> DTensor | None:
     return local_einsum(linear_equation(x.ndim), (x, w))
 
 
-#: How far an activation reaches: each element alone, along the last dim, or
-#: anywhere (it needs the whole value).
-SCOPES = ("elementwise", "last", "whole")
+#: ``"...k,kn->...n"`` spelled out, by the input's number of dims (1 to 10).
+_LINEAR = {
+    ndim: f"{'abcdefghij'[: ndim - 1]}k,kn->{'abcdefghij'[: ndim - 1]}n"
+    for ndim in range(1, 11)
+}
 
 
-def linear_equation(ndim: int) -> str:
-    """The einsum of a ``(..., k)`` input (``ndim`` dims) by a ``(k, n)`` kernel."""
-    if not 1 <= ndim <= 10:
-        raise ValueError(f"a linear product takes 1 to 10 input dims, not {ndim}")
-    batch = "abcdefghij"[: ndim - 1]
-    return f"{batch}k,kn->{batch}n"
+def linear_equation(ndim: int) -> str | None:
+    """The einsum of a ``(..., k)`` input of ``ndim`` dims by a ``(k, n)`` kernel.
+
+    None outside 1 to 10 dims.
+    """
+    return _LINEAR.get(ndim)
 
 
-_LINEAR = {ndim: linear_equation(ndim) for ndim in range(1, 11)}
+def _same_mesh(value: DTensor, mesh: Any) -> bool:
+    return value.device_mesh is mesh or value.device_mesh == mesh
 
 
 def local_dense(
@@ -122,7 +125,7 @@ def local_dense(
         return None
     mesh = w.device_mesh
     if isinstance(x, DTensor):
-        if x.device_mesh is not mesh and x.device_mesh != mesh:
+        if not _same_mesh(x, mesh):
             return None
         x_placements = tuple(x.placements)
     elif isinstance(x, torch.Tensor) and not x.requires_grad:
@@ -142,13 +145,9 @@ def local_dense(
     out, (x_grad, w_grad) = found
     summed = [axis for axis, p in enumerate(out) if p.is_partial()]
     settled = tuple(Replicate() if p.is_partial() else p for p in out)
-    out_shape = _output_shape(equation, x.shape, w.shape)
+    out_shape = _output_shape(equation, tuple(x.shape), tuple(w.shape))
     if b is not None:
-        if (
-            not isinstance(b, DTensor)
-            or b.dtype != w.dtype
-            or (b.device_mesh is not mesh and b.device_mesh != mesh)
-        ):
+        if not isinstance(b, DTensor) or b.dtype != w.dtype or not _same_mesh(b, mesh):
             return None
         b_plan = _bias_plan(out_shape, settled, tuple(b.shape))
         if b_plan is None or b_plan[0] != tuple(b.placements):
@@ -156,7 +155,7 @@ def local_dense(
     if activation is not None and not _scope_fits(scope, settled, len(out_shape)):
         return None
     local = x if not isinstance(x, DTensor) else unwrap_local(x, x_grad)
-    if w.ndim == 2 and equation == _LINEAR.get(x.ndim):
+    if w.ndim == 2 and equation == linear_equation(x.ndim):
         # torch.matmul: fewer ops than einsum's permutes and bmm, both ways.
         y = torch.matmul(local, unwrap_local(w, w_grad))
     else:
@@ -170,13 +169,17 @@ def local_dense(
     return wrap_local(y, mesh, settled)
 
 
-def _output_shape(equation: str, x_shape: Any, w_shape: Any) -> tuple[int, ...]:
+@functools.lru_cache(maxsize=512)
+def _output_shape(
+    equation: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]
+) -> tuple[int, ...]:
     (x_letters, w_letters), output = _parse(equation)  # plan() parsed it
     sizes = dict(zip(x_letters, x_shape, strict=True))
     sizes.update(zip(w_letters, w_shape, strict=True))
     return tuple(sizes[letter] for letter in output)
 
 
+@functools.lru_cache(maxsize=512)
 def _bias_plan(
     out_shape: tuple[int, ...], out: Placements, bias_shape: tuple[int, ...]
 ) -> tuple[Placements, Placements] | None:
@@ -205,6 +208,11 @@ def _bias_plan(
 
 
 def _scope_fits(scope: str, placements: Placements, ndim: int) -> bool:
+    """Whether an activation of ``scope`` runs locally on an output so placed.
+
+    ``"elementwise"``: each element alone; ``"last"``: along the last dim;
+    anything else needs the whole value.
+    """
     if scope == "elementwise":
         return True
     if scope == "last":

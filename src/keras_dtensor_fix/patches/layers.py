@@ -100,8 +100,7 @@ def _dense_call(wrapped, instance, args, kwargs):
     )
     equation = getattr(instance, "equation", None)  # EinsumDense's own
     if not isinstance(equation, str):
-        ndim = getattr(inputs, "ndim", 0)
-        equation = linear_equation(ndim) if 1 <= ndim <= 10 else None
+        equation = linear_equation(getattr(inputs, "ndim", 0))
     result = None if equation is None else local_dense(equation, *operands)
     if result is None:
         return wrapped(*args, **kwargs)
