@@ -27,6 +27,8 @@ __all__ = [
     "promote",
     "promote_args",
     "replicate",
+    "replicated_locals",
+    "replicate_result",
     "to_placements",
     "unwrap_local",
     "wrap_local",
@@ -240,6 +242,53 @@ _SPEC = _spec_internals()
 def replicate(value: torch.Tensor, mesh: Any) -> DTensor:
     """Wrap a plain tensor holding the full value as a Replicate DTensor on ``mesh``."""
     return wrap_local(value, mesh, [Replicate()] * mesh.ndim)
+
+
+def replicated_locals(values: Sequence[Any]) -> tuple[Any, list[Any]] | None:
+    """The mesh and ``values`` with each DTensor as its local tensor, or None.
+
+    Only when an op on them may run locally: every DTensor is fully
+    replicated on one mesh, nothing needs a gradient, every plain tensor with
+    dims sits on the mesh's device (it is then taken as the full value, as
+    :func:`promote` takes it) and nothing is being traced. Each rank then
+    computes the full result, the same everywhere, with no DTensor dispatch.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    grad = torch.is_grad_enabled()
+    mesh = None
+    local = []
+    for value in values:
+        if isinstance(value, DTensor):
+            if (grad and value.requires_grad) or not is_replicated(value):
+                return None
+            if mesh is None:
+                mesh = value.device_mesh
+            elif value.device_mesh is not mesh:
+                return None
+            value = value._local_tensor
+        elif isinstance(value, torch.Tensor):
+            if grad and value.requires_grad:
+                return None
+        elif isinstance(value, (list, tuple)) and find_dtensor(value) is not None:
+            return None
+        local.append(value)
+    if mesh is None:
+        return None
+    for value in local:
+        if isinstance(value, torch.Tensor) and value.ndim:
+            if value.device.type != mesh.device_type:
+                return None
+    return mesh, local
+
+
+def replicate_result(result: Any, mesh: Any) -> Any:
+    """Each tensor in ``result`` (lists and tuples inside) as a Replicate DTensor."""
+    if isinstance(result, torch.Tensor) and not isinstance(result, DTensor):
+        return replicate(result, mesh)
+    if isinstance(result, (list, tuple)):
+        return type(result)(replicate_result(r, mesh) for r in result)
+    return result
 
 
 def local_shard_dim(value: torch.Tensor, partner: DTensor) -> int | None:

@@ -104,7 +104,12 @@ def make_wrapper(name: str, elementwise: bool):
     A contraction's Partial result is reduced where it is made (see
     :func:`~keras_dtensor_fix.dtensor.reduce_partial`).
     """
-    from keras_dtensor_fix.dtensor import DTensor, reduce_partial
+    from keras_dtensor_fix.dtensor import (
+        DTensor,
+        reduce_partial,
+        replicate_result,
+        replicated_locals,
+    )
     from keras_dtensor_fix.einsum import local_einsum, local_matmul
     from keras_dtensor_fix.patches._values import promote_call, resolve, variable_class
 
@@ -139,11 +144,27 @@ def make_wrapper(name: str, elementwise: bool):
     # DTensor operands whose placements allow it: one local einsum.
     local_form = {"einsum": einsum_form, "matmul": matmul_form}.get(name)
 
+    def replicated_form(wrapped, args, kwargs):
+        # Replicated operands and no gradient (a step counter, a metric):
+        # the op on local tensors, the result wrapped once.
+        resolved = [resolve(v) for v in args]
+        names = list(kwargs)
+        found = replicated_locals(resolved + [resolve(kwargs[k]) for k in names])
+        if found is None:
+            return None
+        mesh, local = found
+        n = len(resolved)
+        result = wrapped(*local[:n], **dict(zip(names, local[n:], strict=True)))
+        return replicate_result(result, mesh)
+
     def call(wrapped, args, kwargs):
         if local_form is not None and not kwargs:
             local = local_form(args)
             if local is not None:
                 return reduce_partial(local)
+        local = replicated_form(wrapped, args, kwargs)
+        if local is not None:
+            return local
         result = promote_call(wrapped, args, kwargs, op=name, elementwise=elementwise)
         return reduce_partial(result) if contraction else result
 
