@@ -6,9 +6,11 @@ do the metric variables (Replicate DTensors). DTensor's per-op dispatch then
 only adds time to the many small ops of a loss or a metric update: these run on
 the local tensors instead, with the metric variables showing their local
 tensors for the call (written in place, so the DTensors see every update). A
-loss comes back as a Replicate DTensor, as the per-op path returns it. Any
-other placement (``y_pred`` sharded over a batch axis, a sharded metric
-variable) keeps the DTensor path. Eager only: compiled steps trace the original.
+loss comes back as the plain tensor it was computed as: the full value, the
+same on every process, so its backward starts without DTensor dispatch (an op
+that later meets a DTensor promotes it). Any other placement (``y_pred``
+sharded over a batch axis, a sharded metric variable) keeps the DTensor path.
+Eager only: compiled steps trace the original.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ MODULES = ("keras.src.trainers.compile_utils", "keras.src.metrics.reduction_metr
 
 
 def local_inputs(
-    values: list[Any], *, grad: bool = True
+    values: list[Any], *, grad: bool = True, mesh: Any = None
 ) -> tuple[Any, list[Any]] | None:
     """``values`` with replicated DTensors as local tensors, and their mesh.
 
-    None when there is no DTensor, or one is sharded or on another mesh. A
+    None when there is no DTensor (and no ``mesh``, the mesh of the caller's
+    variables, was given), or one is sharded or on another mesh. A
     Partial one is reduced first, as its first op would. Only a DTensor that
     needs a gradient takes an autograd op (``unwrap_local``), and only when
     the caller wants gradients (``grad``).
@@ -39,7 +42,6 @@ def local_inputs(
         unwrap_local,
     )
 
-    mesh = None
     local = []
     for value in values:
         if isinstance(value, DTensor):
@@ -100,20 +102,23 @@ def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
     if compiling() or not getattr(instance, "built", True):
         return wrapped(*args, **kwargs)
     variables = list(instance.variables)
+    mesh = None
     for variable in variables:
         value = getattr(variable, "_value", None)
-        if isinstance(value, DTensor) and not is_replicated(value):
-            return wrapped(*args, **kwargs)
+        if isinstance(value, DTensor):
+            if not is_replicated(value):
+                return wrapped(*args, **kwargs)
+            mesh = mesh or value.device_mesh
     leaves, structure = _flat(args, kwargs)
-    found = local_inputs(leaves, grad=grad)
+    found = local_inputs(leaves, grad=grad, mesh=mesh)
     if found is None:
         return wrapped(*args, **kwargs)
     mesh, local = found
     with local_tensors(variables):
         args, kwargs = _unflat(args, kwargs, structure, local)
         result = wrapped(*args, **kwargs)
-    if isinstance(result, DTensor) or not hasattr(result, "shape"):
-        return result
+    if grad or isinstance(result, DTensor) or not hasattr(result, "shape"):
+        return result  # a loss stays plain (see the module's docstring)
     return replicate(result, mesh)
 
 
