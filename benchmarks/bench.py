@@ -9,6 +9,7 @@ a small transformer block, Adam, batch 32):
   (d) torch-tp   plain PyTorch tensor parallel (Colwise/Rowwise, Adam foreach)
   (e) single     Keras on one process, plugin on; (f) single-off: plugin off;
       single-ab: both in one process, alternating blocks (activate/deactivate)
+  tp-ab          (b) and (d) in the same two processes, alternating blocks
 
 and prints median ms/step (over every timed step of every round), the ratios
 to (a) and (d), the same ratios paired by round (the median over rounds of
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -40,6 +42,7 @@ CONFIGS = (
     "single",
     "single-off",
     "single-ab",
+    "tp-ab",
 )
 BATCH = 32
 
@@ -61,27 +64,59 @@ def collectives(step, steps: int = 3) -> float:
     return count / steps
 
 
-def _alternate(step, warmup: int, steps: int, blocks: int = 20) -> tuple[list, list]:
-    """Step times with the plugin on and off, in alternating blocks of one process.
+def _alternate(sides, warmup: int, steps: int, blocks: int = 20):
+    """Step times of two sides in alternating blocks of one process (per rank).
 
-    ``deactivate()`` restores Keras's own functions, so this measures what the
-    wrappers' fast path costs a non-distributed program, free of the variance
-    between processes.
+    ``sides`` is two ``(enter, step)`` pairs: ``enter()`` runs before each of
+    that side's blocks. Free of the variance between processes: ``single-ab``
+    switches the plugin on and off (``deactivate()`` restores Keras's own
+    functions), ``tp-ab`` runs the Keras model and the PyTorch reference in
+    the same two ranks. Returns both sides' times and, per pair of
+    neighbouring blocks, the log of side a's block median over side b's:
+    their mean and spread say how far the ratio can be trusted here.
+    """
+    times: tuple[list[float], list[float]] = ([], [])
+    pairs: list[float] = []
+    for block in range(blocks):
+        medians = [0.0, 0.0]
+        for side in (0, 1) if block % 2 == 0 else (1, 0):
+            enter, step = sides[side]
+            enter()
+            block_times = _time(step, warmup, steps)
+            times[side].extend(block_times)
+            medians[side] = statistics.median(block_times)
+        pairs.append(math.log(medians[0] / medians[1]))
+    return times[0], times[1], pairs
+
+
+def extra_calls(step) -> tuple[int, int]:
+    """Python calls of one step with the plugin on, and how many more than off.
+
+    Counted with ``sys.setprofile`` (function and builtin calls): a figure that
+    no noise moves, for what the wrappers' fast path adds to a step.
     """
     import keras_dtensor_fix
 
-    on: list[float] = []
-    off: list[float] = []
-    for block in range(blocks):
-        order = [(True, on), (False, off)]
-        for active, times in order if block % 2 == 0 else order[::-1]:
-            if active:
-                keras_dtensor_fix.activate()
-            else:
-                keras_dtensor_fix.deactivate()
-            times.extend(_time(step, warmup, steps))
+    def count() -> int:
+        calls = [0]
+
+        def profile(frame, event, arg):
+            if event in ("call", "c_call"):
+                calls[0] += 1
+
+        step()
+        sys.setprofile(profile)
+        try:
+            step()
+        finally:
+            sys.setprofile(None)
+        return calls[0]
+
+    keras_dtensor_fix.deactivate()
+    off = count()
     keras_dtensor_fix.activate()
-    return on, off
+    on = count()
+    return on, on - off
 
 
 def _time(step, warmup: int, steps: int) -> list[float]:
@@ -220,21 +255,26 @@ def _torch_tp_step(model_name: str):
     device = _device()
     mesh = init_device_mesh(device, (world,))
     torch.manual_seed(0)
-    torch.set_default_device(device)
+    # Built on ``device`` explicitly: torch.set_default_device() would push a
+    # TorchFunctionMode that turns every torch call into a Python call.
+    dev = {"device": device}
 
     if model_name == "mlp":
-        model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 8))
+        model = nn.Sequential(
+            nn.Linear(64, 1024, **dev), nn.ReLU(), nn.Linear(1024, 8, **dev)
+        )
         plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
-        x, y = torch.randn(BATCH, 64), torch.randn(BATCH, 8)
+        x, y = torch.randn(BATCH, 64, **dev), torch.randn(BATCH, 8, **dev)
     else:
 
         class Block(nn.Module):
             def __init__(self):
                 super().__init__()
-                self.q, self.k, self.v = (nn.Linear(DIM, DIM) for _ in range(3))
-                self.o = nn.Linear(DIM, DIM)
-                self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-                self.f1, self.f2 = nn.Linear(DIM, FFN), nn.Linear(FFN, DIM)
+                self.q, self.k, self.v = (nn.Linear(DIM, DIM, **dev) for _ in range(3))
+                self.o = nn.Linear(DIM, DIM, **dev)
+                self.ln1, self.ln2 = nn.LayerNorm(DIM, **dev), nn.LayerNorm(DIM, **dev)
+                self.f1 = nn.Linear(DIM, FFN, **dev)
+                self.f2 = nn.Linear(FFN, DIM, **dev)
 
             def forward(self, x):
                 b, s, _ = x.shape
@@ -258,7 +298,8 @@ def _torch_tp_step(model_name: str):
             "f1": ColwiseParallel(),
             "f2": RowwiseParallel(),
         }
-        x, y = torch.randn(BATCH, SEQ, DIM), torch.randn(BATCH, SEQ, DIM)
+        x = torch.randn(BATCH, SEQ, DIM, **dev)
+        y = torch.randn(BATCH, SEQ, DIM, **dev)
     model = parallelize_module(model, mesh, plan)
     # Unparallelized parameters (LayerNorms) stay plain tensors; foreach ops
     # cannot mix them with DTensors, so each kind gets its own Adam.
@@ -284,6 +325,10 @@ def _torch_tp_step(model_name: str):
     return step
 
 
+def _nothing() -> None:
+    pass
+
+
 def _pin() -> None:
     """One core per rank (where the OS allows it): less jitter between runs."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -304,11 +349,19 @@ def worker(config: str, model_name: str, out: Path, warmup: int, steps: int) -> 
         step = _torch_tp_step(model_name)
     else:
         step = _keras_step(model_name, config)
-    times_off = None
+    times_b = pairs = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if config == "single-ab":
-            times, times_off = _alternate(step, warmup, steps)
+            import keras_dtensor_fix
+
+            sides = [(keras_dtensor_fix.activate, step)]
+            sides.append((keras_dtensor_fix.deactivate, step))
+            times, times_b, pairs = _alternate(sides, warmup, steps)
+            keras_dtensor_fix.activate()
+        elif config == "tp-ab":
+            sides = [(_nothing, step), (_nothing, _torch_tp_step(model_name))]
+            times, times_b, pairs = _alternate(sides, warmup, steps)
         else:
             times = _time(step, warmup, steps)
     counters = torch._dynamo.utils.counters
@@ -329,9 +382,10 @@ def worker(config: str, model_name: str, out: Path, warmup: int, steps: int) -> 
         "fallback": fallback,
         "backend": backend,
     }
-    if times_off:
-        report["ms_off"] = statistics.median(times_off)
-        report["times_off"] = times_off
+    if times_b:
+        report.update(ms_b=statistics.median(times_b), times_b=times_b, pairs=pairs)
+    if config == "single-ab":
+        report["calls"], report["extra_calls"] = extra_calls(step)
     if int(os.environ.get("RANK", "0")) == 0:
         out.write_text(json.dumps(report))
     if torch.distributed.is_initialized():
@@ -472,9 +526,10 @@ def _merge(previous: dict | None, row: dict) -> dict:
     times = previous["times"] + row["times"]
     rounds = previous["rounds"] + row["rounds"]
     merged = {**row, "times": times, "ms": statistics.median(times), "rounds": rounds}
-    if "times_off" in row:  # single-ab: the plugin-off side pools the same way
-        off = previous["times_off"] + row["times_off"]
-        merged.update(times_off=off, ms_off=statistics.median(off))
+    if "times_b" in row:  # the A/B configurations' side b pools the same way
+        b = previous["times_b"] + row["times_b"]
+        pairs = previous["pairs"] + row["pairs"]
+        merged.update(times_b=b, ms_b=statistics.median(b), pairs=pairs)
     return merged
 
 
@@ -488,6 +543,16 @@ def _paired(row: dict, base: dict | None) -> float | None:
         return None
     pairs = zip(row["rounds"], base["rounds"], strict=False)
     return statistics.median(a / b for a, b in pairs)
+
+
+def _pairs_note(pairs: list[float], ratio: bool = False) -> str:
+    """The mean over neighbouring blocks (a change or a ratio), 95% interval."""
+    mean = statistics.fmean(pairs)
+    half = 1.96 * statistics.stdev(pairs) / math.sqrt(len(pairs)) if pairs[1:] else 0
+    if ratio:
+        low, high = math.exp(mean - half), math.exp(mean + half)
+        return f"blocks {math.exp(mean):.2f}x [{low:.2f}, {high:.2f}]"
+    return f"blocks {100 * mean:+.1f}% +-{100 * half:.1f}%;"
 
 
 def _ratio(value: float | None) -> str:
@@ -520,9 +585,15 @@ def _table(model: str, rows: dict) -> None:
             notes.append(f"graphs={row['graphs']} breaks={row['breaks']}")
             if row["fallback"]:
                 notes.append("FELL BACK TO EAGER")
-        if "ms_off" in row:
-            change = 100 * (ms / row["ms_off"] - 1)
-            notes.append(f"plugin off {row['ms_off']:.2f} ms: {change:+.1f}% on")
+        if config == "single-ab":
+            change = 100 * (ms / row["ms_b"] - 1)
+            notes.append(f"plugin off {row['ms_b']:.2f} ms: {change:+.1f}% on;")
+            notes.append(_pairs_note(row["pairs"]))
+            notes.append(f"Python calls +{row['extra_calls']} of {row['calls']}")
+        if config == "tp-ab":
+            ratio = ms / row["ms_b"]
+            notes.append(f"torch-tp here {row['ms_b']:.2f} ms: {ratio:.2f}x;")
+            notes.append(_pairs_note(row["pairs"], ratio=True))
         coll = f"{row['collectives']:.1f}" if not config.startswith("single") else "-"
         p_a = _ratio(_paired(row, rows.get("upstream")))
         p_d = _ratio(_paired(row, rows.get("torch-tp")))
