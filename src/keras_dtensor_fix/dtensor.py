@@ -8,6 +8,8 @@ rank's shard of the partner is refused with :class:`PromotionError`.
 from __future__ import annotations
 
 import copy
+import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -189,11 +191,38 @@ def all_reduce_sum(value: torch.Tensor, mesh: Any, axes: Sequence[int]) -> torch
     return _all_reduce(value, mesh, axes)
 
 
+#: How long the all-reduce of a CPU tensor is polled before its thread blocks
+#: (seconds; 0 blocks at once).
+POLL_SECONDS = 0.05
+
+
 def _all_reduce(value: torch.Tensor, mesh: Any, axes: Sequence[int]) -> torch.Tensor:
     value = value.clone(memory_format=torch.contiguous_format)
     for axis in axes:
-        torch.distributed.all_reduce(value, group=mesh.get_group(axis))
+        work = torch.distributed.all_reduce(
+            value, group=mesh.get_group(axis), async_op=True
+        )
+        if value.device.type == "cpu":
+            _poll(work)
+        work.wait()
     return value
+
+
+def _poll(work: Any) -> None:
+    """Wait for gloo work by polling it, yielding the core between polls.
+
+    Blocked on the work's condition variable, the thread leaves its core idle,
+    and waking it again took most of the wait on a VM (in-process A/B, eager
+    MLP on 2 gloo ranks: -23% and -26% wall per step). Polling stops after
+    :data:`POLL_SECONDS`; ``work.wait()`` then blocks (and raises a failure).
+    CUDA work is never polled: its wait only orders streams.
+    """
+    deadline = time.perf_counter() + POLL_SECONDS
+    while not work.is_completed() and time.perf_counter() < deadline:
+        _yield()
+
+
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 class _AllReduceSum(torch.autograd.Function):

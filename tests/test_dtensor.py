@@ -1,0 +1,74 @@
+"""Pure-torch helpers: polled all-reduce waits, ops on replicated local tensors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+
+class _Work:
+    """A c10d work stand-in that completes after ``polls`` polls (never: None)."""
+
+    def __init__(self, polls: int | None) -> None:
+        self.polls, self.seen = polls, 0
+
+    def is_completed(self) -> bool:
+        self.seen += 1
+        return self.polls is not None and self.seen > self.polls
+
+
+def test_poll_returns_when_the_work_completes(monkeypatch) -> None:
+    from keras_dtensor_fix import dtensor
+
+    monkeypatch.setattr(dtensor, "POLL_SECONDS", 10.0)
+    work = _Work(polls=3)
+    start = time.perf_counter()
+    dtensor._poll(work)
+    assert work.seen == 4 and time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("seconds", [0.0, 0.05])
+def test_poll_gives_up_after_poll_seconds(monkeypatch, seconds: float) -> None:
+    from keras_dtensor_fix import dtensor
+
+    monkeypatch.setattr(dtensor, "POLL_SECONDS", seconds)
+    start = time.perf_counter()
+    dtensor._poll(_Work(polls=None))
+    assert seconds <= time.perf_counter() - start < seconds + 2
+
+
+@pytest.mark.parametrize("seconds", [0.0, 0.05])
+def test_all_reduce_sum_polled_or_blocking(mesh1, monkeypatch, seconds) -> None:
+    import torch
+
+    from keras_dtensor_fix import dtensor
+
+    monkeypatch.setattr(dtensor, "POLL_SECONDS", seconds)
+    value = torch.arange(6.0).reshape(2, 3).t()  # not contiguous
+    out = dtensor.all_reduce_sum(value, mesh1, [0])  # one rank: the same values
+    assert torch.equal(out, value) and out is not value
+
+
+def test_replicated_locals(mesh1) -> None:
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from keras_dtensor_fix.dtensor import replicate_result, replicated_locals
+
+    full = torch.arange(4.0)
+    rep = distribute_tensor(full, mesh1, [Replicate()])
+    mesh, local = replicated_locals([rep, 2.0, torch.ones(4)])
+    assert mesh is mesh1 and local[0] is rep._local_tensor and local[1] == 2.0
+    result = replicate_result((local[0] + local[2], 1), mesh)
+    assert tuple(result[0].placements) == (Replicate(),) and result[1] == 1
+    assert torch.equal(result[0].full_tensor(), full + 1)
+    # Not for a sharded operand, a gradient, a list holding a DTensor, or no
+    # DTensor at all.
+    assert replicated_locals([distribute_tensor(full, mesh1, [Shard(0)])]) is None
+    grad = distribute_tensor(full.clone().requires_grad_(), mesh1, [Replicate()])
+    assert replicated_locals([grad]) is None
+    with torch.no_grad():
+        assert replicated_locals([grad]) is not None
+    assert replicated_locals([[rep], rep]) is None
+    assert replicated_locals([full, 1.0]) is None
