@@ -108,7 +108,8 @@ def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
         if isinstance(value, DTensor):
             if not is_replicated(value):
                 return wrapped(*args, **kwargs)
-            mesh = mesh or value.device_mesh
+            if mesh is None:
+                mesh = value.device_mesh
     leaves, structure = _flat(args, kwargs)
     found = local_inputs(leaves, grad=grad, mesh=mesh)
     if found is None:
