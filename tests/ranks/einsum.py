@@ -192,24 +192,16 @@ def main() -> int:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     results, status = {}, 0
-    for seed, name in enumerate(CASES):
-        try:
-            results[name] = check(name, mesh, seed)
-        except Exception:  # noqa: BLE001 - report, go on, fail at the end
-            import traceback
+    for cases, checker in ((CASES, check), (LINEAR_CASES, check_linear)):
+        for seed, name in enumerate(cases):
+            try:
+                results[name] = checker(name, mesh, seed)
+            except Exception:  # noqa: BLE001 - report, go on, fail at the end
+                import traceback
 
-            traceback.print_exc()
-            results[name] = "FAILED"
-            status = 1
-    for seed, name in enumerate(LINEAR_CASES):
-        try:
-            results[name] = check_linear(name, mesh, seed)
-        except Exception:  # noqa: BLE001 - report, go on, fail at the end
-            import traceback
-
-            traceback.print_exc()
-            results[name] = "FAILED"
-            status = 1
+                traceback.print_exc()
+                results[name] = "FAILED"
+                status = 1
     results["matmul"] = check_matmul(mesh)
     if dist.get_rank() == 0:
         print("CASES " + json.dumps(results), flush=True)

@@ -19,6 +19,7 @@ from keras_dtensor_fix.dtensor import (
     find_dtensor,
     has_plain_tensor,
     promote_args,
+    replicate_result,
 )
 
 
@@ -155,7 +156,7 @@ def promote_call(
         hint = HINT_RULE.format(fallback=f"{type(err).__name__}: {err}")
         raise mix_error(op, values, failure, hint) from failure
     _warn_fallback(op)
-    return _replicated(result, partner.device_mesh)
+    return replicate_result(result, partner.device_mesh)
 
 
 def _full(values: list[Any]) -> list[Any]:
@@ -167,20 +168,6 @@ def _full(values: list[Any]) -> list[Any]:
         return value
 
     return [one(v) for v in values]
-
-
-def _replicated(result: Any, mesh: Any) -> Any:
-    import torch
-
-    from keras_dtensor_fix.dtensor import replicate
-
-    if isinstance(result, DTensor):
-        return result
-    if isinstance(result, torch.Tensor):
-        return replicate(result, mesh)
-    if isinstance(result, (list, tuple)):
-        return type(result)(_replicated(r, mesh) for r in result)
-    return result
 
 
 _WARNED: set[str] = set()
