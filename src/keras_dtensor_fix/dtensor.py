@@ -14,16 +14,18 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 __all__ = [
     "DTensor",
     "PromotionError",
     "all_reduce_sum",
+    "batch_parallel_call",
     "describe",
     "find_dtensor",
     "gather_non_batch_axes",
     "has_plain_tensor",
+    "implicit_replication",
     "is_replicated",
     "local_shard_dim",
     "promote",
@@ -31,6 +33,7 @@ __all__ = [
     "replicate",
     "replicated_locals",
     "replicate_result",
+    "set_implicit_replication",
     "to_placements",
     "unwrap_local",
     "wrap_local",
@@ -39,6 +42,25 @@ __all__ = [
 
 class PromotionError(RuntimeError):
     """A plain tensor met a DTensor and could not be promoted safely."""
+
+
+def implicit_replication() -> bool:
+    """Whether DTensor treats a plain tensor operand as a replicated value here.
+
+    torch keeps the switch per thread (C++ thread-local state, carried into
+    autograd's backward threads).
+    """
+    return bool(DTensor._op_dispatcher._allow_implicit_replication)
+
+
+def set_implicit_replication(on: bool) -> None:
+    """Turn DTensor's implicit replication of plain tensors on or off (this thread).
+
+    It lives in DTensor's dispatcher, in C: an op that mixes a plain tensor
+    with a DTensor costs no Python beyond DTensor's own dispatch, and an op
+    without a DTensor is not touched at all.
+    """
+    DTensor._op_dispatcher._allow_implicit_replication = bool(on)
 
 
 def _is_plain(value: Any) -> bool:
@@ -440,11 +462,29 @@ def reduce_partial(value: Any) -> Any:
         _SPEC is not None
         and not torch.compiler.is_compiling()
         and all(
-            getattr(p, "reduce_op", None) == "sum" for p in placements if p.is_partial()
+            type(p) is Partial and p.reduce_op == "sum"
+            for p in placements
+            if p.is_partial()
         )
     ):
         return _SumPartial.apply(value, settled)
     return value.redistribute(value.device_mesh, settled)
+
+
+def reduce_masked(value: Any) -> Any:
+    """``value`` reduced at once if it is partial with a one-shot mask.
+
+    A lookup in a table sharded on its rows (an embedding sharded on the
+    vocabulary) gives a ``_MaskPartial`` value whose mask torch releases at
+    its first reduction: a second use of the unreduced value (a layer norm
+    that reads it twice) fails. Reduced where it is made, it is plain
+    Replicate, as Megatron's vocabulary-parallel embedding returns it.
+    """
+    if isinstance(value, DTensor) and any(
+        p.is_partial() and type(p) is not Partial for p in value.placements
+    ):
+        return reduce_partial(value)
+    return value
 
 
 class _SumPartial(torch.autograd.Function):
@@ -486,3 +526,38 @@ def gather_non_batch_axes(value: Any, batch_dim_name: str | None) -> Any:
         for name in names
     ]
     return value.redistribute(mesh, placements).to_local()
+
+
+def batch_parallel_call(
+    fn: Any, value: Any, weights: Sequence[Any], mesh: Any
+) -> DTensor:
+    """``fn(value, *weights)`` per rank: weights gathered, ``value`` only batch-split.
+
+    For ops DTensor has no rule for on the placements at hand (a convolution
+    whose kernel or input channels are sharded: torch's conv handler knows
+    only replicated and width-sharded operands and mislabels the rest). Each
+    mesh axis that splits ``value`` on dim 0 keeps splitting it; every other
+    axis is gathered, and the result has the batch placements. A weight's
+    gradient is a Partial sum over the batch axes (reduced by autograd where
+    its redistribution back to the weight's placements runs). Plain operands
+    are taken as full values.
+    """
+    batch = (
+        tuple(
+            Shard(0) if isinstance(p, Shard) and p.dim == 0 else Replicate()
+            for p in (value.placements if isinstance(value, DTensor) else ())
+        )
+        or (Replicate(),) * mesh.ndim
+    )
+    full = (Replicate(),) * mesh.ndim
+    weight_grads = tuple(Partial() if p == Shard(0) else p for p in batch)
+    if isinstance(value, DTensor):
+        value = value.redistribute(mesh, batch).to_local(grad_placements=batch)
+    local = []
+    for weight in weights:
+        if isinstance(weight, DTensor):
+            weight = weight.redistribute(mesh, full).to_local(
+                grad_placements=weight_grads
+            )
+        local.append(weight)
+    return DTensor.from_local(fn(value, *local), mesh, batch, run_check=False)

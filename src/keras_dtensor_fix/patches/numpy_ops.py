@@ -106,6 +106,7 @@ def make_wrapper(name: str, elementwise: bool):
     """
     from keras_dtensor_fix.dtensor import (
         DTensor,
+        reduce_masked,
         reduce_partial,
         replicate_result,
         replicated_locals,
@@ -166,7 +167,7 @@ def make_wrapper(name: str, elementwise: bool):
         if local is not None:
             return local
         result = promote_call(wrapped, args, kwargs, op=name, elementwise=elementwise)
-        return reduce_partial(result) if contraction else result
+        return reduce_partial(result) if contraction else reduce_masked(result)
 
     def wrapper(wrapped, instance, args, kwargs):
         for value in args:

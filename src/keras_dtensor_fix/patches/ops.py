@@ -2,10 +2,8 @@
 
 Loss functions (``binary_crossentropy(target, output)``), attention, normalization
 and segment ops take several tensors too; their multi-tensor functions get the
-numpy family's wrapper. Convolutions also gather a sharded kernel first: torch's
-DTensor convolution rule computes with the local kernel shard but labels the
-output Replicate, which gives wrong shapes (``The size of tensor a (2) must
-match the size of tensor b (4)``) or wrong values.
+numpy family's wrapper. Convolutions run per rank with gathered kernels (see
+:func:`make_conv_wrapper`).
 """
 
 from __future__ import annotations
@@ -22,43 +20,46 @@ KINDS = ("nn", "math", "linalg", "image")
 MODULES = tuple(f"keras.src.backend.torch.ops.{k}" for k in KINDS) + tuple(
     f"keras.src.backend.torch.{k}" for k in KINDS
 )
-# Convolutions and the positions of their kernels.
+# Convolutions and the names of their kernels.
 CONVOLUTIONS = {
-    "conv": (1,),
-    "depthwise_conv": (1,),
-    "conv_transpose": (1,),
-    "separable_conv": (1, 2),
+    "conv": ("kernel",),
+    "depthwise_conv": ("kernel",),
+    "conv_transpose": ("kernel",),
+    "separable_conv": ("depthwise_kernel", "pointwise_kernel"),
 }
 
 
-def replicated_kernel(kernel: Any) -> Any:
-    """A sharded kernel gathered to Replicate (differentiable); others unchanged."""
-    from torch.distributed.tensor import Replicate, Shard
+def make_conv_wrapper(name: str, signature: inspect.Signature):
+    """A convolution on DTensors runs per rank on its batch rows, kernels gathered.
 
-    from keras_dtensor_fix.dtensor import DTensor
-    from keras_dtensor_fix.patches._values import variable_class
+    torch's DTensor convolution handles replicated and width-sharded inputs
+    only: a kernel sharded on any axis, or activations sharded on channels by
+    the sharded bias of the conv before, come out with the wrong shape or
+    values. Gathering the kernels (small next to activations) works for every
+    layout and every Keras conv layer.
+    """
+    from keras_dtensor_fix.dtensor import DTensor, batch_parallel_call
+    from keras_dtensor_fix.patches._values import resolve
 
-    if isinstance(kernel, variable_class()):
-        kernel = kernel.value
-    if isinstance(kernel, DTensor) and any(
-        isinstance(p, Shard) for p in kernel.placements
-    ):
-        mesh = kernel.device_mesh
-        return kernel.redistribute(mesh, [Replicate()] * mesh.ndim)
-    return kernel
-
-
-def make_conv_wrapper(name: str, positions: tuple[int, ...]):
-    promote = make_wrapper(name, elementwise=False)
+    names = ("inputs", *CONVOLUTIONS[name])
 
     def wrapper(wrapped, instance, args, kwargs):
-        args = tuple(
-            replicated_kernel(v) if i in positions else v for i, v in enumerate(args)
-        )
-        for key in ("kernel", "depthwise_kernel", "pointwise_kernel"):
-            if key in kwargs:
-                kwargs = {**kwargs, key: replicated_kernel(kwargs[key])}
-        return promote(wrapped, instance, args, kwargs)
+        bound = signature.bind(*args, **kwargs)
+        operands = [resolve(bound.arguments[k]) for k in names]
+        found = [v for v in operands if isinstance(v, DTensor)]
+        if not found:
+            return wrapped(*args, **kwargs)
+        mesh = found[0].device_mesh
+        if any(v.device_mesh != mesh for v in found):
+            return wrapped(*args, **kwargs)  # DTensor's own error names them
+
+        def local(value, *kernels):
+            for key, kernel in zip(names[1:], kernels, strict=True):
+                bound.arguments[key] = kernel
+            bound.arguments["inputs"] = value
+            return wrapped(*bound.args, **bound.kwargs)
+
+        return batch_parallel_call(local, operands[0], operands[1:], mesh)
 
     return wrapper
 
@@ -103,7 +104,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
     result = []
     for name in target_names(module):
         if name in CONVOLUTIONS:
-            wrapper = make_conv_wrapper(name, CONVOLUTIONS[name])
+            wrapper = make_conv_wrapper(name, inspect.signature(getattr(module, name)))
         elif name == "dot_product_attention":
             wrapper = make_attention_wrapper(inspect.signature(getattr(module, name)))
         else:

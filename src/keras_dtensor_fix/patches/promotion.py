@@ -1,9 +1,15 @@
-"""Keep Keras's global ``KerasDTensorPromotionMode`` off the dispatch stack.
+"""Replace Keras's global ``KerasDTensorPromotionMode`` with DTensor's own switch.
 
 Upstream enters a ``TorchDispatchMode`` in ``set_distribution`` that promotes
 every plain tensor to a Replicate DTensor. It costs every aten call a trip
-through Python and makes dynamo skip every frame. The plugin's targeted patches
-(``variables``, ``numpy``, ``data``, ``optimizers``) make it unnecessary.
+through Python and makes dynamo skip every frame. The plugin keeps that mode
+off and, for the same semantics where a raw torch operator meets a plain
+tensor and a DTensor (a Python ``-`` in a Keras loss, loss scaling, rnn.py,
+keras-hub layers, user code), turns on DTensor's implicit replication while a
+sharded distribution is set: the dispatcher treats the plain operand as a full
+replicated value, in C. ``keras.ops`` still see their operands first (the
+``numpy`` and ``ops`` families), where a plain tensor of one rank's shard size
+is refused.
 """
 
 from __future__ import annotations
@@ -18,14 +24,29 @@ MODULES = ("keras.src.backend.torch.distribution_lib",)
 MODE_CLASS = "KerasDTensorPromotionMode"
 
 
-def _skip_activation(wrapped, instance, args, kwargs):
-    """Replacement for ``activate_dtensor_promotion``: do not enter the mode.
+def _replicate_plain(on: bool) -> None:
+    from keras_dtensor_fix.dtensor import set_implicit_replication
 
-    Keras calls it when a sharding distribution is set: the plugin's gated
-    wrappers open instead.
+    set_implicit_replication(on)
+
+
+def _skip_activation(wrapped, instance, args, kwargs):
+    """Replacement for ``activate_dtensor_promotion``: no mode, DTensor's switch.
+
+    Keras calls it when a sharding distribution is set (on the thread that
+    sets it, like its mode): the plugin's gated wrappers open too.
     """
     note_sharding()
+    _replicate_plain(True)
     return None
+
+
+def _deactivation(wrapped, instance, args, kwargs):
+    """``deactivate_dtensor_promotion``: Keras's own, then the switch goes off."""
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _replicate_plain(False)
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
@@ -33,9 +54,16 @@ def patches(module: types.ModuleType) -> list[Patch]:
         raise LookupError(
             "activate_dtensor_promotion not found: this Keras has no promotion mode"
         )
-    return [
+    found = [
         Patch(FAMILY, module.__name__, "activate_dtensor_promotion", _skip_activation)
     ]
+    if hasattr(module, "deactivate_dtensor_promotion"):
+        found.append(
+            Patch(
+                FAMILY, module.__name__, "deactivate_dtensor_promotion", _deactivation
+            )
+        )
+    return found
 
 
 def promotion_modes() -> list[object]:
@@ -55,8 +83,6 @@ def after_apply() -> None:
 
     from keras_dtensor_fix.keras_state import model_parallel
 
-    if model_parallel() is not None:
-        note_sharding()
     module = sys.modules.get(MODULES[0])
     if promotion_modes() and hasattr(module, "deactivate_dtensor_promotion"):
         module.deactivate_dtensor_promotion()  # keeps Keras's own flags right
@@ -69,21 +95,31 @@ def after_apply() -> None:
                 f"({type(mode).__name__}) and cannot be exited"
             )
         mode.__exit__(None, None, None)
+    if model_parallel() is not None:
+        note_sharding()
+        _replicate_plain(True)
 
 
 def after_revert() -> None:
     """Give upstream its mode back when a ModelParallel distribution is active."""
     from keras_dtensor_fix.keras_state import model_parallel
 
+    _replicate_plain(False)
     module = sys.modules.get(MODULES[0])
     if module is not None and model_parallel() is not None:
         module.activate_dtensor_promotion()
 
 
 def notes() -> list[str]:
-    """Whether Keras's promotion mode is on this thread's dispatch stack."""
+    """Whether Keras's promotion mode is on the stack, and DTensor's switch."""
     if "torch" not in sys.modules:
         return []
+    from keras_dtensor_fix.dtensor import implicit_replication
+
     if promotion_modes():
         return [f"{MODE_CLASS} is on the dispatch stack (entered under another mode)"]
-    return [f"{MODE_CLASS} is not on the dispatch stack"]
+    switch = "on" if implicit_replication() else "off"
+    return [
+        f"{MODE_CLASS} is not on the dispatch stack; DTensor implicit "
+        f"replication of plain tensors is {switch} on this thread"
+    ]
