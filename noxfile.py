@@ -47,8 +47,8 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The two-process demonstration on the CPU."""
-    install(session)
+    """The two-process demonstration on the CPU (no test extras: jax is big)."""
+    install(session, extras="")
     session.run("python", "-m", "keras_dtensor_fix", "demo", *session.posargs, env=ENV)
 
 
