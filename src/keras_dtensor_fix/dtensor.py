@@ -21,8 +21,10 @@ __all__ = [
     "PromotionError",
     "all_reduce_sum",
     "batch_parallel_call",
+    "update_in_place_of",
     "describe",
     "find_dtensor",
+    "gather_axes_splitting",
     "gather_non_batch_axes",
     "has_plain_tensor",
     "implicit_replication",
@@ -483,8 +485,30 @@ def reduce_masked(value: Any) -> Any:
     if isinstance(value, DTensor) and any(
         p.is_partial() and type(p) is not Partial for p in value.placements
     ):
-        return reduce_partial(value)
+        settled = tuple(Replicate() if p.is_partial() else p for p in value.placements)
+        return _ReduceMasked.apply(value, settled)
     return value
+
+
+class _ReduceMasked(torch.autograd.Function):
+    """Reduce a masked partial value; its gradient goes back replicated.
+
+    ``redistribute``'s own backward would turn a Partial gradient into the
+    mask placement, which torch does not support (tied embeddings give one).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, settled: tuple) -> DTensor:
+        return value.redistribute(value.device_mesh, settled)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            settled = tuple(
+                Replicate() if p.is_partial() else p for p in grad.placements
+            )
+            grad = grad.redistribute(grad.device_mesh, settled)
+        return grad, None
 
 
 class _SumPartial(torch.autograd.Function):
@@ -561,3 +585,59 @@ def batch_parallel_call(
             )
         local.append(weight)
     return DTensor.from_local(fn(value, *local), mesh, batch, run_check=False)
+
+
+def update_in_place_of(
+    inputs: Any, updates: Any
+) -> tuple[Any, torch.Tensor, torch.Tensor, tuple] | None:
+    """Local operands for writing ``updates`` into a copy of ``inputs``.
+
+    For ops that write one tensor into another (a KV cache's slice update):
+    with a plain or differently placed target, DTensor's in-place copy would
+    need to change the target's placements, which it refuses. Both take the
+    placements of ``updates`` (a plain ``inputs`` is the full value, split
+    locally with no communication) wherever ``updates`` spans every sharded
+    dim whole, so each rank writes its own part; otherwise both are gathered.
+    Returns ``(mesh, local inputs, local updates, placements)`` or ``None``
+    when neither is a DTensor. A Partial ``updates`` is reduced first.
+    """
+    partner = updates if isinstance(updates, DTensor) else inputs
+    if not isinstance(partner, DTensor):
+        return None
+    mesh = partner.device_mesh
+    if not isinstance(updates, DTensor):
+        updates = replicate(updates, mesh)
+    if not isinstance(inputs, DTensor):
+        inputs = replicate(inputs, mesh)
+    updates = reduce_partial(updates)
+    placements = tuple(updates.placements)
+    if inputs.device_mesh != mesh or any(
+        isinstance(p, Shard) and updates.shape[p.dim] != inputs.shape[p.dim]
+        for p in placements
+    ):
+        placements = (Replicate(),) * mesh.ndim
+    local = [v.redistribute(mesh, placements).to_local() for v in (inputs, updates)]
+    return mesh, local[0], local[1], placements
+
+
+def gather_axes_splitting(table: Any, ids: Any) -> Any:
+    """``table`` gathered on every mesh axis that also splits ``ids``.
+
+    A layout that shards a weight on the batch axis too (keras-hub's 2-D
+    layouts, FSDP style) splits an embedding table's columns on the axis
+    that splits the ids' rows: no placement of the lookup holds both, and
+    DTensor's embedding rule then pairs a mask of the local rows with the
+    global rows (IndexError). Gathering those columns first is what FSDP does
+    before a weight is used; its gradient is reduce-scattered back.
+    """
+    if not (isinstance(table, DTensor) and isinstance(ids, DTensor)):
+        return table
+    if table.device_mesh != ids.device_mesh:
+        return table
+    placements = tuple(
+        Replicate() if isinstance(mine, Shard) and isinstance(theirs, Shard) else mine
+        for mine, theirs in zip(table.placements, ids.placements, strict=True)
+    )
+    if placements == tuple(table.placements):
+        return table
+    return table.redistribute(table.device_mesh, placements)

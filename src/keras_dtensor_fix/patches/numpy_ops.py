@@ -106,6 +106,7 @@ def make_wrapper(name: str, elementwise: bool):
     """
     from keras_dtensor_fix.dtensor import (
         DTensor,
+        gather_axes_splitting,
         reduce_masked,
         reduce_partial,
         replicate_result,
@@ -131,6 +132,7 @@ def make_wrapper(name: str, elementwise: bool):
     plain = {torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)}
 
     contraction = name in CONTRACTIONS
+    lookup = name == "take"
 
     def einsum_form(args: tuple) -> Any:
         if args and isinstance(args[0], str):
@@ -159,6 +161,10 @@ def make_wrapper(name: str, elementwise: bool):
         return replicate_result(result, mesh)
 
     def call(wrapped, args, kwargs):
+        if lookup and len(args) >= 2:
+            # An embedding lookup: see gather_axes_splitting.
+            table = gather_axes_splitting(resolve(args[0]), resolve(args[1]))
+            args = (table, *args[1:])
         if local_form is not None and not kwargs:
             local = local_form(args)
             if local is not None:
