@@ -8,7 +8,9 @@ it raised. The same seed and data feed both runs.
 
 Environment: ``SCENARIO_CASES`` (comma list) limits the cases run;
 ``SCENARIO_EXIT_PROMOTION=1`` exits Keras's promotion mode after
-``set_distribution`` (to show what fails without the plugin).
+``set_distribution`` (to show what fails without the plugin);
+``SCENARIO_NO_IMPLICIT_REPLICATION=1`` turns DTensor's implicit replication
+off after it (to show what the plugin's switch fixes).
 """
 
 from __future__ import annotations
@@ -85,16 +87,23 @@ def fit_mlp(optimizer, epochs: int = 3, batch_size: int = 16, **compile_kwargs):
     return {"losses": history.history["loss"], "weights": weights(model)}
 
 
-def distribute(mesh_shape: tuple[int, int], layout: dict[str, tuple] | None) -> None:
-    """Set a ModelParallel distribution on ``mesh_shape`` (only when sharded)."""
+def distribute(mesh_shape: tuple[int, int], layout) -> None:
+    """Set a ModelParallel distribution on ``mesh_shape`` (only when sharded).
+
+    ``layout`` maps variable path regexes to axes, or is a function of the
+    mesh that returns a LayoutMap (keras-hub's ``get_layout_map``).
+    """
     if WORLD == 1:
         keras.distribution.set_distribution(None)
         return
     devices = keras.distribution.list_devices()
     mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"], devices)
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for key, axes in (layout or {}).items():
-        layout_map[key] = axes
+    if callable(layout):
+        layout_map = layout(mesh)
+    else:
+        layout_map = keras.distribution.LayoutMap(mesh)
+        for key, axes in (layout or {}).items():
+            layout_map[key] = axes
     dist = keras.distribution.ModelParallel(
         layout_map=layout_map, batch_dim_name="batch"
     )
@@ -104,6 +113,10 @@ def distribute(mesh_shape: tuple[int, int], layout: dict[str, tuple] | None) -> 
         from keras.src.backend import distribution_lib
 
         distribution_lib.deactivate_dtensor_promotion()
+    if os.environ.get("SCENARIO_NO_IMPLICIT_REPLICATION") == "1":
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher._allow_implicit_replication = False
 
 
 MEGATRON = {".*dense_1/kernel": (None, "model"), ".*dense_2/kernel": ("model", None)}
@@ -513,6 +526,301 @@ def compiled_seeded_dropout():
             messages
         )
     return result
+
+
+# ---------------------------------------------------------------- drop-in
+# Raw torch operators meeting a plain tensor and a DTensor (upstream's
+# promotion mode covers them; the plugin holds DTensor's implicit replication
+# on), and layers whose sharding DTensor's own rules get wrong.
+
+KERNELS = {".*kernel": (None, "model")}
+# A sharded bias: loss scaling's raw multiply meets its DTensor gradient.
+BIASED = {**MEGATRON, ".*dense_1/bias": ("model",)}
+# A plain-target loss, loss scaling, and the recurrent layers' raw matmuls.
+RAW_OPERATOR_CASES = (
+    "custom_loop_keras_loss",
+    "loss_scale_sgd_fp16",
+    "loss_scale_sgd_bf16",
+    "lstm",
+    "gru",
+)
+
+
+@case("dropin", layout=BIASED)
+def custom_loop_keras_loss():
+    """A Keras loss called directly on plain targets in a custom loop."""
+    x, y = data()
+    model = mlp()
+    model.build((None, 16))
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.MeanSquaredError()
+    losses = []
+    for step in range(4):
+        rows = slice(step * 16, (step + 1) * 16)
+        xb, yb = torch.from_numpy(x[rows]), torch.from_numpy(y[rows])
+        loss = loss_fn(yb, model(xb))  # mean((y - pred)**2) with Python operators
+        model.zero_grad()
+        loss.backward()
+        grads = [v.value.grad for v in model.trainable_variables]
+        with torch.no_grad():
+            optimizer.apply(grads, model.trainable_variables)
+        losses.append(float(ops.convert_to_numpy(loss)))
+    return {"losses": losses, "weights": weights(model)}
+
+
+def _loss_scaled(policy: str):
+    keras.mixed_precision.set_dtype_policy(policy)
+    try:
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05))
+        return fit_mlp(optimizer, epochs=2)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+
+
+@case("dropin", layout=BIASED)
+def loss_scale_sgd_fp16():
+    return _loss_scaled("mixed_float16")
+
+
+@case("dropin", layout=BIASED)
+def loss_scale_sgd_bf16():
+    return _loss_scaled("mixed_bfloat16")
+
+
+def _sequences(n: int = 32, steps: int = 5, features: int = 8):
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(n, steps, features)).astype("float32")
+    return x, rng.normal(size=(n, 2)).astype("float32")
+
+
+def _fit(model, x, y, *, batch_size: int = 8, jit_compile: bool = False, sgd=False):
+    # SGD where a weight's true gradient is zero (an attention key bias):
+    # Adam would scale its rounding noise up to full steps.
+    optimizer = keras.optimizers.SGD(0.05) if sgd else keras.optimizers.Adam(1e-2)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+    history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    return {"losses": history.history["loss"], "weights": weights(model)}
+
+
+def _recurrent(layer, jit_compile: bool = False):
+    x, y = _sequences()
+    model = keras.Sequential(
+        [layers.Input((5, 8)), layer(16, name="rnn"), layers.Dense(2, name="head")]
+    )
+    return _fit(model, x, y, jit_compile=jit_compile)
+
+
+@case("dropin", layout=KERNELS)
+def lstm():
+    return _recurrent(layers.LSTM)
+
+
+@case("dropin", layout=KERNELS)
+def gru():
+    return _recurrent(layers.GRU)
+
+
+def _conv_fit(input_shape: tuple, *conv_layers):
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(16, *input_shape)).astype("float32")
+    y = rng.normal(size=(16, 2)).astype("float32")
+    pooling = {2: layers.GlobalAveragePooling1D, 3: layers.GlobalAveragePooling2D}
+    pool = pooling.get(len(input_shape), layers.GlobalAveragePooling3D)
+    model = keras.Sequential(
+        [layers.Input(input_shape), *conv_layers, pool(), layers.Dense(2)]
+    )
+    return _fit(model, x, y)
+
+
+@case("dropin", layout={".*c1/kernel": (None, None, "model"), ".*c1/bias": ("model",)})
+def conv1d_output_channels():
+    """Kernel and bias sharded on output channels: the next conv gets them all."""
+    return _conv_fit(
+        (9, 8), layers.Conv1D(16, 3, name="c1"), layers.Conv1D(8, 3, name="c2")
+    )
+
+
+@case("dropin", layout={".*c1/kernel": ("model", None, None)})
+def conv1d_kernel_axis():
+    return _conv_fit(
+        (9, 8), layers.Conv1D(16, 4, name="c1"), layers.Conv1D(8, 3, name="c2")
+    )
+
+
+@case("dropin", layout={".*c1/kernel": (None, None, None, "model", None)})
+def conv3d_input_channels():
+    return _conv_fit((4, 5, 5, 4), layers.Conv3D(4, 2, name="c1"))
+
+
+@case("dropin", layout={".*c1/kernel": (None, None, "model", None)})
+def depthwise_conv2d():
+    return _conv_fit((6, 6, 4), layers.DepthwiseConv2D(3, name="c1"))
+
+
+@case(
+    "dropin",
+    layout={
+        ".*c1/depthwise_kernel": (None, None, "model", None),
+        ".*c1/pointwise_kernel": (None, None, None, "model"),
+    },
+)
+def separable_conv2d():
+    return _conv_fit((6, 6, 4), layers.SeparableConv2D(8, 3, name="c1"))
+
+
+@case("dropin", layout={".*c1/kernel": (None, None, "model", None)})
+def conv2d_transpose():
+    return _conv_fit((5, 5, 4), layers.Conv2DTranspose(6, 3, name="c1"))
+
+
+def _causal_attention(jit_compile: bool = False):
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(16, 8, 16)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    inputs = layers.Input((8, 16))
+    attended = layers.MultiHeadAttention(2, 8, name="mha")(
+        inputs, inputs, use_causal_mask=True
+    )
+    pooled = layers.GlobalAveragePooling1D()(inputs + attended)
+    model = keras.Model(inputs, layers.Dense(1, name="head")(pooled))
+    return _fit(model, x, y, jit_compile=jit_compile, sgd=True)
+
+
+@case("dropin", layout=TRANSFORMER)
+def mha_causal_mask():
+    return _causal_attention()
+
+
+@case("dropin_compiled", layout=KERNELS, eager=True)
+def lstm_compiled():
+    """jit_compile=True with an LSTM runs eagerly under ModelParallel (warned)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _recurrent(layers.LSTM, jit_compile=True)
+    if WORLD > 1:
+        messages = [str(w.message) for w in caught]
+        assert any("recurrent layers (rnn)" in m for m in messages), messages
+    return result
+
+
+@case("dropin_compiled", layout=TRANSFORMER)
+def mha_causal_mask_compiled():
+    return _causal_attention(jit_compile=True)
+
+
+@case("dropin_compiled", layout=COLUMNS)
+def unseeded_dropout_compiled():
+    x, y = data()
+    model = keras.Sequential(
+        [
+            layers.Input((16,)),
+            layers.Dense(32, activation="relu", name="dense_1"),
+            layers.Dropout(0.0),  # unseeded: the rate keeps parity checkable
+            layers.Dense(4, name="dense_2"),
+        ]
+    )
+    return _fit(model, x, y, batch_size=16, jit_compile=True)
+
+
+# ---------------------------------------------------------------- keras-hub
+# Tiny random causal LMs sharded by their own get_layout_map (2-D layouts that
+# shard weights on the batch axis too), fed token ids: no preset download.
+
+
+def _hub_model(kind: str):
+    import keras_hub
+
+    backbone, causal_lm = {
+        "gemma": (keras_hub.models.GemmaBackbone, keras_hub.models.GemmaCausalLM),
+        "llama": (keras_hub.models.LlamaBackbone, keras_hub.models.LlamaCausalLM),
+        "qwen": (keras_hub.models.QwenBackbone, keras_hub.models.QwenCausalLM),
+    }[kind]
+    extra = {"head_dim": 8} if kind == "gemma" else {}
+    model = backbone(
+        vocabulary_size=64,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        **extra,
+    )
+    return causal_lm(backbone=model, preprocessor=None)
+
+
+def _hub_layout(kind: str):
+    def layout(mesh):
+        import keras_hub
+
+        backbones = {
+            "gemma": keras_hub.models.GemmaBackbone,
+            "llama": keras_hub.models.LlamaBackbone,
+            "qwen": keras_hub.models.QwenBackbone,
+        }
+        return backbones[kind].get_layout_map(mesh)
+
+    return layout
+
+
+def batch_rows(array: np.ndarray, batch_size: int, batch_ranks: int) -> np.ndarray:
+    """This rank's rows of every batch when ``batch_ranks`` split the batch axis."""
+    if WORLD == 1 or batch_ranks == 1:
+        return array
+    index = RANK // (WORLD // batch_ranks)
+    per = batch_size // batch_ranks
+    batches = array.reshape(-1, batch_ranks, per, *array.shape[1:])
+    return batches[:, index].reshape(-1, *array.shape[1:])
+
+
+def fit_and_generate(kind: str, batch_ranks: int = 1, jit_compile: bool = False):
+    """fit() on token ids, then greedy generate() (the KV-cache path)."""
+    model = _hub_model(kind)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        sampler="greedy",  # top_k would draw per rank on a batch-split mesh
+        jit_compile=jit_compile,
+    )
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 64, size=(8, 12)).astype("int32")
+    inputs = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    labels = np.roll(ids, -1, axis=1)
+    history = model.fit(
+        {k: batch_rows(v, 4, batch_ranks) for k, v in inputs.items()},
+        batch_rows(labels, 4, batch_ranks),
+        batch_size=4 // batch_ranks,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+    )
+    prompt = {"token_ids": ids[:2].copy(), "padding_mask": np.zeros((2, 12), "int32")}
+    prompt["padding_mask"][:, :5] = 1
+    prompt["token_ids"][:, 5:] = 0
+    tokens = model.generate(prompt, max_length=12, stop_token_ids=None)
+    return {
+        "losses": history.history["loss"],
+        "weights": weights(model),
+        "tokens": np.asarray(tokens["token_ids"]).tolist(),
+    }
+
+
+def _hub_case(group: str, kind: str, mesh: tuple[int, int]) -> None:
+    def run():
+        return fit_and_generate(kind, batch_ranks=mesh[0] if WORLD > 1 else 1)
+
+    run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}"
+    case(group, mesh=mesh, layout=_hub_layout(kind), per_rank=mesh[0] > 1)(run)
+
+
+for _kind in ("gemma", "llama", "qwen"):
+    _hub_case("hub", _kind, (1, 2))
+for _kind in ("gemma", "llama"):
+    _hub_case("hub", _kind, (2, 1))
+for _kind in ("gemma", "llama", "qwen"):
+    _hub_case("hub4", _kind, (2, 2))
 
 
 # ---------------------------------------------------------------- runner

@@ -43,6 +43,16 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
             stacklevel=2,
         )
         return False
+    recurrent = recurrent_layers(instance)
+    if recurrent:
+        warnings.warn(
+            "keras-dtensor-fix: jit_compile=True is not used for this "
+            f"ModelParallel model: its recurrent layers ({', '.join(recurrent)}) "
+            "compile to wrong DTensor gradients with torch "
+            f"{_torch_version()}. The model runs eagerly (correct).",
+            stacklevel=2,
+        )
+        return False
     seeded = seeded_random_layers(instance)
     if seeded:
         warnings.warn(
@@ -73,6 +83,27 @@ def torch_compiles_dtensor_grad() -> bool:
     import torch
 
     return release(torch.__version__) >= FIRST_COMPILING_TORCH
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def recurrent_layers(model) -> list[str]:
+    """Recurrent layers (LSTM, GRU, any keras.layers.RNN) of ``model``.
+
+    Their torch step loops over time steps in Python; compiled under
+    ModelParallel, the sharded kernels' gradients come out wrong.
+    """
+    from keras.src.layers.rnn.rnn import RNN
+
+    found = []
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, RNN):
+            found.append(layer.name)
+    return found
 
 
 def seeded_random_layers(model) -> list[str]:

@@ -1,0 +1,107 @@
+"""Drop-in for upstream Keras: scripts that run upstream also run with the plugin.
+
+Each case of the ``dropin`` groups of ``scenarios.py`` trains on 2 ranks and
+must equal one process of the same seed, as in ``test_parity``. What upstream
+Keras (``KERAS_DTENSOR_FIX=0``, its promotion mode on) does with the same
+script is run too and pinned in :data:`UPSTREAM`: the plugin must never fail
+where upstream works, and goes further where upstream fails.
+
+Controls: with the plugin off and Keras's promotion mode exited, every raw
+torch operator case fails with DTensor's "mixed torch.Tensor and DTensor";
+with the plugin on but DTensor's implicit replication turned off after
+``set_distribution``, they fail the same way: the switch is what fixes them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scenarios import CASES, RAW_OPERATOR_CASES
+from test_parity import assert_parity
+
+from support import compiles_model_parallel
+
+MIXED = "mixed torch.Tensor and DTensor"
+# fp16 and bf16 compute rounds differently across shardings (see test_parity).
+LOOSE = {"loss_scale_sgd_fp16": 1e-4, "loss_scale_sgd_bf16": 2e-3}
+
+#: What upstream Keras does with each case on 2 ranks: "ok" (equals one
+#: process) or a fragment of its error. Measured with keras-nightly
+#: 3.16.0.dev2026102704 and torch 2.13.0.
+UPSTREAM = {
+    "custom_loop_keras_loss": "ok",
+    "loss_scale_sgd_fp16": "ok",
+    "loss_scale_sgd_bf16": "ok",
+    "lstm": "ok",
+    "gru": "ok",
+    # torch's DTensor convolution computes with the local kernel shard.
+    "conv1d_output_channels": "must match the size of tensor b",
+    "conv1d_kernel_axis": "could not create a primitive descriptor",
+    "conv3d_input_channels": "to have 2 channels, but got 4",
+    "depthwise_conv2d": "expected weight to be at least 4",
+    "separable_conv2d": "expected weight to be at least 4",
+    "conv2d_transpose": "must match the size of tensor b",
+    "mha_causal_mask": "ok",
+}
+
+
+def cases(group: str) -> list[str]:
+    return [name for name, spec in CASES.items() if spec["group"] == group]
+
+
+def check(name: str, ranks: list[dict], single: dict) -> None:
+    rtol = LOOSE.get(name)
+    if rtol is None:
+        assert_parity(name, ranks, single)
+        return
+    for rank in ranks:
+        assert "error" not in rank[name], rank[name].get("traceback")
+        np.testing.assert_allclose(
+            rank[name]["losses"], single[name]["losses"], rtol=rtol
+        )
+
+
+@pytest.mark.parametrize("name", cases("dropin"))
+def test_dropin_parity(runs, name: str) -> None:
+    check(name, runs.get("dropin", world=2), runs.get("dropin", world=1)[0])
+
+
+@pytest.mark.parametrize("name", cases("dropin_compiled"))
+def test_dropin_compiled(runs, name: str) -> None:
+    ranks = runs.get("dropin_compiled", world=2)
+    check(name, ranks, runs.get("dropin_compiled", world=1)[0])
+    if CASES[name].get("eager"):
+        assert ranks[0][name]["dynamo_graphs"] == 0, "compiled: wrong gradients"
+    elif compiles_model_parallel():
+        assert ranks[0][name]["dynamo_graphs"] > 0, "it ran eagerly"
+
+
+@pytest.mark.parametrize("name", cases("dropin"))
+def test_upstream_does_as_pinned(runs, name: str) -> None:
+    """Upstream as users run it: what it does with the same script."""
+    upstream = runs.get("dropin", world=2, KERAS_DTENSOR_FIX="0")[0][name]
+    single = runs.get("dropin", world=1)[0][name]
+    expected = UPSTREAM[name]
+    if expected == "ok":
+        assert "error" not in upstream, upstream.get("traceback")
+        rtol = LOOSE.get(name, 1e-5)
+        np.testing.assert_allclose(upstream["losses"], single["losses"], rtol=rtol)
+    else:
+        assert expected in upstream.get("error", ""), upstream
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"KERAS_DTENSOR_FIX": "0", "SCENARIO_EXIT_PROMOTION": "1"},
+        {"SCENARIO_NO_IMPLICIT_REPLICATION": "1"},
+    ],
+    ids=["upstream-without-mode", "plugin-without-switch"],
+)
+def test_raw_operator_controls(runs, env: dict) -> None:
+    """Without promotion, every raw-operator case meets DTensor's mix error."""
+    ranks = runs.get(
+        "dropin", world=2, SCENARIO_CASES=",".join(RAW_OPERATOR_CASES), **env
+    )
+    for name in RAW_OPERATOR_CASES:
+        assert MIXED in ranks[0][name].get("error", ""), (name, ranks[0][name])
