@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, demo, compat, bench (``nox -s NAME``)."""
+"""Sessions: tests, tests4, lint, demo, compat, bench (``nox -s NAME``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ COMPAT_KERAS_NIGHTLIES = (
     KERAS_NIGHTLY,  # new layout: keras.src.backend.torch.ops.numpy
 )
 RUFF = "ruff==0.17.6"
+# keras-hub's distribution requires `keras`, which would overwrite keras-nightly
+# (both own keras/): it goes in with --no-deps, then what it imports. grain
+# feeds fit() numpy input; the tests feed token ids, so no tokenizer runs.
+KERAS_HUB = "keras-hub-nightly==0.33.0.dev202610250352"
+KERAS_HUB_NEEDS = ("regex", "tokenizers", "grain", "rich", "absl-py", "packaging")
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.default_venv_backend = "virtualenv"
@@ -21,20 +26,46 @@ ENV = {"KERAS_BACKEND": "torch"}
 
 
 def install(
-    session: nox.Session, keras: str = KERAS_NIGHTLY, extras: str = "test"
+    session: nox.Session,
+    keras: str = KERAS_NIGHTLY,
+    extras: str = "test",
+    hub: bool = False,
 ) -> None:
     """Install CPU torch, the pinned keras-nightly, then this package (editable)."""
     session.install(TORCH)
     session.install(f"keras-nightly=={keras}")
     target = f".[{extras}]" if extras else "."
     session.install("-e", target)
+    if hub:
+        session.install("--no-deps", KERAS_HUB)
+        session.install(*KERAS_HUB_NEEDS)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the test suite (pytest's "no tests collected" counts as success)."""
-    install(session)
+    install(session, hub=True)
     session.run("pytest", *session.posargs, env=ENV, success_codes=[0, 5])
+
+
+@nox.session
+def tests4(session: nox.Session) -> None:
+    """The 4-process cases ((2, 2) meshes): slow on 2 cores, not in the default run."""
+    install(session, hub=True)
+    four = {
+        **ENV,
+        "KERAS_DTENSOR_FIX_FOUR_RANKS": "1",
+        "CHECKPOINT_FOUR_RANKS": "1",
+    }
+    session.run(
+        "pytest",
+        "tests/multiprocess/test_hub.py",
+        "tests/multiprocess/test_checkpoint.py",
+        "-k",
+        "four",
+        *session.posargs,
+        env=four,
+    )
 
 
 @nox.session
@@ -56,7 +87,7 @@ def demo(session: nox.Session) -> None:
 @nox.parametrize("keras", COMPAT_KERAS_NIGHTLIES)
 def compat(session: nox.Session, keras: str) -> None:
     """The multi-process tests against several keras-nightly builds."""
-    install(session, keras=keras)
+    install(session, keras=keras, hub=True)
     session.run(
         "pytest", "tests/multiprocess", *session.posargs, env=ENV, success_codes=[0, 5]
     )
