@@ -28,6 +28,7 @@ FAMILIES: tuple[str, ...] = (
     "random",
     "replicated",
     "layers",
+    "saving",
 )
 
 OFF_VALUES: tuple[str, ...] = ("0", "false", "off", "no")
