@@ -22,6 +22,7 @@ __all__ = [
     "all_reduce_sum",
     "batch_parallel_call",
     "update_in_place_of",
+    "vocab_parallel_lookup",
     "describe",
     "find_dtensor",
     "gather_axes_splitting",
@@ -488,6 +489,74 @@ def reduce_masked(value: Any) -> Any:
         settled = tuple(Replicate() if p.is_partial() else p for p in value.placements)
         return _ReduceMasked.apply(value, settled)
     return value
+
+
+def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
+    """``embedding(ids, table)`` for a table split on its rows, with no mask state.
+
+    DTensor's own lookup returns a ``_MaskPartial`` value that carries its mask
+    from the lookup to the reduction in a Python buffer. A traced step cannot
+    hold that: dynamo runs an autograd.Function's forward twice (once to trace
+    it, once for its output), the first run releases the mask and the second
+    finds none, and inductor meets the traced run's fake mask in its own fake
+    mode. Here each rank looks its ids up in its own rows, zeroes the rows it
+    does not hold and the partial sums are reduced: Megatron's
+    vocabulary-parallel embedding, the same values and gradients, all in
+    traceable DTensor calls. Negative ids count from the end, as Keras's
+    ``take`` does. Returns ``None`` when ``table`` is not a 2-D DTensor split on
+    its rows by exactly one mesh axis (DTensor's own rule then runs).
+    """
+    if not isinstance(table, DTensor) or table.ndim != 2:
+        return None
+    mesh = table.device_mesh
+    rows = [i for i, p in enumerate(table.placements) if p == Shard(0)]
+    if len(rows) != 1 or any(p.is_partial() for p in table.placements):
+        return None
+    if isinstance(ids, DTensor):
+        if ids.device_mesh != mesh or any(p.is_partial() for p in ids.placements):
+            return None
+        axis = rows[0]
+        id_placements = tuple(
+            Replicate() if i == axis else p for i, p in enumerate(ids.placements)
+        )
+        if id_placements != tuple(ids.placements):
+            ids = ids.redistribute(mesh, id_placements)
+        local_ids = ids.to_local()
+    else:
+        id_placements = (Replicate(),) * mesh.ndim
+        local_ids = ids
+    axis = rows[0]
+    out_placements = []
+    table_grads = []
+    for i, (mine, theirs) in enumerate(
+        zip(table.placements, id_placements, strict=True)
+    ):
+        if i == axis:
+            out_placements.append(Partial())
+            table_grads.append(mine)
+        elif isinstance(mine, Shard) and isinstance(theirs, Shard):
+            return None  # gather_axes_splitting gathers such a table first
+        elif isinstance(mine, Shard):  # the embedding dim
+            out_placements.append(Shard(local_ids.ndim))
+            table_grads.append(mine)
+        else:  # a replicated table, ids split or not
+            out_placements.append(theirs)
+            # Each rank's rows of ids give part of the table's gradient.
+            table_grads.append(Partial() if isinstance(theirs, Shard) else mine)
+    vocab = table.shape[0]
+    size, offset = Shard.local_shard_size_and_offset(
+        vocab, mesh.size(axis), mesh.get_coordinate()[axis]
+    )
+    local_ids = local_ids.long()
+    local_ids = torch.where(local_ids < 0, local_ids + vocab, local_ids)
+    outside = (local_ids < offset) | (local_ids >= offset + size)
+    shifted = torch.where(outside, 0, local_ids - offset)
+    local_table = table.to_local(grad_placements=tuple(table_grads))
+    found = torch.nn.functional.embedding(shifted, local_table)
+    found = found.masked_fill(outside.unsqueeze(-1), 0)
+    partial = DTensor.from_local(found, mesh, tuple(out_placements), run_check=False)
+    settled = tuple(Replicate() if p.is_partial() else p for p in out_placements)
+    return partial.redistribute(mesh, settled)
 
 
 class _ReduceMasked(torch.autograd.Function):

@@ -41,9 +41,12 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
     """``torch.einsum(equation, *operands)`` computed on local shards, or None.
 
     None where the operands are not all DTensors of one float dtype on one
-    mesh, under torch.compile, or where :func:`plan` finds no local form.
+    mesh, or where :func:`plan` finds no local form. Under torch.compile too:
+    DTensor's own einsum reshapes a head-sharded operand into strided shards
+    that its ``bmm`` has no rule for (grouped-query attention's
+    ``"btkgh,bskh->bkgts"``), where the local form needs none.
     """
-    if len(operands) < 2 or torch.compiler.is_compiling():
+    if len(operands) < 2:
         return None
     first = operands[0]
     if not isinstance(first, DTensor) or not first.dtype.is_floating_point:
@@ -56,7 +59,8 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
             or operand.dtype != first.dtype
         ):
             return None
-    found = plan(
+    compiling = torch.compiler.is_compiling()
+    found = (plan.__wrapped__ if compiling else plan)(
         equation,
         tuple(tuple(o.shape) for o in operands),
         tuple(tuple(o.placements) for o in operands),
@@ -64,7 +68,27 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
     )
     if found is None:
         return None
+    if compiling:
+        return _traced_einsum(equation, found, operands, mesh)
     return _LocalEinsum.apply(equation, found, *operands)
+
+
+def _traced_einsum(
+    equation: str, found: tuple, operands: Sequence[DTensor], mesh: Any
+) -> DTensor:
+    """:class:`_LocalEinsum` in the DTensor calls dynamo traces.
+
+    ``to_local`` hands each operand's gradient back with the plan's gradient
+    placements; ``from_local``'s backward gives a Partial output a replicated
+    gradient, as :class:`_LocalEinsum`'s backward takes it.
+    """
+    out_placements, grad_placements = found
+    locals_ = [
+        o.to_local(grad_placements=g)
+        for o, g in zip(operands, grad_placements, strict=True)
+    ]
+    result = torch.einsum(equation, *locals_)
+    return DTensor.from_local(result, mesh, out_placements, run_check=False)
 
 
 def local_matmul(x: Any, w: Any) -> DTensor | None:

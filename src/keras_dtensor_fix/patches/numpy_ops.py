@@ -98,6 +98,11 @@ def _is_elementwise(name: str, fn: Any) -> bool:
     return params in (["x1", "x2"], ["x", "y"]) or name in ("where", "clip")
 
 
+def _axis(args: tuple, kwargs: dict) -> Any:
+    """The ``axis`` argument of ``take(x, indices, axis=None)``."""
+    return args[2] if len(args) > 2 else kwargs.get("axis")
+
+
 def make_wrapper(name: str, elementwise: bool):
     """The wrapper for one numpy op: fast path, or promote then call.
 
@@ -111,6 +116,7 @@ def make_wrapper(name: str, elementwise: bool):
         reduce_partial,
         replicate_result,
         replicated_locals,
+        vocab_parallel_lookup,
     )
     from keras_dtensor_fix.einsum import local_einsum, local_matmul
     from keras_dtensor_fix.patches._values import promote_call, resolve, variable_class
@@ -165,6 +171,11 @@ def make_wrapper(name: str, elementwise: bool):
             # An embedding lookup: see gather_axes_splitting.
             table = gather_axes_splitting(resolve(args[0]), resolve(args[1]))
             args = (table, *args[1:])
+            if torch.compiler.is_compiling() and _axis(args, kwargs) == 0:
+                # DTensor's own row-split lookup keeps state a trace cannot.
+                found = vocab_parallel_lookup(table, resolve(args[1]))
+                if found is not None:
+                    return found
         if local_form is not None and not kwargs:
             local = local_form(args)
             if local is not None:
