@@ -1,4 +1,4 @@
-"""Sessions: tests, tests4, lint, demo, compat, bench (``nox -s NAME``)."""
+"""Sessions: tests, tests4, lint, demo, compat, matrix, bench (``nox -s NAME``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,19 @@ COMPAT_KERAS_NIGHTLIES = (
     "3.16.0.dev2026101504",
     KERAS_NIGHTLY,  # new layout: keras.src.backend.torch.ops.numpy
 )
+#: The compatibility matrix (README.md, "Compatibility"): Python, torch,
+#: keras-nightly. Every torch and Python at least once, the newest torch with
+#: every nightly. torch 2.13.0 on 3.11 is the local CPU wheel; the others are
+#: the registry's CUDA builds (about 5.6 GB a venv; they run on the CPU). No
+#: keras-nightly with torch ModelParallel installs on Python 3.10 (they need
+#: 3.11), and torch 2.15 has no Python 3.10 build.
+MATRIX = {
+    "py3.11-torch2.13.0-k1027": ("3.11", "2.13.0", KERAS_NIGHTLY),
+    "py3.12-torch2.14.1-k1027": ("3.12", "2.14.1", KERAS_NIGHTLY),
+    "py3.13-torch2.15.0-k1027": ("3.13", "2.15.0", KERAS_NIGHTLY),
+    "py3.12-torch2.15.0-k1015": ("3.12", "2.15.0", "3.16.0.dev2026101504"),
+    "py3.13-torch2.15.0-k0910": ("3.13", "2.15.0", "3.16.0.dev2026091004"),
+}
 RUFF = "ruff==0.17.6"
 # keras-hub's distribution requires `keras`, which would overwrite keras-nightly
 # (both own keras/): it goes in with --no-deps, then what it imports. grain
@@ -30,9 +43,10 @@ def install(
     keras: str = KERAS_NIGHTLY,
     extras: str = "test",
     hub: bool = False,
+    torch: str = TORCH,
 ) -> None:
     """Install CPU torch, the pinned keras-nightly, then this package (editable)."""
-    session.install(TORCH)
+    session.install(torch)
     session.install(f"keras-nightly=={keras}")
     target = f".[{extras}]" if extras else "."
     session.install("-e", target)
@@ -90,6 +104,30 @@ def compat(session: nox.Session, keras: str) -> None:
     install(session, keras=keras, hub=True)
     session.run(
         "pytest", "tests/multiprocess", *session.posargs, env=ENV, success_codes=[0, 5]
+    )
+
+
+@nox.session
+@nox.parametrize("python,torch,keras", list(MATRIX.values()), ids=list(MATRIX))
+def matrix(session: nox.Session, torch: str, keras: str) -> None:
+    """The multi-process tests and the torch-version test on one row of MATRIX.
+
+    ``nox -s "matrix(py3.12-torch2.14.1-k1027)" -R`` runs one row (Pythons
+    found on PATH, e.g. ``PYENV_VERSION=3.11.7:3.12.1:3.13.0`` with pyenv).
+    """
+    install(session, keras=keras, hub=True, torch=f"torch=={torch}")
+    versions = (
+        "import platform, keras, torch; "
+        "print('matrix:', platform.python_version(), torch.__version__, "
+        "keras.version())"
+    )
+    session.run("python", "-c", versions, env=ENV)
+    session.run(
+        "pytest",
+        "tests/multiprocess",
+        "tests/test_bad_inputs.py::test_torch_too_old_to_compile",
+        *session.posargs,
+        env=ENV,
     )
 
 

@@ -26,8 +26,9 @@ MIXED = "mixed torch.Tensor and DTensor"
 LOOSE = {"loss_scale_sgd_fp16": 1e-4, "loss_scale_sgd_bf16": 2e-3}
 
 #: What upstream Keras does with each case on 2 ranks: "ok" (equals one
-#: process) or a fragment of its error. Measured with keras-nightly
-#: 3.16.0.dev2026102704 and torch 2.13.0.
+#: process) or a fragment of its error (a tuple: any one of them, by torch
+#: release). Measured with keras-nightly 3.16.0.dev2026102704 and torch
+#: 2.13.0, 2.14.1 and 2.15.0 (``nox -s matrix``).
 UPSTREAM = {
     "custom_loop_keras_loss": "ok",
     "loss_scale_sgd_fp16": "ok",
@@ -36,7 +37,11 @@ UPSTREAM = {
     "gru": "ok",
     # torch's DTensor convolution computes with the local kernel shard.
     "conv1d_output_channels": "must match the size of tensor b",
-    "conv1d_kernel_axis": "could not create a primitive descriptor",
+    # torch 2.14 rewrote DTensor's convolution rules: its strategy fails first.
+    "conv1d_kernel_axis": (
+        "could not create a primitive descriptor",  # torch 2.13
+        "mixes None with placements across mesh dims",  # torch 2.14, 2.15
+    ),
     "conv3d_input_channels": "to have 2 channels, but got 4",
     "depthwise_conv2d": "expected weight to be at least 4",
     "separable_conv2d": "expected weight to be at least 4",
@@ -87,7 +92,9 @@ def test_upstream_does_as_pinned(runs, name: str) -> None:
         rtol = LOOSE.get(name, 1e-5)
         np.testing.assert_allclose(upstream["losses"], single["losses"], rtol=rtol)
     else:
-        assert expected in upstream.get("error", ""), upstream
+        fragments = (expected,) if isinstance(expected, str) else expected
+        error = upstream.get("error", "")
+        assert any(fragment in error for fragment in fragments), upstream
 
 
 @pytest.mark.parametrize(
