@@ -823,6 +823,20 @@ for _kind in ("gemma", "llama", "qwen"):
     _hub_case("hub4", _kind, (2, 2))
 
 
+@case("hub", layout=_hub_layout("gemma"), eager=True)
+def gemma_1x2_jit_compile():
+    """jit_compile=True on a keras-hub model runs eagerly (warned), as upstream."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fit_and_generate("gemma", jit_compile=True)
+    if WORLD > 1:
+        messages = [str(w.message) for w in caught]
+        assert any("keras-hub layers" in m for m in messages), messages
+    return result
+
+
 # ---------------------------------------------------------------- runner
 
 

@@ -39,7 +39,10 @@ def check(name: str, ranks: list[dict], single: dict) -> None:
 
 @pytest.mark.parametrize("name", cases("hub"))
 def test_hub_parity(runs, name: str) -> None:
-    check(name, runs.get("hub", world=2), runs.get("hub", world=1)[0])
+    ranks = runs.get("hub", world=2)
+    check(name, ranks, runs.get("hub", world=1)[0])
+    if CASES[name].get("eager"):
+        assert ranks[0][name]["dynamo_graphs"] == 0
 
 
 @pytest.mark.skipif(not FOUR, reason="4 processes: KERAS_DTENSOR_FIX_FOUR_RANKS=1")

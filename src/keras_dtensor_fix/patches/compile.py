@@ -43,6 +43,17 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
             stacklevel=2,
         )
         return False
+    hub = keras_hub_layers(instance)
+    if hub:
+        warnings.warn(
+            "keras-dtensor-fix: jit_compile=True is not used for this "
+            f"ModelParallel model: its keras-hub layers ({', '.join(hub[:3])}"
+            f"{', ...' if len(hub) > 3 else ''}) do not compile correctly under "
+            "ModelParallel yet. The model runs eagerly, as upstream Keras runs "
+            "every ModelParallel model.",
+            stacklevel=2,
+        )
+        return False
     recurrent = recurrent_layers(instance)
     if recurrent:
         warnings.warn(
@@ -89,6 +100,20 @@ def _torch_version() -> str:
     import torch
 
     return torch.__version__
+
+
+def keras_hub_layers(model) -> list[str]:
+    """Layers of ``model`` defined by keras-hub (its decoders, embeddings).
+
+    Compiled under ModelParallel with torch 2.13 they meet torch bugs (a
+    DeviceMesh that becomes an output of a graph split by Keras's graph
+    breaks, among others); eager runs match one process.
+    """
+    return [
+        layer.name
+        for layer in model._flatten_layers(include_self=True)
+        if type(layer).__module__.startswith("keras_hub.")
+    ]
 
 
 def recurrent_layers(model) -> list[str]:

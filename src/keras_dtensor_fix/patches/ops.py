@@ -23,6 +23,8 @@ MODULES = tuple(f"keras.src.backend.torch.ops.{k}" for k in KINDS) + tuple(
 # The core module's own functions that write one tensor into another; its
 # other multi-tensor functions are the numpy module's (``numpy`` family).
 CORE = frozenset({"slice_update"})
+# Packages that re-export core's functions with ``from .core import name``.
+CORE_ALSO_IN = ("keras.src.backend.torch.ops", "keras.src.backend.torch")
 # Convolutions and the names of their kernels.
 CONVOLUTIONS = {
     "conv": ("kernel",),
@@ -168,5 +170,8 @@ def patches(module: types.ModuleType) -> list[Patch]:
             wrapper = make_attention_wrapper(inspect.signature(getattr(module, name)))
         else:
             wrapper = make_wrapper(name, elementwise=False)
-        result.append(Patch(FAMILY, module.__name__, name, wrapper, gated=True))
+        also = CORE_ALSO_IN if core else ()
+        result.append(
+            Patch(FAMILY, module.__name__, name, wrapper, also_in=also, gated=True)
+        )
     return result

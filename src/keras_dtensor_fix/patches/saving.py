@@ -14,6 +14,13 @@ from keras_dtensor_fix.engine import Patch
 FAMILY = "saving"
 MODULES = ("keras.src.saving.saving_api",)
 ENTRIES = ("save_model", "save_weights")
+# Keras's public namespaces bind them with ``from ... import``.
+ALSO_IN = (
+    "keras.saving",
+    "keras.models",
+    "keras._tf_keras.keras.saving",
+    "keras._tf_keras.keras.models",
+)
 
 HINT = (
     "Under ModelParallel Keras gathers each sharded variable with a collective "
@@ -38,7 +45,14 @@ def make_wrapper(name: str):
 
 def patches(module: types.ModuleType) -> list[Patch]:
     return [
-        Patch(FAMILY, module.__name__, name, make_wrapper(name), gated=True)
+        Patch(
+            FAMILY,
+            module.__name__,
+            name,
+            make_wrapper(name),
+            also_in=ALSO_IN,
+            gated=True,
+        )
         for name in ENTRIES
         if hasattr(module, name)
     ]
