@@ -457,13 +457,18 @@ def custom_training_loop():
             yb = distribution_lib.distribute_data_input(yb, layout)
         prediction = model(xb)
         loss = ops.mean(ops.square(ops.subtract(prediction, yb)))
-        model.zero_grad()
-        loss.backward()
-        grads = [v.value.grad for v in model.trainable_variables]
-        with torch.no_grad():
-            optimizer.apply(grads, model.trainable_variables)
-        losses.append(float(ops.convert_to_numpy(loss)))
+        losses.append(apply_step(model, optimizer, loss))
     return {"losses": losses, "weights": weights(model)}
+
+
+def apply_step(model, optimizer, loss) -> float:
+    """Backward, then the optimizer on the variables' gradients; the loss value."""
+    model.zero_grad()
+    loss.backward()
+    grads = [v.value.grad for v in model.trainable_variables]
+    with torch.no_grad():
+        optimizer.apply(grads, model.trainable_variables)
+    return float(ops.convert_to_numpy(loss))
 
 
 @case("custom", layout=COLUMNS)
@@ -560,12 +565,7 @@ def custom_loop_keras_loss():
         rows = slice(step * 16, (step + 1) * 16)
         xb, yb = torch.from_numpy(x[rows]), torch.from_numpy(y[rows])
         loss = loss_fn(yb, model(xb))  # mean((y - pred)**2) with Python operators
-        model.zero_grad()
-        loss.backward()
-        grads = [v.value.grad for v in model.trainable_variables]
-        with torch.no_grad():
-            optimizer.apply(grads, model.trainable_variables)
-        losses.append(float(ops.convert_to_numpy(loss)))
+        losses.append(apply_step(model, optimizer, loss))
     return {"losses": losses, "weights": weights(model)}
 
 

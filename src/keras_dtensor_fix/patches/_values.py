@@ -159,15 +159,17 @@ def promote_call(
     return replicate_result(result, partner.device_mesh)
 
 
-def _full(values: list[Any]) -> list[Any]:
-    def one(value: Any) -> Any:
-        if isinstance(value, DTensor):
-            return value.full_tensor()
-        if isinstance(value, (list, tuple)):
-            return type(value)(one(v) for v in value)
-        return value
+def full_value(value: Any) -> Any:
+    """A DTensor as its full (gathered) tensor, lists and tuples inside."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, (list, tuple)):
+        return type(value)(full_value(v) for v in value)
+    return value
 
-    return [one(v) for v in values]
+
+def _full(values: list[Any]) -> list[Any]:
+    return [full_value(v) for v in values]
 
 
 _WARNED: set[str] = set()

@@ -79,15 +79,8 @@ def make_update_wrapper(signature: inspect.Signature):
     (:func:`~keras_dtensor_fix.dtensor.update_in_place_of`), so a head-sharded
     cache stays sharded from the first step on.
     """
-    from keras_dtensor_fix.dtensor import DTensor, update_in_place_of, wrap_local
-    from keras_dtensor_fix.patches._values import resolve
-
-    def local_index(value: Any) -> Any:
-        if isinstance(value, DTensor):
-            return value.full_tensor()
-        if isinstance(value, (list, tuple)):
-            return type(value)(local_index(v) for v in value)
-        return value
+    from keras_dtensor_fix.dtensor import update_in_place_of, wrap_local
+    from keras_dtensor_fix.patches._values import full_value, resolve
 
     def wrapper(wrapped, instance, args, kwargs):
         bound = signature.bind(*args, **kwargs)
@@ -98,7 +91,7 @@ def make_update_wrapper(signature: inspect.Signature):
             return wrapped(*args, **kwargs)
         mesh, inputs, updates, placements = found
         bound.arguments["inputs"], bound.arguments["updates"] = inputs, updates
-        bound.arguments["start_indices"] = local_index(bound.arguments["start_indices"])
+        bound.arguments["start_indices"] = full_value(bound.arguments["start_indices"])
         return wrap_local(wrapped(*bound.args, **bound.kwargs), mesh, placements)
 
     return wrapper
