@@ -65,7 +65,7 @@ def test_wheel_contents_and_metadata(wheel) -> None:
     assert runtime == {"wrapt", "numpy", "torch"}
     assert "keras" not in {name.lower() for name, _ in requires}
     assert "keras-nightly" not in {name.lower() for name, _ in requires}
-    assert "Requires-Python: >=3.10" in metadata
+    assert "Requires-Python: >=3.11" in metadata
 
 
 def test_start_entry_point_resolves(wheel_venv, run_py) -> None:
