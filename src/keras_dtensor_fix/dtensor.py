@@ -446,6 +446,11 @@ def is_replicated(value: DTensor) -> bool:
     return all(p.is_replicate() for p in value.placements)
 
 
+def without_partials(placements: Sequence[Any]) -> tuple:
+    """``placements`` with every partial one (a pending reduction) replicated."""
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
 def reduce_partial(value: Any) -> Any:
     """``value`` with its ``Partial`` mesh axes reduced to ``Replicate``.
 
@@ -460,7 +465,7 @@ def reduce_partial(value: Any) -> Any:
     placements = tuple(value.placements)
     if not any(p.is_partial() for p in placements):
         return value
-    settled = tuple(Replicate() if p.is_partial() else p for p in placements)
+    settled = without_partials(placements)
     if (
         _SPEC is not None
         and not torch.compiler.is_compiling()
@@ -486,7 +491,7 @@ def reduce_masked(value: Any) -> Any:
     if isinstance(value, DTensor) and any(
         p.is_partial() and type(p) is not Partial for p in value.placements
     ):
-        settled = tuple(Replicate() if p.is_partial() else p for p in value.placements)
+        settled = without_partials(value.placements)
         return _ReduceMasked.apply(value, settled)
     return value
 
@@ -555,7 +560,7 @@ def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
     found = torch.nn.functional.embedding(shifted, local_table)
     found = found.masked_fill(outside.unsqueeze(-1), 0)
     partial = DTensor.from_local(found, mesh, tuple(out_placements), run_check=False)
-    settled = tuple(Replicate() if p.is_partial() else p for p in out_placements)
+    settled = without_partials(out_placements)
     return partial.redistribute(mesh, settled)
 
 
@@ -573,9 +578,7 @@ class _ReduceMasked(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
         if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            settled = tuple(
-                Replicate() if p.is_partial() else p for p in grad.placements
-            )
+            settled = without_partials(grad.placements)
             grad = grad.redistribute(grad.device_mesh, settled)
         return grad, None
 
