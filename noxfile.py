@@ -133,6 +133,19 @@ def matrix(session: nox.Session, torch: str, keras: str) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The benchmark (arguments after ``--`` go to benchmarks/bench.py)."""
-    install(session)
-    session.run("python", "benchmarks/bench.py", *session.posargs, env=ENV)
+    """The benchmark: MLP and transformer block (arguments after ``--`` go to
+    benchmarks/bench.py); ``-- --models hub [ARGS]``: keras-hub models with
+    fit() and the width plot (benchmarks/hub.py, ARGS to it). Not in CI."""
+    args = list(session.posargs)
+    hub = None
+    for i, arg in enumerate(args):
+        if arg == "--models=hub":
+            hub = args[:i] + args[i + 1 :]
+        elif arg == "--models" and args[i + 1 : i + 2] == ["hub"]:
+            hub = args[:i] + args[i + 2 :]
+    install(session, hub=hub is not None)
+    if hub is None:
+        session.run("python", "benchmarks/bench.py", *args, env=ENV)
+        return
+    session.install("matplotlib")  # the plot; a benchmark-only dependency
+    session.run("python", "benchmarks/hub.py", *hub, env=ENV)
