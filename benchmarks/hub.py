@@ -450,10 +450,35 @@ def profile_worker(case: str, args) -> None:
         print("  plugin functions by cumulative time (cum %, self %):")
         for cum, tot, name in sorted(rows, reverse=True)[:25]:
             print(f"    {cum / prof_wall:6.1%} {tot / prof_wall:6.1%}  {name}")
+        _callers(stats, steps)
     if WORLD > 1:
         _collective_sources(fit, args.warmup + 2 * steps)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def _callers(stats, steps: int) -> None:
+    """Who issues the collectives: callers (two levels) of the plugin's
+    all-reduce and of DTensor's redistribute, calls per step."""
+
+    def short(key) -> str:
+        path, line, func = key
+        return f"{path.split('site-packages/')[-1].split('/src/')[-1]}:{line}:{func}"
+
+    targets = [
+        key
+        for key in stats.stats
+        if key[2] in ("all_reduce_sum", "redistribute")
+        and ("keras_dtensor_fix" in key[0] or "distributed/tensor/_api" in key[0])
+    ]
+    for target in targets:
+        callers = stats.stats[target][4]
+        print(f"  callers of {short(target)} (calls per step):")
+        for caller, info in sorted(callers.items(), key=lambda c: -c[1][1]):
+            up = stats.stats.get(caller, (0, 0, 0, 0, {}))[4]
+            above = sorted(up.items(), key=lambda c: -c[1][1])[:3]
+            names = "; ".join(f"{short(k)} x{v[1] / steps:.1f}" for k, v in above)
+            print(f"    {info[1] / steps:5.1f}  {short(caller)}  <- {names}")
 
 
 def _collective_sources(fit, offset: int, steps: int = 2) -> None:
@@ -463,7 +488,9 @@ def _collective_sources(fit, offset: int, steps: int = 2) -> None:
     import torch
 
     activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+    with torch.profiler.profile(
+        activities=activities, with_stack=True, record_shapes=True
+    ) as prof:
         fit(steps, offset)
     counts: collections.Counter = collections.Counter()
     busy = 0.0
@@ -479,7 +506,8 @@ def _collective_sources(fit, offset: int, steps: int = 2) -> None:
             next((f for f in frames if "keras/src" in f), ""),
         )
         where = plugin.split("keras_dtensor_fix/")[-1] or dtensor.split("tensor/")[-1]
-        counts[(event.name, where, layer.split("/src/")[-1])] += 1
+        shapes = str(event.input_shapes)[:50]
+        counts[(event.name, where or shapes, layer.split("/src/")[-1])] += 1
     if RANK == 0:
         total = sum(counts.values()) / steps
         enqueue = busy / 1e3 / steps
@@ -658,21 +686,28 @@ def plot(results: dict, path: Path, args) -> None:
                 if case.startswith(model + ":")
                 and "error" not in rows.get(config, {"error": 1})
             )
-            if points:
-                style = "--" if config == "compiled" else "-"
-                ax.plot(*zip(*points, strict=True), style, marker="o", label=label)
-        failed = [
-            config
-            for config in labels
-            if any(
-                "error" in rows.get(config, {})
+            eager = all(
+                rows.get(config, {}).get("ran_eager", True)
                 for case, rows in results.items()
                 if case.startswith(model + ":")
             )
-        ]
+            if config == "compiled" and eager:
+                label = labels[config] + " (ran eager)"
+            if points:
+                style = "--" if config == "compiled" else "-"
+                ax.plot(*zip(*points, strict=True), style, marker="o", label=label)
+        failed = []
+        for config in labels:
+            widths = [
+                case.split(":")[1]
+                for case, rows in results.items()
+                if case.startswith(model + ":") and "error" in rows.get(config, {})
+            ]
+            if widths:
+                failed.append(f"{config} fails at {', '.join(widths)}")
         title = TITLES.get(model, model)
         if failed:
-            title += f"\n({', '.join(failed)}: fails)"
+            title += f"\n({'; '.join(failed)})"
         ax.set_title(title, fontsize=10)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -760,6 +795,8 @@ def main(argv: list[str] | None = None) -> int:
         f"batch {args.batch}, seq {args.seq}; {args.warmup} warm-up + {args.steps} "
         f"timed steps, {args.rounds} rounds"
     )
+    if args.from_json:
+        head = f"report of {args.from_json} (steps {args.steps}, warm-up {args.warmup})"
     print(head, flush=True)
     log.write(head + "\n")
     results: dict[str, dict[str, dict]] = {c: {} for c in cases}
@@ -783,6 +820,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[case][config] = _merge(results[case].get(config), row)
             print(line, flush=True)
             log.write(line + "\n")
+            log.flush()
             if args.json:
                 args.json.write_text(json.dumps(results, indent=1))
     print()
