@@ -488,10 +488,22 @@ def _collective_sources(fit, offset: int, steps: int = 2) -> None:
     import torch
 
     activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(
-        activities=activities, with_stack=True, record_shapes=True
-    ) as prof:
-        fit(steps, offset)
+    dist = torch.distributed
+    sizes: collections.Counter = collections.Counter()
+    all_reduce = dist.all_reduce
+
+    def counted(tensor, *args, group=None, **kwargs):  # the plugin's all-reduces
+        sizes[dist.get_world_size(group)] += 1
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        with torch.profiler.profile(
+            activities=activities, with_stack=True, record_shapes=True
+        ) as prof:
+            fit(steps, offset)
+    finally:
+        dist.all_reduce = all_reduce
     counts: collections.Counter = collections.Counter()
     busy = 0.0
     for event in prof.events():
@@ -515,6 +527,9 @@ def _collective_sources(fit, offset: int, steps: int = 2) -> None:
         print("  the waits are in the plugin's _poll), by kind, issuer, layer:")
         for (name, where, layer), n in counts.most_common():
             print(f"    {n / steps:5.1f}  {name:28s} {where:40s} {layer}")
+        for size, n in sorted(sizes.items()):
+            per_step = n / steps
+            print(f"  dist.all_reduce over {size} rank(s): {per_step:.1f} per step")
 
 
 def _group(path: str) -> str:
