@@ -86,18 +86,18 @@ def mesh1(tmp_path_factory: pytest.TempPathFactory):
     from torch.distributed.device_mesh import init_device_mesh
 
     import keras_dtensor_fix
-    from keras_dtensor_fix import engine
+    from keras_dtensor_fix import state
 
-    was_active, was_open = keras_dtensor_fix.is_active(), engine.sharding()
+    was_active, was_open = keras_dtensor_fix.is_active(), state.sharding()
     keras_dtensor_fix.activate()
     store = tmp_path_factory.mktemp("gloo") / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    engine.note_sharding()
+    state.note_sharding()
     try:
         yield init_device_mesh("cpu", (1,))
     finally:
         if not was_open:
-            engine.SHARDING.clear()
+            state.SHARDING.clear()
         dist.destroy_process_group()
         if not was_active:
             keras_dtensor_fix.deactivate()
@@ -149,14 +149,14 @@ def tag(wrapped, instance, args, kwargs):
 def patches(module):
     name = module.__name__
     if name == "fake_late":
-        return [Patch(FAMILY, name, "late", tag)]
+        return [Patch(name, "late", tag)]
     return [
-        Patch(FAMILY, name, "add", tag, also_in=("fake_user",)),
-        Patch(FAMILY, name, "Base.step", tag),
-        Patch(FAMILY, name, "Base.s", tag),
-        Patch(FAMILY, name, "Base.c", tag),
-        Patch(FAMILY, name, "Child.step", tag),
-        Patch(FAMILY, name, "missing_function", tag),
+        Patch(name, "add", tag, also_in=("fake_user",)),
+        Patch(name, "Base.step", tag),
+        Patch(name, "Base.s", tag),
+        Patch(name, "Base.c", tag),
+        Patch(name, "Child.step", tag),
+        Patch(name, "missing_function", tag),
     ]
 
 

@@ -8,18 +8,11 @@ import subprocess
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 PATCHES = SRC / "keras_dtensor_fix" / "patches"
 
 RunPy = Callable[..., subprocess.CompletedProcess]
-
-
-def family_present(name: str) -> bool:
-    """Whether the real patch family module ``patches/<name>.py`` exists."""
-    return (PATCHES / f"{name}.py").is_file()
 
 
 def compiles_model_parallel() -> bool:
@@ -30,14 +23,10 @@ def compiles_model_parallel() -> bool:
     return "_use_torch_compile" in vars(cls)
 
 
-def skip_without_family(name: str) -> None:
-    """Skip the calling test when the real family module is not written yet."""
-    if not family_present(name):
-        pytest.skip(f"patch family keras_dtensor_fix.patches.{name} not present")
-
-
 def clean_env(env: Mapping[str, str | None] | None = None, *, src: bool = True) -> dict:
-    """``os.environ`` without our variables, KERAS_BACKEND=torch, then ``env``.
+    """``os.environ`` without our variables, KERAS_BACKEND=torch, strict mode
+    (``KERAS_DTENSOR_FIX_STRICT=1``: a patch that cannot apply raises), then
+    ``env``.
 
     ``None`` values remove a variable. With ``src`` the checkout's ``src`` is
     first on ``PYTHONPATH``.
@@ -48,6 +37,7 @@ def clean_env(env: Mapping[str, str | None] | None = None, *, src: bool = True) 
         if not k.startswith("KERAS_DTENSOR_FIX") and k != "PYTHONPATH"
     }
     full["KERAS_BACKEND"] = "torch"
+    full["KERAS_DTENSOR_FIX_STRICT"] = "1"
     if src:
         full["PYTHONPATH"] = str(SRC)
     for key, value in (env or {}).items():
@@ -103,6 +93,6 @@ MODULES = ("keras.src.backend.torch.distribution_lib",)
 def keep(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 def patches(module):
-    return [Patch(FAMILY, module.__name__, "distribute_data_input", keep,
+    return [Patch(module.__name__, "distribute_data_input", keep,
                   also_in=("keras.src.backend.torch.trainer",))]
 """

@@ -5,7 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from support import family_present, last_json
+from support import last_json
+
+
+@pytest.fixture
+def run_py(run_py):
+    """Not strict by default: the fake families patch missing targets on purpose."""
+
+    def run(code="", *, env=None, **kwargs):
+        return run_py(
+            code, env={"KERAS_DTENSOR_FIX_STRICT": None, **(env or {})}, **kwargs
+        )
+
+    return run
+
 
 # Imports the fakes, records the originals, registers the fake family.
 PRELUDE = """
@@ -237,8 +250,8 @@ MODULES = ({module!r},)
 def keep(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 def patches(module):
-    return [Patch(FAMILY, module.__name__, "no_such_attribute", keep),
-            Patch(FAMILY, "module.not.imported", "x", keep)]
+    return [Patch(module.__name__, "no_such_attribute", keep),
+            Patch("module.not.imported", "x", keep)]
 def after_apply():
     raise RuntimeError("boom in after_apply()")
 """
@@ -306,32 +319,23 @@ except TypeError as exc:
     assert "missing FAMILY, MODULES, patches" in out
 
 
-def test_missing_real_families_are_reported(run_py) -> None:
+def test_family_table_is_the_registry(run_py) -> None:
+    """Every row's implementation exports an Implementation; none loads early."""
     code = """
-import json
-from keras_dtensor_fix import engine
-from keras_dtensor_fix.patches import FAMILY_MODULES
-print(json.dumps({"rows": engine.rows(), "modules": list(FAMILY_MODULES)}))
+import importlib, json, sys
+from keras_dtensor_fix import config, engine, families
+early = sorted(m for m in sys.modules if m.startswith("keras_dtensor_fix.patches."))
+found = {}
+for row in families.FAMILIES:
+    module = importlib.import_module("keras_dtensor_fix.patches." + row.implementation)
+    found[row.name] = isinstance(module.IMPLEMENTATION, engine.Implementation)
+print(json.dumps({"early": early, "found": found, "config": list(config.FAMILIES),
+                  "engine": engine.families()}))
 """
     out = last_json(run_py(code))
-    assert out["modules"][:6] == [
-        "optimizers",
-        "numpy_ops",
-        "data",
-        "promotion",
-        "variables",
-        "compile",
-    ]
-
-    for name in out["modules"]:
-        source = f"keras_dtensor_fix.patches.{name}"
-        rows = [r for r in out["rows"] if r["module"] == source]
-        if family_present(name):
-            assert rows == []
-        else:
-            assert [(r["state"], r["reason"]) for r in rows] == [
-                ("skipped", "not implemented")
-            ]
+    assert out["early"] == []  # implementations load with their Keras modules
+    assert all(out["found"].values()) and len(out["found"]) >= 13, out["found"]
+    assert out["config"] == out["engine"] == list(out["found"])
 
 
 TRACED_TARGET = """
@@ -353,7 +357,7 @@ def plus_one(wrapped, instance, args, kwargs):
 
 
 def patches(module):
-    return [Patch(FAMILY, module.__name__, "Model.scale", plus_one, traced=True)]
+    return [Patch(module.__name__, "Model.scale", plus_one, traced=True)]
 """
 
 
@@ -386,3 +390,33 @@ print(json.dumps(out))
     assert out["compiled"] == [3.0, 3.0], "dynamo skipped the wrapper"
     assert out["fix"] and out["chain"] == 1 and out["name"] == "scale"
     assert out["wrapped"] and out["restored"]
+
+
+STRICT = """
+import json
+from keras_dtensor_fix import engine
+import fake_family
+engine.register_family(fake_family)
+try:
+    import fake_target
+    print(json.dumps({"raised": None}))
+except engine.PatchError as exc:
+    print(json.dumps({"raised": str(exc)}))
+"""
+
+
+@pytest.mark.parametrize("how", ["env", "activate"])
+def test_strict_mode_raises_on_a_patch_that_cannot_apply(run_py, fakes, how) -> None:
+    """Strict: the import of the patched module fails, naming the target."""
+    if how == "env":
+        proc = run_py(STRICT, path=[fakes], env={"KERAS_DTENSOR_FIX_STRICT": "1"})
+    else:
+        code = STRICT.replace(
+            "import fake_family", "import fake_family\nengine.activate(strict=True)"
+        )
+        proc = run_py(code, path=[fakes])
+    out = last_json(proc)
+    assert out["raised"] and "fake_target.missing_function not found" in out["raised"]
+    # Not strict (the default for users): a warning, and the import works.
+    relaxed = last_json(run_py(STRICT, path=[fakes]))
+    assert relaxed == {"raised": None}

@@ -21,9 +21,9 @@ import numpy as np
 import keras
 from torch.utils._python_dispatch import TorchDispatchMode
 import keras_dtensor_fix
-from keras_dtensor_fix import engine
+from keras_dtensor_fix import state
 if OPEN:
-    engine.note_sharding()  # as after a ModelParallel run in this process
+    state.note_sharding()  # as after a ModelParallel run in this process
 
 keras.utils.set_random_seed(0)
 inputs = keras.Input((6, 16))

@@ -7,7 +7,6 @@ Patches land when Keras's torch backend modules are imported.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from . import _bootstrap
@@ -16,15 +15,16 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "activate", "deactivate", "is_active", "status"]
 
 
-def activate() -> None:
+def activate(*, strict: bool | None = None) -> None:
     """Patch Keras's torch backend now and on every later import.
 
     Works even when ``KERAS_DTENSOR_FIX`` is off; ``KERAS_DTENSOR_FIX_DISABLE``
-    still applies. Idempotent.
+    still applies. ``strict=True`` (or ``KERAS_DTENSOR_FIX_STRICT=1``) makes a
+    patch that cannot apply raise instead of warn. Idempotent.
     """
     from . import engine
 
-    engine.activate()
+    engine.activate(strict=strict)
 
 
 def deactivate() -> None:
@@ -83,20 +83,8 @@ def status() -> dict[str, Any]:
         "why": why,
         **report,
         "warnings": warnings,
-        "notes": _family_notes(),
+        "notes": engine.notes(),
     }
-
-
-def _family_notes() -> list[str]:
-    """What the loaded patch families say about this Keras build."""
-    notes: list[str] = []
-    for name in ("promotion", "data", "compile"):
-        module = sys.modules.get(f"{__name__}.patches.{name}")
-        try:
-            notes.extend(module.notes() if hasattr(module, "notes") else ())
-        except Exception as exc:  # noqa: BLE001 - a report must not fail
-            notes.append(f"{name}: notes unavailable ({exc})")
-    return notes
 
 
 _bootstrap.boot()

@@ -85,6 +85,7 @@ def format_report(report: dict[str, Any]) -> str:
 EXPECTED_SKIPS: dict[str, str] = {
     "no such module in this Keras": "other layout",
     "already patched by family": "patched by another family",
+    "nothing to patch in this Keras": "nothing to patch",
 }
 STATES = ("applied", "skipped", "pending", "disabled", "reverted")
 #: How the text summary spells each kind of skip.
@@ -92,6 +93,7 @@ SKIP_WORDS = {
     "inherited": "inherited (its parent's patch covers it)",
     "other layout": "module of the other Keras layout",
     "gate": "gate closed",
+    "nothing to patch": "module with nothing to patch in this Keras",
 }
 
 

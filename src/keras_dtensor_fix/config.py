@@ -1,8 +1,10 @@
 """Environment configuration, parsed in one place.
 
-``KERAS_DTENSOR_FIX`` switches automatic activation on or off and
-``KERAS_DTENSOR_FIX_DISABLE`` turns off single patch families. This module
-imports nothing but the standard library: it runs at interpreter start.
+``KERAS_DTENSOR_FIX`` switches automatic activation on or off,
+``KERAS_DTENSOR_FIX_DISABLE`` turns off single patch families and
+``KERAS_DTENSOR_FIX_STRICT`` makes a patch that cannot apply raise instead of
+warn. This module imports nothing but the standard library: it runs at
+interpreter start.
 """
 
 from __future__ import annotations
@@ -13,23 +15,14 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from . import families as _families
+
 ENV_ENABLE = "KERAS_DTENSOR_FIX"
 ENV_DISABLE = "KERAS_DTENSOR_FIX_DISABLE"
+ENV_STRICT = "KERAS_DTENSOR_FIX_STRICT"
 
-#: Every patch family the project knows, by its ``FAMILY`` name.
-FAMILIES: tuple[str, ...] = (
-    "optimizers",
-    "numpy",
-    "data",
-    "promotion",
-    "variables",
-    "compile",
-    "ops",
-    "random",
-    "replicated",
-    "layers",
-    "saving",
-)
+#: Every patch family's name (the table is :mod:`keras_dtensor_fix.families`).
+FAMILIES: tuple[str, ...] = _families.names()
 
 OFF_VALUES: tuple[str, ...] = ("0", "false", "off", "no")
 ON_VALUES: tuple[str, ...] = ("1", "true", "on", "yes")
@@ -45,6 +38,7 @@ class Config:
     disabled: frozenset[str]
     warnings: tuple[str, ...] = ()
     disable_all: bool = False
+    strict: bool = False
 
     def family_enabled(self, family: str) -> bool:
         """Whether ``family`` may be patched under this configuration."""
@@ -89,8 +83,8 @@ def parse_disable(raw: str | None) -> tuple[frozenset[str], str | None]:
     return disabled, message
 
 
-_cache: dict[tuple[str | None, str | None], Config] = {}
-_warned: set[tuple[str | None, str | None]] = set()
+_cache: dict[tuple[str | None, ...], Config] = {}
+_warned: set[tuple[str | None, ...]] = set()
 _cache_lock = threading.Lock()
 
 
@@ -101,7 +95,7 @@ def load(environ: Mapping[str, str] | None = None, *, warn: bool = True) -> Conf
     malformed value warns once (``RuntimeWarning``) however often it is read.
     """
     env = os.environ if environ is None else environ
-    key = (env.get(ENV_ENABLE), env.get(ENV_DISABLE))
+    key = (env.get(ENV_ENABLE), env.get(ENV_DISABLE), env.get(ENV_STRICT))
     with _cache_lock:
         config = _cache.get(key)
         if config is None:
@@ -110,7 +104,8 @@ def load(environ: Mapping[str, str] | None = None, *, warn: bool = True) -> Conf
             messages = tuple(m for m in (enable_warning, disable_warning) if m)
             all_off = ALL in disabled
             disabled = disabled - {ALL}
-            config = Config(enabled, reason, disabled, messages, all_off)
+            strict = (key[2] or "").strip().lower() in ON_VALUES
+            config = Config(enabled, reason, disabled, messages, all_off, strict)
             _cache[key] = config
         emit = warn and key not in _warned
         if emit:

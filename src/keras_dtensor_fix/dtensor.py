@@ -20,6 +20,7 @@ __all__ = [
     "DTensor",
     "PromotionError",
     "all_reduce_sum",
+    "all_reduce_sums",
     "batch_parallel_call",
     "update_in_place_of",
     "vocab_parallel_lookup",
@@ -44,7 +45,15 @@ __all__ = [
 
 
 class PromotionError(RuntimeError):
-    """A plain tensor met a DTensor and could not be promoted safely."""
+    """A plain tensor met a DTensor and could not be promoted safely.
+
+    ``problem`` says what was found, ``hint`` what to do; the message is both.
+    """
+
+    def __init__(self, problem: str, hint: str = "") -> None:
+        super().__init__(f"{problem} {hint}".strip())
+        self.problem = problem
+        self.hint = hint
 
 
 def implicit_replication() -> bool:
@@ -224,13 +233,37 @@ POLL_SECONDS = 0.05
 def _all_reduce(value: torch.Tensor, mesh: Any, axes: Sequence[int]) -> torch.Tensor:
     value = value.clone(memory_format=torch.contiguous_format)
     for axis in axes:
-        work = torch.distributed.all_reduce(
-            value, group=mesh.get_group(axis), async_op=True
-        )
-        if value.device.type == "cpu":
-            _poll(work)
-        work.wait()
+        _reduce_in_place(value, mesh.get_group(axis))
     return value
+
+
+def all_reduce_sums(values: Sequence[torch.Tensor], group: Any) -> list[torch.Tensor]:
+    """``values`` (plain tensors) summed over ``group``: one all-reduce per dtype.
+
+    Each dtype's values are concatenated into one copy, reduced, and split.
+    """
+    out = list(values)
+    for dtype in dict.fromkeys(v.dtype for v in values):
+        picked = [i for i, v in enumerate(values) if v.dtype == dtype]
+        flat = torch.cat([values[i].reshape(-1) for i in picked])
+        _reduce_in_place(flat, group)
+        start = 0
+        for i in picked:
+            size = values[i].numel()
+            out[i] = flat[start : start + size].reshape(values[i].shape)
+            start += size
+    return out
+
+
+def _reduce_in_place(value: torch.Tensor, group: Any) -> None:
+    """The one all-reduce (sum) path: polled on CPU eagerly, traced as is."""
+    if torch.compiler.is_compiling():
+        torch.distributed.all_reduce(value, group=group)
+        return
+    work = torch.distributed.all_reduce(value, group=group, async_op=True)
+    if value.device.type == "cpu":
+        _poll(work)
+    work.wait()
 
 
 def _poll(work: Any) -> None:
@@ -388,11 +421,11 @@ def promote(
                 f"{op}: a plain {describe(value)} meets {describe(partner)}. Its "
                 f"dim {dim} has the size of one rank's shard "
                 f"({value.shape[dim]}), not the global size "
-                f"({partner.shape[dim]}), so it looks like a per-rank shard; "
+                f"({partner.shape[dim]}), so it looks like a per-rank shard;",
                 "promoting it as the full (replicated) value would be wrong. "
                 "Distribute it first: keras.distribution.distribute_tensor(x, "
                 "layout) for a full value, or the backend's "
-                "distribute_data_input(x, layout) for a per-process batch."
+                "distribute_data_input(x, layout) for a per-process batch.",
             )
     return replicate(value, partner.device_mesh)
 

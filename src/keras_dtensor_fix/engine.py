@@ -1,30 +1,36 @@
 """The one place that applies and reverts patches.
 
-Patch families (modules in :mod:`keras_dtensor_fix.patches`) describe what to
-wrap; the engine wraps it with :class:`wrapt.FunctionWrapper` when the target
-module is imported (wrapt post-import hooks), keeps the exact originals, and
-puts them back on :func:`deactivate`. Everything runs under one re-entrant
-lock, since hooks can fire inside hooks. An exception while patching is logged
-and the patch skipped; it never reaches the code that imported Keras.
+The families are the rows of :mod:`keras_dtensor_fix.families`. When one of
+a family's target modules is imported (a wrapt post-import hook), the engine
+imports the family's implementation, asks its :class:`Implementation` for
+:class:`Patch` records, wraps each attribute with a :class:`FixWrapper`, keeps
+the exact original and puts it back on :func:`deactivate` (which also undoes
+what the families set on Keras objects, see :mod:`keras_dtensor_fix.state`).
+Everything runs under one re-entrant lock, since hooks can fire inside hooks.
+An exception while patching is logged and the patch skipped: it never reaches
+the code that imported Keras, unless strict mode is on
+(``KERAS_DTENSOR_FIX_STRICT=1`` or ``activate(strict=True)``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
 import sys
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import wrapt
 
 from . import config as _config
+from . import families as _table
+from . import state as _state
 from . import targets
-from .patches import MODULE_OF_FAMILY
 
 __all__ = [
     "ANY",
@@ -34,13 +40,16 @@ __all__ = [
     "REVERTED",
     "SKIPPED",
     "FixWrapper",
+    "Implementation",
     "Patch",
+    "PatchError",
     "activate",
     "chain_length",
     "deactivate",
     "families",
     "is_active",
     "is_fix_wrapper",
+    "notes",
     "original",
     "register_family",
     "rows",
@@ -57,40 +66,45 @@ REVERTED = "reverted"
 #: Attribute (or module) column of a row that stands for a whole module.
 ANY = "*"
 
-#: Patch module name -> family name, where the two differ.
-_FAMILY_OF_MODULE = {module: family for family, module in MODULE_OF_FAMILY.items()}
+
+class PatchError(RuntimeError):
+    """A patch could not be applied in strict mode."""
 
 
 @dataclass(frozen=True)
 class Patch:
     """One attribute to wrap."""
 
-    family: str  # e.g. "numpy"
-    module: str  # module owning the attribute, e.g. "keras.src.backend.torch.ops.numpy"
+    module: str  # module owning the attribute, e.g. targets.modules("numpy")[0]
     attribute: str  # dotted path inside module: "add" or "Adam._parallel_update_step"
     wrapper: Callable[[Any, Any, tuple, dict], Any]  # wrapt wrapper
     also_in: tuple[str, ...] = ()  # modules that bound the same object by name
-    # Gated wrappers run only once sharding is on (see ``note_sharding``); until
-    # then wrapt calls the original at C speed.
+    # Gated wrappers run only once sharding is on (``state.note_sharding``);
+    # until then wrapt calls the original at C speed.
     gated: bool = False
     # A method whose wrapper torch.compile must run too (see ``traced_method``).
     traced: bool = False
 
 
-#: Non-empty once a sharded (DTensor) distribution is in use in this process.
-#: A list, so that wrapt's C code tests it (``enabled=``) without a Python call.
-SHARDING: list[bool] = []
+@dataclass(frozen=True)
+class Implementation:
+    """What a family's implementation module exports as ``IMPLEMENTATION``.
+
+    ``patches(module)`` lists the patches for one imported target module
+    (raising :class:`LookupError` means "this Keras has no such target": a
+    one-line warning and a status row). ``after_apply`` runs once per target
+    module after its patches, ``after_revert`` once after deactivation, and
+    ``notes`` says what the family found about this Keras build (``status``).
+    """
+
+    patches: Callable[[types.ModuleType], Iterable[Patch]]
+    after_apply: Callable[[], None] | None = None
+    after_revert: Callable[[], None] | None = None
+    notes: Callable[[], list[str]] | None = None
 
 
-def note_sharding() -> None:
-    """Open the gated wrappers: DTensors may now meet plain tensors."""
-    if not SHARDING:
-        SHARDING.append(True)
-
-
-def sharding() -> bool:
-    """Whether the gated wrappers are open."""
-    return bool(SHARDING)
+#: The gate of every gated wrapper (``wrapt``'s ``enabled=``).
+SHARDING = _state.SHARDING
 
 
 class FixWrapper(wrapt.FunctionWrapper):
@@ -177,14 +191,11 @@ def chain_length(obj: object) -> int:
 @dataclass
 class _Family:
     name: str
-    source: str
-    module: types.ModuleType | None = None
-    error: str | None = None
+    modules: tuple[str, ...]
+    source: str  # the implementation's module name
     gated: bool = True
-
-    @property
-    def modules(self) -> tuple[str, ...]:
-        return tuple(getattr(self.module, "MODULES", ()))
+    implementation: Implementation | None = None
+    error: str | None = None  # why the implementation is unusable
 
 
 @dataclass
@@ -218,61 +229,62 @@ def _warn(message: str, *, exc_info: bool = False) -> None:
     _warnings.append(message)
 
 
+def _strict() -> bool:
+    return _cfg is not None and _cfg.strict
+
+
+def _fail(message: str) -> None:
+    """A patch that cannot apply: a warning, or in strict mode an error.
+
+    Call it inside ``except`` to keep the traceback (strict mode chains it).
+    """
+    if _strict():
+        raise PatchError(f"keras_dtensor_fix (strict): {message}")
+    _warn(message, exc_info=sys.exc_info()[0] is not None)
+
+
 # -- families ---------------------------------------------------------------
 
-
-def _check_family(module: types.ModuleType) -> str | None:
-    missing = [
-        name for name in ("FAMILY", "MODULES", "patches") if not hasattr(module, name)
-    ]
-    if missing:
-        return f"invalid family module: missing {', '.join(missing)}"
-    if not callable(module.patches):
-        return "invalid family module: patches is not callable"
-    return None
+#: Package of the families' implementation modules.
+PATCHES = f"{__package__}.patches"
 
 
-def _make_family(module: types.ModuleType, source: str) -> _Family:
-    error = _check_family(module)
-    name = str(getattr(module, "FAMILY", _FAMILY_OF_MODULE.get(source, source)))
-    gated = bool(getattr(module, "GATED", True))
-    return _Family(name, source, None if error else module, error, gated)
+def _from_row(row: _table.Family) -> _Family:
+    modules = tuple(
+        dict.fromkeys(name for kind in row.kinds for name in targets.modules(kind))
+    )
+    return _Family(row.name, modules, f"{PATCHES}.{row.implementation}", row.gated)
 
 
 def _load_families() -> list[_Family]:
+    """The table's families (implementations not imported yet), then registered."""
     global _families
     if _families is None:
-        from .patches import FAMILY_MODULES
-
-        loaded = []
-        for source in FAMILY_MODULES:
-            fullname = f"{__package__}.patches.{source}"
-            fallback = _FAMILY_OF_MODULE.get(source, source)
-            try:
-                module = importlib.import_module(fullname)
-            except ModuleNotFoundError as exc:
-                if exc.name != fullname:
-                    _warn(f"patch family {fullname} failed to import", exc_info=True)
-                    reason = f"import failed: {exc}"
-                else:
-                    reason = "not implemented"
-                loaded.append(_Family(fallback, fullname, error=reason))
-                continue
-            except Exception as exc:  # noqa: BLE001 - never break the user's import
-                _warn(f"patch family {fullname} failed to import", exc_info=True)
-                loaded.append(
-                    _Family(fallback, fullname, error=f"import failed: {exc}")
-                )
-                continue
-            family = _make_family(module, fullname)
-            if family.error is None and family.name not in _config.FAMILIES:
-                _warn(
-                    f"family {family.name!r} ({fullname}) is not in "
-                    "config.FAMILIES: KERAS_DTENSOR_FIX_DISABLE cannot name it"
-                )
-            loaded.append(family)
-        _families = loaded
+        _families = [_from_row(row) for row in _table.FAMILIES]
     return _families + _extra
+
+
+def _check_implementation(found: object, source: str) -> Implementation:
+    if not isinstance(found, Implementation):
+        raise TypeError(
+            f"{source}.IMPLEMENTATION is {type(found).__name__}, not "
+            "keras_dtensor_fix.engine.Implementation"
+        )
+    return found
+
+
+def _implementation(family: _Family) -> Implementation | None:
+    """The family's implementation, imported on first use; None if unusable."""
+    if family.implementation is None and family.error is None:
+        try:
+            module = importlib.import_module(family.source)
+            family.implementation = _check_implementation(
+                getattr(module, "IMPLEMENTATION", None), family.source
+            )
+        except Exception as exc:  # noqa: BLE001 - never break the user's import
+            family.error = f"import failed: {type(exc).__name__}: {exc}"
+            _fail(f"patch family {family.name} ({family.source}) failed to import")
+    return family.implementation
 
 
 def families() -> list[str]:
@@ -281,23 +293,66 @@ def families() -> list[str]:
         return [f.name for f in _load_families() if f.error is None]
 
 
-def register_family(module: types.ModuleType) -> None:
-    """Add a family module beside those in ``patches.FAMILY_MODULES``.
-
-    It needs ``FAMILY``, ``MODULES`` and ``patches(module)``; optional are
-    ``after_apply()``, ``after_revert()`` and ``GATED`` (default ``True``:
-    apply only under Keras's torch backend with distribution support). If the
-    engine is active, its hooks are registered at once.
-    """
-    family = _make_family(module, getattr(module, "__name__", repr(module)))
-    if family.error:
-        raise TypeError(f"{family.source}: {family.error}")
+def notes() -> list[str]:
+    """What the imported family implementations say about this Keras build."""
+    found: list[str] = []
     with _lock:
-        if any(f.module is module for f in _extra):
+        loaded = [f for f in _load_families() if f.implementation is not None]
+    for family in loaded:
+        function = family.implementation.notes
+        if function is None:
+            continue
+        try:
+            found.extend(function())
+        except Exception as exc:  # noqa: BLE001 - a report must not fail
+            found.append(f"{family.name}: notes unavailable ({exc})")
+    return found
+
+
+def register_family(
+    family: types.ModuleType | _table.Family,
+    implementation: Implementation | None = None,
+) -> None:
+    """Add a family beside the table's (a plugin of the plugin, or a test fake).
+
+    Either a row of the table's kind and its :class:`Implementation`, or a
+    module with ``FAMILY``, ``MODULES`` (module names), ``patches(module)`` and
+    optionally ``after_apply``, ``after_revert``, ``notes`` and ``GATED``. If
+    the engine is active, its hooks are registered at once.
+    """
+    if isinstance(family, _table.Family):
+        record = _from_row(family)
+        record.implementation = _check_implementation(implementation, family.name)
+        key: object = implementation
+    else:
+        missing = [
+            n for n in ("FAMILY", "MODULES", "patches") if not hasattr(family, n)
+        ]
+        if missing or not callable(getattr(family, "patches", None)):
+            what = (
+                f"missing {', '.join(missing)}" if missing else "patches not callable"
+            )
+            raise TypeError(f"{family!r}: invalid family module: {what}")
+        record = _Family(
+            str(family.FAMILY),
+            tuple(family.MODULES),
+            family.__name__,
+            bool(getattr(family, "GATED", True)),
+            Implementation(
+                family.patches,
+                getattr(family, "after_apply", None),
+                getattr(family, "after_revert", None),
+                getattr(family, "notes", None),
+            ),
+        )
+        key = family
+    with _lock:
+        if any(getattr(f, "_key", None) is key for f in _extra):
             return
-        _extra.append(family)
+        record._key = key  # type: ignore[attr-defined]
+        _extra.append(record)
         if _active:
-            _hook_family(family)
+            _hook_family(record)
 
 
 # -- hooks --------------------------------------------------------------------
@@ -348,6 +403,8 @@ def _on_import(module: types.ModuleType) -> None:
                         _ensure_hook(pending)
             if _deferred:
                 _flush_deferred()
+    except PatchError:
+        raise  # strict mode: the import fails
     except Exception:  # noqa: BLE001 - never break the user's import
         _warn(f"keras_dtensor_fix: hook for {module!r} failed", exc_info=True)
 
@@ -412,26 +469,32 @@ def _apply_family(family: _Family, module: types.ModuleType) -> None:
             return
     _deferred.pop(key, None)
     _rows.pop((family.name, name, ANY), None)
+    implementation = _implementation(family)
+    if implementation is None:
+        _set_row(family.name, name, ANY, SKIPPED, str(family.error))
+        return
     try:
-        patches = list(family.module.patches(module))
+        patches = list(implementation.patches(module))
     except LookupError as exc:
         # The family's way of saying "this Keras has no such target": a
         # one-line warning and a status row, no traceback.
-        _warn(f"keras_dtensor_fix: family {family.name} skips {name}: {exc}")
         _set_row(family.name, name, ANY, SKIPPED, str(exc))
+        if _strict():
+            raise PatchError(f"family {family.name} skips {name}: {exc}") from exc
+        _warn(f"keras_dtensor_fix: family {family.name} skips {name}: {exc}")
         return
     except Exception as exc:  # noqa: BLE001
-        _warn(f"family {family.name}: patches({name}) failed", exc_info=True)
         _set_row(family.name, name, ANY, SKIPPED, f"{type(exc).__name__}: {exc}")
+        _fail(f"family {family.name}: patches({name}) failed")
         return
+    if not patches:
+        _set_row(family.name, name, ANY, SKIPPED, "nothing to patch in this Keras")
     for patch in patches:
         try:
             _apply_one(family, patch)
+        except PatchError:
+            raise
         except Exception as exc:  # noqa: BLE001
-            _warn(
-                f"family {family.name}: patching {patch.attribute} failed",
-                exc_info=True,
-            )
             _set_row(
                 family.name,
                 patch.module,
@@ -439,19 +502,21 @@ def _apply_family(family: _Family, module: types.ModuleType) -> None:
                 SKIPPED,
                 f"{type(exc).__name__}: {exc}",
             )
+            _fail(f"family {family.name}: patching {patch.attribute} failed")
     if key not in _done:
         _done[key] = family
         _call_optional(family, "after_apply")
 
 
 def _call_optional(family: _Family, hook: str) -> None:
-    function = getattr(family.module, hook, None)
+    implementation = family.implementation
+    function = getattr(implementation, hook, None) if implementation else None
     if function is None:
         return
     try:
         function()
     except Exception:  # noqa: BLE001
-        _warn(f"family {family.name}: {hook}() failed", exc_info=True)
+        _fail(f"family {family.name}: {hook}() failed")
 
 
 def _apply_one(family: _Family, patch: Patch) -> None:
@@ -464,10 +529,12 @@ def _apply_one(family: _Family, patch: Patch) -> None:
         owner, name = _resolve(module, patch.attribute)
     except AttributeError as exc:
         _set_row(*row, SKIPPED, f"not found: {exc}")
+        _fail(f"family {family.name}: {patch.module}.{patch.attribute} not found")
         return
     raw, inherited_from = _raw(owner, name)
     if raw is _MISSING:
         _set_row(*row, SKIPPED, f"not found: {patch.module}.{patch.attribute}")
+        _fail(f"family {family.name}: {patch.module}.{patch.attribute} not found")
         return
     if inherited_from is not None:
         covered = is_fix_wrapper(raw)
@@ -558,11 +625,17 @@ def wrapt_problem() -> str | None:
     )
 
 
-def activate(cfg: _config.Config | None = None, *, why: str | None = None) -> None:
+def activate(
+    cfg: _config.Config | None = None,
+    *,
+    why: str | None = None,
+    strict: bool | None = None,
+) -> None:
     """Register the post-import hooks and patch what is already imported.
 
     ``cfg`` defaults to :func:`keras_dtensor_fix.config.load` (its disable list
-    applies; its on/off switch is for automatic activation only). Idempotent.
+    and strict switch apply; its on/off switch is for automatic activation
+    only). ``strict`` overrides the configuration's. Idempotent.
     """
     global _active, _cfg, _why
     with _lock:
@@ -573,6 +646,8 @@ def activate(cfg: _config.Config | None = None, *, why: str | None = None) -> No
                 _warn(problem)
             return
         _cfg = cfg if cfg is not None else _config.load()
+        if strict is not None and strict != _cfg.strict:
+            _cfg = dataclasses.replace(_cfg, strict=strict)
         _why = why or "activated by activate()"
         if _active:
             return
@@ -589,6 +664,8 @@ def activate(cfg: _config.Config | None = None, *, why: str | None = None) -> No
             names.update(dict.fromkeys(("keras", targets.DISTRIBUTION_LIB)))
             for name in names:
                 _ensure_hook(name)
+        except PatchError:
+            raise
         except Exception:  # noqa: BLE001 - never break the caller
             _warn("keras_dtensor_fix: activation failed part way", exc_info=True)
 
@@ -604,9 +681,10 @@ def deactivate() -> None:
         for record in reversed(list(_applied.values())):
             try:
                 _revert_one(record)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - revert the rest
                 _warn(f"reverting {record.patch.attribute} failed", exc_info=True)
         _applied.clear()
+        _state.undo_attributes()
         _deferred.clear()
         _retry.clear()
         for key in [k for k in _rows if k[2] == ANY]:

@@ -1,30 +1,54 @@
-"""Where Keras keeps things: layouts, versions, and the activation gate.
+"""Every Keras name the plugin knows: modules, aliases, objects, capabilities.
 
-Nothing here imports Keras or torch. Module lookups walk the import system's
-path finders without executing any module, so they are safe at any time.
+The one owner of ``keras.src`` paths: patch families ask for modules by kind
+(:data:`MODULES`), for the modules that re-bind a kind's functions by name
+(:data:`ALIASES`) and for Keras classes by name (:func:`keras_object`). A new
+nightly layout is a change here plus a row in the README's compatibility
+table. Nothing here imports Keras or torch at module level; module lookups walk
+the import system's path finders without executing any module.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.machinery
 import importlib.util
+import re
 import sys
 from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any
 
 KERAS_TORCH = "keras.src.backend.torch"
 CONFIG_MODULE = "keras.src.backend.config"
 DISTRIBUTION_LIB = f"{KERAS_TORCH}.distribution_lib"
 TRAINER = f"{KERAS_TORCH}.trainer"
+#: Keras's backend-independent distribution API (``ModelParallel`` and co).
+DISTRIBUTION_API = "keras.src.distribution.distribution_lib"
 
 #: Kinds of torch backend op modules :func:`torch_module` knows.
 KINDS: tuple[str, ...] = ("numpy", "core", "nn", "math", "linalg", "image")
 
-#: Layout name -> package that holds the op modules in that layout.
+#: Layout name -> package that holds the op modules in that layout: ``ops``
+#: from about 2026-10, ``flat`` before.
 LAYOUTS: dict[str, str] = {"ops": f"{KERAS_TORCH}.ops", "flat": KERAS_TORCH}
 
 KERAS_DISTRIBUTIONS: tuple[str, ...] = ("keras-nightly", "keras")
+
+#: The torch optimizers with a ``_parallel_update_step``.
+OPTIMIZERS: tuple[str, ...] = (
+    "adadelta",
+    "adagrad",
+    "adam",
+    "adamax",
+    "adamw",
+    "lion",
+    "nadam",
+    "rmsprop",
+    "sgd",
+)
 
 
 def torch_module(kind: str) -> tuple[str, ...]:
@@ -36,6 +60,149 @@ def torch_module(kind: str) -> tuple[str, ...]:
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
     return tuple(f"{package}.{kind}" for package in LAYOUTS.values())
+
+
+def _each_layout(*kinds: str) -> tuple[str, ...]:
+    return tuple(f"{package}.{kind}" for package in LAYOUTS.values() for kind in kinds)
+
+
+_OPTIMIZERS = f"{KERAS_TORCH}.optimizers"
+
+#: Module kind -> the modules of that kind, in every layout.
+MODULES: dict[str, tuple[str, ...]] = {
+    "numpy": torch_module("numpy"),
+    "ops": _each_layout("nn", "math", "linalg", "image", "core"),
+    "core": torch_module("core"),
+    "distribution_lib": (DISTRIBUTION_LIB,),
+    "trainer": (TRAINER,),
+    "random": (f"{KERAS_TORCH}.random",),
+    "optimizers": tuple(f"{_OPTIMIZERS}.torch_{name}" for name in OPTIMIZERS),
+    "parallel_optimizer": (f"{_OPTIMIZERS}.torch_parallel_optimizer",),
+    # Keras imports its torch optimizers only when one is built; the
+    # optimizers family imports them when ``keras`` is complete.
+    "keras": ("keras",),
+    "loss_and_metrics": (
+        "keras.src.trainers.compile_utils",
+        "keras.src.metrics.reduction_metrics",
+    ),
+    "dense_layers": (
+        "keras.src.layers.core.dense",
+        "keras.src.layers.core.einsum_dense",
+    ),
+    "saving": ("keras.src.saving.saving_api",),
+}
+
+#: Module kind -> modules that bind that kind's functions by name (``from
+#: .numpy import add``, ``from .core import *``): a patch replaces them there too.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "numpy": _each_layout("nn", "math", "core", "linalg", "image")
+    + tuple(f"{KERAS_TORCH}.{kind}" for kind in ("random", "rnn")),
+    "core": tuple(LAYOUTS.values()),
+    "core_star": (*LAYOUTS.values(), "keras.src.backend"),
+    "trainer": (TRAINER,),
+    "saving": (
+        "keras.saving",
+        "keras.models",
+        "keras._tf_keras.keras.saving",
+        "keras._tf_keras.keras.models",
+    ),
+}
+
+#: Keras objects the patches use, by name: ``(module, attribute)``.
+OBJECTS: dict[str, tuple[str, str]] = {
+    "Variable": ("keras.src.backend.common.variables", "Variable"),
+    "StatelessScope": ("keras.src.backend", "StatelessScope"),
+    "Layer": ("keras.src.layers.layer", "Layer"),
+    "RNN": ("keras.src.layers.rnn.rnn", "RNN"),
+    "SeedGenerator": ("keras.src.random.seed_generator", "SeedGenerator"),
+    "TensorLayout": (DISTRIBUTION_API, "TensorLayout"),
+    "tree": ("keras.src", "tree"),
+    "activations": ("keras.src.activations", "activations"),
+}
+
+
+def modules(kind: str) -> tuple[str, ...]:
+    """The modules of ``kind`` (see :data:`MODULES`)."""
+    return MODULES[kind]
+
+
+def aliases(kind: str) -> tuple[str, ...]:
+    """Modules that bind ``kind``'s functions by name (see :data:`ALIASES`)."""
+    return ALIASES.get(kind, ())
+
+
+def is_kind(module_name: str, kind: str) -> bool:
+    """Whether ``module_name`` is one of the modules of ``kind``."""
+    return module_name in MODULES[kind]
+
+
+@functools.cache
+def keras_object(name: str) -> Any:
+    """A Keras object of :data:`OBJECTS` (imports its module on first use)."""
+    module, attribute = OBJECTS[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
+def keras_module(kind: str) -> ModuleType | None:
+    """The imported module of ``kind`` (the first layout found), else ``None``."""
+    for name in MODULES[kind]:
+        module = sys.modules.get(name)
+        if module is not None:
+            return module
+    return None
+
+
+# -- capabilities of the Keras build and of torch ---------------------------------
+
+
+def trainer_class(module: ModuleType) -> str:
+    """The torch trainer's class name: ``Trainer`` now, ``TorchTrainer`` before."""
+    for name in ("Trainer", "TorchTrainer"):
+        if isinstance(getattr(module, name, None), type):
+            return name
+    raise LookupError(f"no Trainer class in {module.__name__}")
+
+
+def trainer_distributes_batches(module: ModuleType) -> bool:
+    """Whether this trainer distributes each batch itself (from 2026-10-15)."""
+    return hasattr(module, "distribute_data_input")
+
+
+def trainer_compiles_model_parallel(module: ModuleType) -> bool:
+    """Whether this trainer can compile a ModelParallel step (from 2026-10-27)."""
+    return "_use_torch_compile" in vars(getattr(module, trainer_class(module)))
+
+
+#: The first torch whose dynamo traces ``torch.autograd.grad`` (Keras's compiled
+#: train step) over DTensors; 2.11 asserts that every tensor is a FakeTensor.
+FIRST_COMPILING_TORCH = (2, 12)
+
+
+def release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string such as ``"2.13.0+cpu"``."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
+
+
+def torch_compiles_dtensor_grad() -> bool:
+    """Whether the installed torch can compile a ModelParallel train step."""
+    torch = sys.modules.get("torch")
+    version = getattr(torch, "__version__", None) or torch_version() or "0.0"
+    return release(str(version)) >= FIRST_COMPILING_TORCH
+
+
+def convert_to_numpy_gathers(function: Any) -> bool:
+    """Whether Keras's ``convert_to_numpy`` returns a DTensor's full value.
+
+    Nightlies before 2026-10-27 return ``to_local()``: each process's shard.
+    """
+    import inspect
+
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return True
+    return "full_tensor()" in source or "to_local()" not in source
 
 
 def _initializing(module: object) -> bool:
@@ -63,11 +230,6 @@ def find_spec(name: str) -> ModuleSpec | None:
     if not locations:
         return None
     return importlib.machinery.PathFinder.find_spec(name, list(locations))
-
-
-def keras_imported() -> bool:
-    """Whether Keras's backend configuration is imported in this process."""
-    return CONFIG_MODULE in sys.modules
 
 
 def layout() -> str | None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from keras_dtensor_fix import engine
+from keras_dtensor_fix import state
 
 
 class AddOffset(keras.layers.Layer):
@@ -62,7 +62,7 @@ def main(out: Path) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    engine.note_sharding()
+    state.note_sharding()
     x = distribute_tensor(torch.arange(32.0).reshape(4, 8), mesh, [Shard(1)])
     results = {
         # One rank's (4, 4) shard of a (4, 8) value, taken for the full value.

@@ -127,12 +127,12 @@ def main() -> int:
     from hypothesis import HealthCheck, Phase, given, settings
     from torch.distributed.device_mesh import init_device_mesh
 
-    from keras_dtensor_fix import engine
+    from keras_dtensor_fix import state
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    engine.note_sharding()
+    state.note_sharding()
     examples = int(os.environ.get("PROPERTY_EXAMPLES", "60"))
     seen: list[Case] = []
 

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from keras_dtensor_fix import targets
 from keras_dtensor_fix.dtensor import (
     DTensor,
     PromotionError,
@@ -23,8 +24,46 @@ from keras_dtensor_fix.dtensor import (
 )
 
 
+def walk(data: Any, layout: Any, leaf: Callable[[Any, Any], Any]) -> Any:
+    """Apply ``leaf(value, layout)`` through dicts, lists and tuples.
+
+    ``layout`` is one layout for every leaf or a structure matching ``data``.
+    """
+    if isinstance(data, dict):
+        return {
+            k: walk(v, layout[k] if isinstance(layout, dict) else layout, leaf)
+            for k, v in data.items()
+        }
+    if isinstance(data, (list, tuple)):
+        layouts = layout if isinstance(layout, (list, tuple)) else [layout] * len(data)
+        items = [walk(v, lay, leaf) for v, lay in zip(data, layouts, strict=False)]
+        if hasattr(data, "_fields"):  # namedtuple
+            return type(data)(*items)
+        return type(data)(items)
+    return leaf(data, layout)
+
+
 class DTensorMixError(RuntimeError):
-    """An op met DTensors and plain tensors the plugin cannot reconcile."""
+    """An op met DTensors and plain tensors the plugin cannot reconcile.
+
+    Fields: ``op``, ``operands`` (their descriptions), ``layer`` (the Keras
+    layer path, or ""), ``cause`` and ``hint`` (what to do). Built from the
+    message alone (as Keras's traceback filtering re-raises it) they are empty.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str = "",
+        operands: Sequence[str] = (),
+        layer: str = "",
+        cause: str = "",
+        hint: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.op, self.operands, self.layer = op, list(operands), layer
+        self.cause, self.hint = cause, hint
 
 
 _VARIABLE: list[type] = []
@@ -33,9 +72,7 @@ _VARIABLE: list[type] = []
 def variable_class() -> type:
     """Keras's backend-independent ``Variable`` base class (looked up once)."""
     if not _VARIABLE:
-        from keras.src.backend.common.variables import Variable
-
-        _VARIABLE.append(Variable)
+        _VARIABLE.append(targets.keras_object("Variable"))
     return _VARIABLE[0]
 
 
@@ -80,13 +117,13 @@ def keras_path() -> str:
     ``Layer.path`` already names the enclosing layers (``block/scale``).
     """
     try:
-        from keras.src.layers.layer import Layer
-    except ImportError:  # pragma: no cover - Keras moved it
+        layer_class = targets.keras_object("Layer")
+    except (ImportError, AttributeError):  # pragma: no cover - Keras moved it
         return ""
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
-        if isinstance(owner, Layer) and frame.f_code.co_name == "call":
+        if isinstance(owner, layer_class) and frame.f_code.co_name == "call":
             return getattr(owner, "path", None) or owner.name
         frame = frame.f_back
     return ""
@@ -96,12 +133,16 @@ def mix_error(
     op: str, values: list[Any], cause: BaseException, hint: str
 ) -> DTensorMixError:
     """A :class:`DTensorMixError` naming the op, its operands, the layer and a fix."""
-    operands = ", ".join(describe(v) for v in values if hasattr(v, "shape"))
-    path = keras_path()
-    where = f" in Keras layer {path}" if path else ""
-    return DTensorMixError(
+    operands = [describe(v) for v in values if hasattr(v, "shape")]
+    why = cause.problem if isinstance(cause, PromotionError) else str(cause)
+    layer = keras_path()
+    where = f" in Keras layer {layer}" if layer else ""
+    message = (
         f"keras-dtensor-fix: {op}{where} could not combine its operands "
-        f"[{operands}]: {cause}\nWhat to do: {hint}"
+        f"[{', '.join(operands)}]: {why}\nWhat to do: {hint}"
+    )
+    return DTensorMixError(
+        message, op=op, operands=operands, layer=layer, cause=why, hint=hint
     )
 
 
@@ -136,8 +177,7 @@ def promote_call(
                 list(kw_resolved.values()), partner, op=op, elementwise=elementwise
             )
         except PromotionError as err:
-            hint = str(err).split("promoting it", 1)[-1]
-            raise mix_error(op, values, err, "promoting it" + hint) from err
+            raise mix_error(op, values, err, err.hint) from err
         new_kw = dict(zip(kw_resolved, promoted, strict=False))
     try:
         return wrapped(*new_args, **new_kw)

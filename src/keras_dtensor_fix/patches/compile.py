@@ -7,31 +7,24 @@ family) the step compiles to a graph like any other.
 
 from __future__ import annotations
 
-import re
 import sys
 import types
 
-from keras_dtensor_fix.engine import Patch
-
-FAMILY = "compile"
-MODULES = ("keras.src.backend.torch.trainer",)
-
-
-def _promotion_mode_off() -> bool:
-    promotion = sys.modules.get("keras_dtensor_fix.patches.promotion")
-    return promotion is not None and not promotion.promotion_modes()
+from keras_dtensor_fix import state, targets
+from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix.state import model_parallel
 
 
 def _use_torch_compile(wrapped, instance, args, kwargs):
-    from keras_dtensor_fix.keras_state import model_parallel
-
-    if model_parallel() is None or not _promotion_mode_off():
+    # With Keras's promotion mode on (the promotion family disabled) dynamo
+    # would skip every frame: Keras's own answer stands.
+    if model_parallel() is None or state.promotion_modes():
         return wrapped(*args, **kwargs)
     if not instance.jit_compile or instance.run_eagerly:
         return False
     import warnings
 
-    if not torch_compiles_dtensor_grad():
+    if not targets.torch_compiles_dtensor_grad():
         import torch
 
         warnings.warn(
@@ -78,24 +71,6 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
     return True
 
 
-#: The first torch whose dynamo traces ``torch.autograd.grad`` (Keras's compiled
-#: train step) over DTensors; 2.11 asserts that every tensor is a FakeTensor.
-FIRST_COMPILING_TORCH = (2, 12)
-
-
-def release(version: str) -> tuple[int, int]:
-    """``(major, minor)`` of a version string such as ``"2.13.0+cpu"``."""
-    found = re.match(r"(\d+)\.(\d+)", version)
-    return (int(found[1]), int(found[2])) if found else (0, 0)
-
-
-def torch_compiles_dtensor_grad() -> bool:
-    """Whether the installed torch can compile a ModelParallel train step."""
-    import torch
-
-    return release(torch.__version__) >= FIRST_COMPILING_TORCH
-
-
 def _torch_version() -> str:
     import torch
 
@@ -122,23 +97,21 @@ def recurrent_layers(model) -> list[str]:
     Their torch step loops over time steps in Python; compiled under
     ModelParallel, the sharded kernels' gradients come out wrong.
     """
-    from keras.src.layers.rnn.rnn import RNN
-
+    rnn = targets.keras_object("RNN")
     found = []
     for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, RNN):
+        if isinstance(layer, rnn):
             found.append(layer.name)
     return found
 
 
 def seeded_random_layers(model) -> list[str]:
     """Layers whose seeded generator makes a graph break (Dropout(seed=...))."""
-    from keras.src.random.seed_generator import SeedGenerator
-
+    seed_generator = targets.keras_object("SeedGenerator")
     found = []
     for layer in model._flatten_layers(include_self=False):
         for value in vars(layer).values():
-            if isinstance(value, SeedGenerator) and value._initial_seed is not None:
+            if isinstance(value, seed_generator) and value._initial_seed is not None:
                 if getattr(layer, "rate", 1.0) not in (0, 0.0):
                     found.append(layer.name)
                 break
@@ -160,7 +133,6 @@ def _static_shapes(wrapped, instance, args, kwargs):
     sharding propagation fails on symbolic shard sizes.
     """
     result = wrapped(*args, **kwargs)
-    from keras_dtensor_fix.keras_state import model_parallel, note_compiled_step
 
     attribute = STEP_FUNCTIONS[wrapped.__name__]
     function = getattr(instance, attribute, None)
@@ -174,8 +146,8 @@ def _static_shapes(wrapped, instance, args, kwargs):
 
         static = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(function)
         static._keras_dtensor_fix_static = True
-        setattr(instance, attribute, static)
-        note_compiled_step()
+        state.set_attribute(instance, attribute, static)
+        state.note_compiled_step()
     return result
 
 
@@ -187,8 +159,6 @@ def _eager_on_early_nightly(wrapped, instance, args, kwargs):
     cannot inline; the step fails. Keras is told ``jit_compile=False`` while
     it builds the step function.
     """
-    from keras_dtensor_fix.keras_state import model_parallel
-
     if not (instance.jit_compile and model_parallel() is not None):
         return wrapped(*args, **kwargs)
     import warnings
@@ -210,35 +180,31 @@ FIRST_COMPILING_NIGHTLY = "3.16.0.dev2026102704"
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    from keras_dtensor_fix.patches.data import trainer_class
-
-    cls = trainer_class(module)
-    if "_use_torch_compile" not in vars(getattr(module, cls)):
+    cls = targets.trainer_class(module)
+    if not targets.trainer_compiles_model_parallel(module):
         return [
-            Patch(FAMILY, module.__name__, f"{cls}.{name}", _eager_on_early_nightly)
+            Patch(module.__name__, f"{cls}.{name}", _eager_on_early_nightly)
             for name in STEP_FUNCTIONS
         ]
     attribute = f"{cls}._use_torch_compile"
-    return [Patch(FAMILY, module.__name__, attribute, _use_torch_compile)] + [
-        Patch(FAMILY, module.__name__, f"{cls}.{name}", _static_shapes)
+    return [Patch(module.__name__, attribute, _use_torch_compile)] + [
+        Patch(module.__name__, f"{cls}.{name}", _static_shapes)
         for name in STEP_FUNCTIONS
     ]
 
 
 def notes() -> list[str]:
     """Whether this nightly and this torch can compile a ModelParallel step."""
-    from keras_dtensor_fix.patches.data import TRAINER, trainer_class
-
-    module = sys.modules.get(TRAINER)
+    module = sys.modules.get(targets.TRAINER)
     if module is None:
         return []
-    if "_use_torch_compile" not in vars(getattr(module, trainer_class(module))):
+    if not targets.trainer_compiles_model_parallel(module):
         return [
             "jit_compile=True under ModelParallel runs eagerly on this "
             "keras-nightly (its trainer cannot compile the step); "
             f">={FIRST_COMPILING_NIGHTLY} compiles"
         ]
-    if not torch_compiles_dtensor_grad():
+    if not targets.torch_compiles_dtensor_grad():
         import torch
 
         return [
@@ -247,3 +213,6 @@ def notes() -> list[str]:
             "DTensors); torch>=2.12 compiles"
         ]
     return []
+
+
+IMPLEMENTATION = Implementation(patches, notes=notes)

@@ -17,10 +17,8 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from keras_dtensor_fix.engine import Patch
-
-FAMILY = "layers"
-MODULES = ("keras.src.layers.core.dense", "keras.src.layers.core.einsum_dense")
+from keras_dtensor_fix import targets
+from keras_dtensor_fix.engine import Implementation, Patch
 
 #: Keras activations (``keras.activations.<name>``) by how far they reach.
 #: Any other callable runs locally only where the output is whole everywhere.
@@ -59,8 +57,7 @@ _SCOPES: dict[Any, str] = {}
 def activation_scope(activation: Any) -> str:
     """``"elementwise"``, ``"last"`` or ``"whole"``: see :data:`ELEMENTWISE`."""
     if not _SCOPES:
-        from keras.src.activations import activations
-
+        activations = targets.keras_object("activations")
         for names, scope in ((ELEMENTWISE, "elementwise"), (LAST_AXIS, "last")):
             for name in names:
                 function = getattr(activations, name, None)
@@ -76,8 +73,8 @@ def _dense_call(wrapped, instance, args, kwargs):
     """``Dense.call`` (``EinsumDense.call``: the layer's equation) on local tensors."""
     from keras_dtensor_fix.dtensor import DTensor
     from keras_dtensor_fix.einsum import linear_equation, local_dense
-    from keras_dtensor_fix.keras_state import compiling
     from keras_dtensor_fix.patches._values import resolve
+    from keras_dtensor_fix.state import compiling
 
     kernel = getattr(instance, "_kernel", None)
     if (
@@ -115,7 +112,6 @@ def patches(module: types.ModuleType) -> list[Patch]:
     # proxy (Layer.__call__ looks ``call`` up on every call).
     return [
         Patch(
-            FAMILY,
             module.__name__,
             f"{name}.call",
             _dense_call,
@@ -123,3 +119,6 @@ def patches(module: types.ModuleType) -> list[Patch]:
             traced=True,
         )
     ]
+
+
+IMPLEMENTATION = Implementation(patches)

@@ -15,25 +15,8 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from keras_dtensor_fix.engine import Patch
-
-FAMILY = "optimizers"
-OPTIMIZERS = (
-    "adadelta",
-    "adagrad",
-    "adam",
-    "adamax",
-    "adamw",
-    "lion",
-    "nadam",
-    "rmsprop",
-    "sgd",
-)
-PACKAGE = "keras.src.backend.torch.optimizers"
-MODULES = tuple(f"{PACKAGE}.torch_{name}" for name in OPTIMIZERS) + (
-    f"{PACKAGE}.torch_parallel_optimizer",
-    "keras",
-)
+from keras_dtensor_fix import targets
+from keras_dtensor_fix.engine import Implementation, Patch
 
 
 def align_gradients(grads: Sequence[Any], values: Sequence[Any]) -> list[Any]:
@@ -75,8 +58,8 @@ def _shardwise_ok(optimizer: Any, values: Sequence[Any]) -> bool:
 
 def _parallel_update_step(wrapped, instance, args, kwargs):
     from keras_dtensor_fix.dtensor import DTensor
-    from keras_dtensor_fix.keras_state import compiling
     from keras_dtensor_fix.patches._values import local_tensors
+    from keras_dtensor_fix.state import compiling
 
     grads, variables, learning_rate = _bind(*args, **kwargs)
     values = [v._value for v in variables]
@@ -103,21 +86,18 @@ def _increment_accumulators(wrapped, instance, args, kwargs):
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    if module.__name__ == "keras":
+    if targets.is_kind(module.__name__, "keras"):
         # Keras imports its torch optimizers only when one is built; import
         # them once Keras is complete, so that their patches land with it.
         import importlib
 
-        for name in MODULES[:-1]:
-            importlib.import_module(name)
+        for kind in ("optimizers", "parallel_optimizer"):
+            for name in targets.modules(kind):
+                importlib.import_module(name)
         return []
-    if module.__name__.endswith("torch_parallel_optimizer"):
+    if targets.is_kind(module.__name__, "parallel_optimizer"):
         attribute = "TorchParallelOptimizer._backend_increment_gradient_accumulators"
-        return [
-            Patch(
-                FAMILY, module.__name__, attribute, _increment_accumulators, gated=True
-            )
-        ]
+        return [Patch(module.__name__, attribute, _increment_accumulators, gated=True)]
     result = []
     for name, cls in vars(module).items():
         if (
@@ -127,7 +107,6 @@ def patches(module: types.ModuleType) -> list[Patch]:
         ):
             result.append(
                 Patch(
-                    FAMILY,
                     module.__name__,
                     f"{name}._parallel_update_step",
                     _parallel_update_step,
@@ -139,3 +118,6 @@ def patches(module: types.ModuleType) -> list[Patch]:
             f"no optimizer with _parallel_update_step in {module.__name__}"
         )
     return result
+
+
+IMPLEMENTATION = Implementation(patches)

@@ -17,11 +17,14 @@ from __future__ import annotations
 import sys
 import types
 
-from keras_dtensor_fix.engine import Patch, note_sharding
-
-FAMILY = "promotion"
-MODULES = ("keras.src.backend.torch.distribution_lib",)
-MODE_CLASS = "KerasDTensorPromotionMode"
+from keras_dtensor_fix import targets
+from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix.state import (
+    PROMOTION_MODE,
+    model_parallel,
+    note_sharding,
+    promotion_modes,
+)
 
 
 def _replicate_plain(on: bool) -> None:
@@ -54,44 +57,27 @@ def patches(module: types.ModuleType) -> list[Patch]:
         raise LookupError(
             "activate_dtensor_promotion not found: this Keras has no promotion mode"
         )
-    found = [
-        Patch(FAMILY, module.__name__, "activate_dtensor_promotion", _skip_activation)
-    ]
+    found = [Patch(module.__name__, "activate_dtensor_promotion", _skip_activation)]
     if hasattr(module, "deactivate_dtensor_promotion"):
         found.append(
-            Patch(
-                FAMILY, module.__name__, "deactivate_dtensor_promotion", _deactivation
-            )
+            Patch(module.__name__, "deactivate_dtensor_promotion", _deactivation)
         )
     return found
-
-
-def promotion_modes() -> list[object]:
-    """Keras promotion modes on this thread's dispatch stack (empty when off)."""
-    if "torch" not in sys.modules:
-        return []
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return [
-        m for m in _get_current_dispatch_mode_stack() if type(m).__name__ == MODE_CLASS
-    ]
 
 
 def after_apply() -> None:
     """Exit a promotion mode entered before the plugin was activated."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    from keras_dtensor_fix.keras_state import model_parallel
-
-    module = sys.modules.get(MODULES[0])
+    module = sys.modules.get(targets.DISTRIBUTION_LIB)
     if promotion_modes() and hasattr(module, "deactivate_dtensor_promotion"):
         module.deactivate_dtensor_promotion()  # keeps Keras's own flags right
     while promotion_modes():
         mode = _get_current_dispatch_mode()
-        if type(mode).__name__ != MODE_CLASS:
+        if type(mode).__name__ != PROMOTION_MODE:
             # Another mode sits on top of it: popping would remove that one.
             raise RuntimeError(
-                f"{MODE_CLASS} is under another dispatch mode "
+                f"{PROMOTION_MODE} is under another dispatch mode "
                 f"({type(mode).__name__}) and cannot be exited"
             )
         mode.__exit__(None, None, None)
@@ -102,10 +88,8 @@ def after_apply() -> None:
 
 def after_revert() -> None:
     """Give upstream its mode back when a ModelParallel distribution is active."""
-    from keras_dtensor_fix.keras_state import model_parallel
-
     _replicate_plain(False)
-    module = sys.modules.get(MODULES[0])
+    module = sys.modules.get(targets.DISTRIBUTION_LIB)
     if module is not None and model_parallel() is not None:
         module.activate_dtensor_promotion()
 
@@ -117,9 +101,14 @@ def notes() -> list[str]:
     from keras_dtensor_fix.dtensor import implicit_replication
 
     if promotion_modes():
-        return [f"{MODE_CLASS} is on the dispatch stack (entered under another mode)"]
+        return [
+            f"{PROMOTION_MODE} is on the dispatch stack (entered under another mode)"
+        ]
     switch = "on" if implicit_replication() else "off"
     return [
-        f"{MODE_CLASS} is not on the dispatch stack; DTensor implicit "
+        f"{PROMOTION_MODE} is not on the dispatch stack; DTensor implicit "
         f"replication of plain tensors is {switch} on this thread"
     ]
+
+
+IMPLEMENTATION = Implementation(patches, after_apply, after_revert, notes)

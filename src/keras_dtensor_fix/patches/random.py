@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import types
 
-from keras_dtensor_fix.engine import Patch
-
-FAMILY = "random"
-MODULES = ("keras.src.backend.torch.random",)
+from keras_dtensor_fix.engine import Implementation, Patch
 
 
 def _bind(inputs, rate, noise_shape=None, seed=None):
@@ -61,4 +58,7 @@ def _dropout(wrapped, instance, args, kwargs):
 def patches(module: types.ModuleType) -> list[Patch]:
     if not hasattr(module, "dropout"):
         raise LookupError("random.dropout not found")
-    return [Patch(FAMILY, module.__name__, "dropout", _dropout, gated=True)]
+    return [Patch(module.__name__, "dropout", _dropout, gated=True)]
+
+
+IMPLEMENTATION = Implementation(patches)

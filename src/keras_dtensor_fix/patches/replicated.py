@@ -18,10 +18,8 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from keras_dtensor_fix.engine import Patch
-
-FAMILY = "replicated"
-MODULES = ("keras.src.trainers.compile_utils", "keras.src.metrics.reduction_metrics")
+from keras_dtensor_fix import targets
+from keras_dtensor_fix.engine import Implementation, Patch
 
 
 def local_inputs(
@@ -68,19 +66,15 @@ def _flat(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
     """
     if not any(isinstance(v, (list, tuple, dict)) for v in (*args, *kwargs.values())):
         return [*args, *kwargs.values()], None
-    from keras.src import tree
-
     structure = (args, kwargs)
-    return tree.flatten(structure), structure
+    return targets.keras_object("tree").flatten(structure), structure
 
 
 def _unflat(args: tuple, kwargs: dict, structure: Any, leaves: list[Any]):
     if structure is None:
         n = len(args)
         return tuple(leaves[:n]), dict(zip(kwargs, leaves[n:], strict=True))
-    from keras.src import tree
-
-    return tree.pack_sequence_as(structure, leaves)
+    return targets.keras_object("tree").pack_sequence_as(structure, leaves)
 
 
 def _run_local(wrapped, instance, args, kwargs):
@@ -96,8 +90,8 @@ def _update_local(wrapped, instance, args, kwargs):
 def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
     """Call ``wrapped`` on local tensors, with ``instance``'s variables local."""
     from keras_dtensor_fix.dtensor import DTensor, is_replicated, replicate
-    from keras_dtensor_fix.keras_state import compiling
     from keras_dtensor_fix.patches._values import local_tensors
+    from keras_dtensor_fix.state import compiling
 
     if compiling() or not getattr(instance, "built", True):
         return wrapped(*args, **kwargs)
@@ -125,10 +119,10 @@ def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
 
 def patches(module: types.ModuleType) -> list[Patch]:
     if module.__name__.endswith("compile_utils"):
-        targets = ("CompileLoss.__call__", "CompileMetrics.update_state")
+        names = ("CompileLoss.__call__", "CompileMetrics.update_state")
     else:
-        targets = ("Mean.update_state",)
-    for target in targets:
+        names = ("Mean.update_state",)
+    for target in names:
         owner, name = target.split(".")
         if name not in vars(getattr(module, owner, object)):
             raise LookupError(f"{target} not found: this Keras moved it")
@@ -136,12 +130,14 @@ def patches(module: types.ModuleType) -> list[Patch]:
     # guards ``type(loss).__call__`` by identity), which calls the original.
     return [
         Patch(
-            FAMILY,
             module.__name__,
             target,
             _run_local if target.endswith("__call__") else _update_local,
             gated=True,
             traced=True,
         )
-        for target in targets
+        for target in names
     ]
+
+
+IMPLEMENTATION = Implementation(patches)

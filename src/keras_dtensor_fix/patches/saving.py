@@ -9,18 +9,10 @@ from __future__ import annotations
 
 import types
 
-from keras_dtensor_fix.engine import Patch
+from keras_dtensor_fix import targets
+from keras_dtensor_fix.engine import Implementation, Patch
 
-FAMILY = "saving"
-MODULES = ("keras.src.saving.saving_api",)
 ENTRIES = ("save_model", "save_weights")
-# Keras's public namespaces bind them with ``from ... import``.
-ALSO_IN = (
-    "keras.saving",
-    "keras.models",
-    "keras._tf_keras.keras.saving",
-    "keras._tf_keras.keras.models",
-)
 
 HINT = (
     "Under ModelParallel Keras gathers each sharded variable with a collective "
@@ -34,7 +26,7 @@ HINT = (
 def make_wrapper(name: str):
     def wrapper(wrapped, instance, args, kwargs):
         from keras_dtensor_fix.handshake import all_processes_call
-        from keras_dtensor_fix.keras_state import model_parallel
+        from keras_dtensor_fix.state import model_parallel
 
         if model_parallel() is not None:
             all_processes_call(f"keras.saving.{name}()", HINT)
@@ -46,13 +38,15 @@ def make_wrapper(name: str):
 def patches(module: types.ModuleType) -> list[Patch]:
     return [
         Patch(
-            FAMILY,
             module.__name__,
             name,
             make_wrapper(name),
-            also_in=ALSO_IN,
+            also_in=targets.aliases("saving"),
             gated=True,
         )
         for name in ENTRIES
         if hasattr(module, name)
     ]
+
+
+IMPLEMENTATION = Implementation(patches)

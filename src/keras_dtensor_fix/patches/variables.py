@@ -12,14 +12,9 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from keras_dtensor_fix.engine import Patch, note_sharding
-
-FAMILY = "variables"
-MODULES = (
-    "keras.src.backend.torch.ops.core",
-    "keras.src.backend.torch.core",
-    "keras.src.backend.torch.distribution_lib",
-)
+from keras_dtensor_fix import state, targets
+from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix.state import model_parallel, note_sharding
 
 
 def _make_wrapper(convert_to_tensor: Callable[..., Any]):
@@ -27,8 +22,6 @@ def _make_wrapper(convert_to_tensor: Callable[..., Any]):
         value = wrapped(*args, **kwargs)
         if value is not None:
             return value
-        from keras_dtensor_fix.keras_state import model_parallel
-
         dist = model_parallel()
         if dist is None:
             return None
@@ -112,7 +105,7 @@ def _to_backend_layout(wrapped, instance, args, kwargs):
     placements = getattr(layout, "placements", None)
     if placements is not None and not hasattr(layout, SPEC):
         try:
-            setattr(layout, SPEC, _spec(placements))
+            state.set_attribute(layout, SPEC, _spec(placements))
         except (AttributeError, TypeError):
             pass
     return layout
@@ -140,7 +133,7 @@ def _to_backend_mesh(wrapped, instance, args, kwargs):
         return cached
     mesh = wrapped(*args, **kwargs)
     try:
-        device_mesh._backend_mesh = mesh
+        state.set_attribute(device_mesh, "_backend_mesh", mesh)
     except AttributeError:
         pass
     return mesh
@@ -149,7 +142,7 @@ def _to_backend_mesh(wrapped, instance, args, kwargs):
 def _distribute_tensor(wrapped, instance, args, kwargs):
     from torch.distributed.tensor import DTensor
 
-    from keras_dtensor_fix.keras_state import compiling
+    from keras_dtensor_fix.state import compiling
 
     tensor, layout = (list(args) + [kwargs.get("tensor"), kwargs.get("layout")])[:2]
     if (
@@ -182,7 +175,7 @@ def _direct_assign(wrapped, instance, args, kwargs):
     from torch.distributed.tensor import DTensor
 
     from keras_dtensor_fix.dtensor import is_replicated
-    from keras_dtensor_fix.keras_state import compiling
+    from keras_dtensor_fix.state import compiling
 
     current = getattr(instance, "_value", None)
     value = args[0] if args else kwargs.get("value")
@@ -207,16 +200,15 @@ def _direct_assign(wrapped, instance, args, kwargs):
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    if module.__name__.endswith("distribution_lib"):
+    if targets.is_kind(module.__name__, "distribution_lib"):
         return [
-            Patch(FAMILY, module.__name__, "distribute_tensor", _distribute_tensor),
-            Patch(FAMILY, module.__name__, "_to_backend_layout", _to_backend_layout),
+            Patch(module.__name__, "distribute_tensor", _distribute_tensor),
+            Patch(module.__name__, "_to_backend_layout", _to_backend_layout),
             Patch(
-                FAMILY,
                 module.__name__,
                 "_to_backend_mesh",
                 _to_backend_mesh,
-                also_in=("keras.src.backend.torch.trainer",),
+                also_in=targets.aliases("trainer"),
             ),
         ]
     if "_initialize_distributed" not in vars(module.Variable):
@@ -225,15 +217,12 @@ def patches(module: types.ModuleType) -> list[Patch]:
             "distributed variables another way"
         )
     wrapper = _make_wrapper(module.convert_to_tensor)
-    result = [
-        Patch(FAMILY, module.__name__, "Variable._initialize_distributed", wrapper)
-    ]
+    result = [Patch(module.__name__, "Variable._initialize_distributed", wrapper)]
     if "_direct_assign" in vars(module.Variable):
         # traced: compiled steps assign too (the optimizer's iteration count);
         # dynamo must run the original there, not a wrapt proxy of it.
         result.append(
             Patch(
-                FAMILY,
                 module.__name__,
                 "Variable._direct_assign",
                 _direct_assign,
@@ -242,3 +231,6 @@ def patches(module: types.ModuleType) -> list[Patch]:
             )
         )
     return result
+
+
+IMPLEMENTATION = Implementation(patches)

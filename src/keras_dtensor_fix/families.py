@@ -1,0 +1,126 @@
+"""The patch families: one row each, the only registry.
+
+A row names the family (what ``KERAS_DTENSOR_FIX_DISABLE`` takes), the kinds
+of Keras module it patches (resolved by :mod:`keras_dtensor_fix.targets`), and
+its implementation module under :mod:`keras_dtensor_fix.patches`, which the
+engine imports when the first of those modules is imported. Standard library
+only: this table is read at interpreter start.
+
+Adding a family is one file under ``patches/`` exporting an
+:class:`~keras_dtensor_fix.engine.Implementation` named ``IMPLEMENTATION``,
+and one row here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    """One patch family."""
+
+    name: str
+    #: Kinds of :data:`keras_dtensor_fix.targets.MODULES` whose modules it patches.
+    kinds: tuple[str, ...]
+    #: Module under ``keras_dtensor_fix.patches`` that implements it.
+    implementation: str
+    #: What it fixes, in one line (the README and ``status`` show it).
+    summary: str
+    #: Applied only under Keras's torch backend with distribution support.
+    gated: bool = True
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "optimizers",
+        ("optimizers", "parallel_optimizer", "keras"),
+        "optimizers",
+        "optimizer steps on aligned gradients, shard-wise",
+    ),
+    Family(
+        "numpy",
+        ("numpy",),
+        "numpy_ops",
+        "keras.ops numpy functions on DTensors and plain tensors (op handlers)",
+    ),
+    Family(
+        "data",
+        ("distribution_lib", "trainer"),
+        "data",
+        "batches in: distribute_data_input, per-step distribution, predict gather",
+    ),
+    Family(
+        "metrics",
+        ("trainer",),
+        "metrics",
+        "metric results summed over the batch axis with one all-reduce",
+    ),
+    Family(
+        "convert",
+        ("core",),
+        "convert",
+        "convert_to_numpy gathers a DTensor's full value",
+    ),
+    Family(
+        "promotion",
+        ("distribution_lib",),
+        "promotion",
+        "DTensor implicit replication instead of Keras's promotion mode",
+    ),
+    Family(
+        "variables",
+        ("core", "distribution_lib"),
+        "variables",
+        "unsharded variables as Replicate DTensors; layout and mesh caches",
+    ),
+    Family(
+        "compile",
+        ("trainer",),
+        "compile",
+        "jit_compile=True compiles ModelParallel steps (or says why not)",
+    ),
+    Family(
+        "ops",
+        ("ops",),
+        "ops",
+        "nn/math/linalg/image ops, convolutions, attention, slice_update",
+    ),
+    Family(
+        "random",
+        ("random",),
+        "random",
+        "seeded dropout on DTensor activations",
+    ),
+    Family(
+        "replicated",
+        ("loss_and_metrics",),
+        "replicated",
+        "losses and metric updates on local tensors when all is replicated",
+    ),
+    Family(
+        "layers",
+        ("dense_layers",),
+        "layers",
+        "Dense and EinsumDense on local shards (Megatron layouts)",
+    ),
+    Family(
+        "saving",
+        ("saving",),
+        "saving",
+        "model.save on some processes only: an error, not a hang",
+    ),
+)
+
+
+def names() -> tuple[str, ...]:
+    """Every family's name, in table order."""
+    return tuple(family.name for family in FAMILIES)
+
+
+def get(name: str) -> Family:
+    """The row of family ``name`` (``KeyError`` if there is none)."""
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise KeyError(name)

@@ -1,0 +1,58 @@
+"""``convert_to_numpy`` gathers a DTensor's full value.
+
+Nightlies before 2026-10-27 return each process's local shard from
+``get_weights()`` and ``predict()``; later ones gather themselves, and the
+wrapper only lets a Keras variable holding a DTensor through as its value.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from keras_dtensor_fix import targets
+from keras_dtensor_fix.engine import Implementation, Patch, original
+from keras_dtensor_fix.patches._values import variable_class, walk
+
+
+def _convert_to_numpy(wrapped, instance, args, kwargs):
+    from torch.distributed.tensor import DTensor
+
+    def full(value: Any, _layout: Any) -> Any:
+        if isinstance(value, variable_class()):
+            value = value.value
+        if isinstance(value, DTensor):
+            return value.detach().full_tensor()
+        return value
+
+    if args:
+        args = (walk(args[0], None, full),) + args[1:]
+    return wrapped(*args, **kwargs)
+
+
+def patches(module: types.ModuleType) -> list[Patch]:
+    return [
+        Patch(
+            module.__name__,
+            "convert_to_numpy",
+            _convert_to_numpy,
+            also_in=targets.aliases("core_star"),
+            gated=True,
+        )
+    ]
+
+
+def notes() -> list[str]:
+    """Whether this nightly's own ``convert_to_numpy`` returns local shards."""
+    for core in targets.modules("core"):
+        function = original(core, "convert_to_numpy")
+        if function is not None and not targets.convert_to_numpy_gathers(function):
+            return [
+                "this keras-nightly's get_weights() and predict() return each "
+                "process's local shard on their own; the convert family gathers "
+                "full values (fixed upstream in 3.16.0.dev2026102704)"
+            ]
+    return []
+
+
+IMPLEMENTATION = Implementation(patches, notes=notes)

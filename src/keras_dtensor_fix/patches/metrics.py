@@ -1,0 +1,92 @@
+"""Metric results under ModelParallel: one all-reduce per dtype, in the step.
+
+Each process accumulates its own batches into its (replicated) metric
+variables; the totals are their sum over the batch mesh axis. Upstream
+all-reduces every variable each step, also over a one-process batch axis, and
+early nightlies all-reduce the DTensor itself, which has no sharding rule for
+``c10d.allreduce_``.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from keras_dtensor_fix import targets
+from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix.state import model_parallel
+
+
+def _make_metrics_result(owner_name: str):
+    """The ``get_metrics_result`` wrapper for the trainer class ``owner_name``."""
+
+    def _metrics_result(wrapped, instance, args, kwargs):
+        """Metric results summed over the batch axis, from DTensor metric variables.
+
+        Each process accumulates its own batches into its (replicated) metric
+        variables; the totals are their sum over the batch mesh axis. Upstream
+        all-reduces every variable each step, also over a one-process batch axis,
+        and early nightlies all-reduce the DTensor itself, which has no sharding
+        rule for ``c10d.allreduce_``. Here one all-reduce per dtype sums them
+        all; it runs inside compiled steps too (a traced patch).
+        """
+        from keras_dtensor_fix.dtensor import all_reduce_sums
+        from keras_dtensor_fix.patches._values import local_tensors
+
+        dist = model_parallel()
+        if dist is None:
+            return wrapped(*args, **kwargs)
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        mesh = dist.device_mesh.backend_mesh
+        names = tuple(mesh.mesh_dim_names or ())
+        group = None
+        if dist.batch_dim_name in names:
+            axis = names.index(dist.batch_dim_name)
+            # Eager steps skip a one-process batch axis. Compiled steps keep
+            # the (one) all-reduce: without it torch 2.13's inductor trained
+            # the parity MLP differently (0.3% off the single-process losses;
+            # equal with the aot_eager backend).
+            if mesh.size(axis) > 1 or torch.compiler.is_compiling():
+                group = mesh.get_group(axis)
+        variables = instance.metrics_variables
+        owner = getattr(sys.modules[targets.TRAINER], owner_name)
+        if group is None:
+            # Nothing to sum: the local tensors hold the totals.
+            with torch.no_grad(), local_tensors(variables):
+                results = super(owner, instance).get_metrics_result()
+        else:
+            with torch.no_grad():
+                values = [
+                    v.to_local() if isinstance(v, DTensor) else v
+                    for v in (variable.value for variable in variables)
+                ]
+                # A concatenated copy is reduced: the variables stay.
+                values = all_reduce_sums(values, group) if values else values
+            with targets.keras_object("StatelessScope")(
+                state_mapping=list(zip(variables, values, strict=True))
+            ):
+                results = super(owner, instance).get_metrics_result()
+        return {
+            k: v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in results.items()
+        }
+
+    return _metrics_result
+
+
+def patches(module: types.ModuleType) -> list[Patch]:
+    cls = targets.trainer_class(module)
+    return [
+        Patch(
+            module.__name__,
+            f"{cls}.get_metrics_result",
+            _make_metrics_result(cls),
+            gated=True,
+            traced=True,
+        )
+    ]
+
+
+IMPLEMENTATION = Implementation(patches)

@@ -1,0 +1,148 @@
+"""Runtime state the patch families share, and what they set on Keras objects.
+
+* Sharding: whether a sharded (DTensor) distribution was used in this process;
+  until then every gated wrapper calls its original at C speed.
+* Compiled steps: whether a ModelParallel step function was compiled (batches
+  then keep static shapes).
+* The active ModelParallel distribution, and whether dynamo is tracing.
+* Attributes a patch sets on a Keras object (a cache, a replaced step
+  function): recorded by :func:`set_attribute` and undone by
+  :func:`undo_attributes` when the plugin is deactivated.
+
+Standard library only at import: the engine imports it at interpreter start.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from typing import Any
+
+from . import targets
+
+#: Non-empty once a sharded (DTensor) distribution is in use in this process.
+#: A list, so that wrapt's C code tests it (``enabled=``) without a Python call.
+SHARDING: list[bool] = []
+
+#: Non-empty once a compiled ModelParallel step function exists.
+COMPILED_STEPS: list[bool] = []
+
+
+def note_sharding() -> None:
+    """Open the gated wrappers: DTensors may now meet plain tensors."""
+    if not SHARDING:
+        SHARDING.append(True)
+
+
+def sharding() -> bool:
+    """Whether the gated wrappers are open."""
+    return bool(SHARDING)
+
+
+def note_compiled_step() -> None:
+    """Record that a compiled ModelParallel step exists (batches go static)."""
+    if not COMPILED_STEPS:
+        COMPILED_STEPS.append(True)
+
+
+def model_parallel() -> Any | None:
+    """The active Keras distribution when it shards with DTensors, else None.
+
+    ``DataParallel`` keeps plain tensors (DDP) and is left alone.
+    """
+    distribution_lib = sys.modules.get(targets.DISTRIBUTION_API)
+    if distribution_lib is None or not hasattr(distribution_lib, "DataParallel"):
+        return None  # not (fully) imported yet: no distribution can be set
+    dist = distribution_lib.distribution()
+    if dist is None or isinstance(dist, distribution_lib.DataParallel):
+        return None
+    return dist
+
+
+def compiling() -> bool:
+    """Whether torch.compile (dynamo) is tracing the current frame."""
+    import torch
+
+    return bool(torch.compiler.is_compiling())
+
+
+#: The class of the global dispatch mode Keras enters under a distribution.
+PROMOTION_MODE = "KerasDTensorPromotionMode"
+
+
+def promotion_modes() -> list[object]:
+    """Keras promotion modes on this thread's dispatch stack (empty when off)."""
+    if "torch" not in sys.modules:
+        return []
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return [
+        mode
+        for mode in _get_current_dispatch_mode_stack()
+        if type(mode).__name__ == PROMOTION_MODE
+    ]
+
+
+# -- attributes set on Keras objects ------------------------------------------------
+
+_ABSENT = object()
+_lock = threading.Lock()
+#: id(object) -> (weak or strong reference, {attribute: value before})
+_set: dict[int, tuple[Any, dict[str, Any]]] = {}
+
+
+def set_attribute(obj: Any, name: str, value: Any) -> None:
+    """``setattr(obj, name, value)``, remembered so that deactivation undoes it.
+
+    The first value seen is what is restored (or the attribute is deleted if
+    it was absent). Objects are held weakly where they allow it.
+    """
+    key = id(obj)
+    with _lock:
+        entry = _set.get(key)
+        if entry is None or _target(entry[0]) is not obj:
+            try:
+                ref: Any = weakref.ref(obj, lambda _, key=key: _forget(key))
+            except TypeError:
+                ref = obj
+            entry = (ref, {})
+            _set[key] = entry
+        entry[1].setdefault(name, getattr(obj, "__dict__", {}).get(name, _ABSENT))
+    setattr(obj, name, value)
+
+
+def _target(ref: Any) -> Any:
+    return ref() if isinstance(ref, weakref.ref) else ref
+
+
+def _forget(key: int) -> None:
+    with _lock:
+        entry = _set.get(key)
+        if entry is not None and _target(entry[0]) is None:
+            del _set[key]
+
+
+def attributes_set() -> int:
+    """How many live objects carry attributes set by :func:`set_attribute`."""
+    with _lock:
+        return sum(_target(ref) is not None for ref, _ in _set.values())
+
+
+def undo_attributes() -> None:
+    """Put back every attribute :func:`set_attribute` changed."""
+    with _lock:
+        entries = list(_set.values())
+        _set.clear()
+    for ref, before in entries:
+        obj = _target(ref)
+        if obj is None:
+            continue
+        for name, value in before.items():
+            try:
+                if value is _ABSENT:
+                    getattr(obj, "__dict__", {}).pop(name, None)
+                else:
+                    setattr(obj, name, value)
+            except (AttributeError, TypeError):
+                continue
