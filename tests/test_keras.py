@@ -207,3 +207,53 @@ print(json.dumps({"gate": s["gate"], "chain": engine.chain_length(tnp.add),
     assert "no torch distribution support" in out["gate"]["reason"]
     assert out["chain"] == 0 and out["applied"] == []
     assert all(r["state"] == "skipped" for r in out["fake"]), out["fake"]
+
+
+UNDO = """
+import json, os, sys
+import keras, numpy as np, torch.distributed as dist
+import keras_dtensor_fix
+from keras_dtensor_fix import state
+from keras_dtensor_fix.patches import variables
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+devices = keras.distribution.list_devices()[:1]
+mesh = keras.distribution.DeviceMesh((1, 1), ["batch", "model"], devices)
+layout_map = keras.distribution.LayoutMap(mesh)
+layout_map[".*kernel"] = (None, "model")
+keras.distribution.set_distribution(
+    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+)
+model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
+model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+model.make_train_function()
+layout = model.layers[0].kernel._layout
+before = {
+    "spec": hasattr(layout, variables.SPEC),
+    "mesh": "_backend_mesh" in vars(mesh),
+    "train_function": "train_function" in vars(model),
+    "static": getattr(model.train_function, "_keras_dtensor_fix_static", False),
+    "set": state.attributes_set(),
+}
+keras_dtensor_fix.deactivate()
+after = {
+    "spec": hasattr(layout, variables.SPEC),
+    "mesh": "_backend_mesh" in vars(mesh),
+    "static": getattr(
+        getattr(model, "train_function", None), "_keras_dtensor_fix_static", False
+    ),
+    "set": state.attributes_set(),
+}
+dist.destroy_process_group()
+print(json.dumps({"before": before, "after": after}))
+"""
+
+
+def test_deactivate_undoes_attributes_set_on_keras_objects(run_py, tmp_path) -> None:
+    """A variable's cached layout spec, the mesh's torch mesh and the compiled
+    step's static-shape wrapper are set on Keras objects; deactivate() removes
+    each (or puts back what was there)."""
+    out = last_json(run_py(UNDO, argv=[str(tmp_path / "store")]))
+    before, after = out["before"], out["after"]
+    assert before["spec"] and before["static"] and before["set"] >= 3, before
+    assert after == {"spec": False, "mesh": False, "static": False, "set": 0}, after
