@@ -72,3 +72,29 @@ def test_replicated_locals(mesh1) -> None:
         assert replicated_locals([grad]) is not None
     assert replicated_locals([[rep], rep]) is None
     assert replicated_locals([full, 1.0]) is None
+
+
+def test_settle_relabels_one_rank_axes_without_a_collective(mesh1, monkeypatch) -> None:
+    """On a mesh axis of one rank a Partial sum is already the total: settle()
+    relabels it (same storage, no collective), forward and backward."""
+    import torch
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from keras_dtensor_fix import dtensor
+
+    calls = []
+    real = DTensor.redistribute
+    monkeypatch.setattr(
+        DTensor,
+        "redistribute",
+        lambda self, *a, **k: calls.append(a) or real(self, *a, **k),
+    )
+    local = torch.arange(3.0, requires_grad=True)
+    partial = DTensor.from_local(local, mesh1, [Partial()], run_check=False)
+    settled = dtensor.settle(partial, (Replicate(),))
+    assert tuple(settled.placements) == (Replicate(),)
+    assert settled._local_tensor.data_ptr() == local.data_ptr()
+    settled.to_local().sum().backward()
+    assert torch.equal(local.grad, torch.ones(3)) and calls == []
+    reduced = dtensor.reduce_partial(DTensor.from_local(local, mesh1, [Partial()]))
+    assert tuple(reduced.placements) == (Replicate(),) and calls == []

@@ -36,6 +36,8 @@ __all__ = [
     "promote_args",
     "replicate",
     "replicated_locals",
+    "same_mesh",
+    "settle",
     "replicate_result",
     "set_implicit_replication",
     "to_placements",
@@ -167,10 +169,7 @@ class _WrapLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
         if isinstance(grad, DTensor):
-            spec = ctx.spec
-            if tuple(grad.placements) != spec.placements:
-                grad = grad.redistribute(spec.mesh, spec.placements)
-            grad = grad._local_tensor
+            grad = settle(grad, ctx.spec.placements)._local_tensor
         return grad, None
 
 
@@ -232,8 +231,10 @@ POLL_SECONDS = 0.05
 
 def _all_reduce(value: torch.Tensor, mesh: Any, axes: Sequence[int]) -> torch.Tensor:
     value = value.clone(memory_format=torch.contiguous_format)
+    shape = mesh.shape
     for axis in axes:
-        _reduce_in_place(value, mesh.get_group(axis))
+        if shape[axis] > 1:  # a sum over one rank is its own value
+            _reduce_in_place(value, mesh.get_group(axis))
     return value
 
 
@@ -336,6 +337,15 @@ def _spec_internals() -> tuple[Any, Any, Any] | None:
 _SPEC = _spec_internals()
 
 
+def same_mesh(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are the same DeviceMesh.
+
+    Identity is the usual case (one torch mesh per Keras mesh) and the cheap
+    test; DeviceMesh's equality covers a mesh built twice.
+    """
+    return a is b or a == b
+
+
 def replicate(value: torch.Tensor, mesh: Any) -> DTensor:
     """Wrap a plain tensor holding the full value as a Replicate DTensor on ``mesh``."""
     return wrap_local(value, mesh, [Replicate()] * mesh.ndim)
@@ -361,7 +371,7 @@ def replicated_locals(values: Sequence[Any]) -> tuple[Any, list[Any]] | None:
                 return None
             if mesh is None:
                 mesh = value.device_mesh
-            elif value.device_mesh is not mesh:
+            elif not same_mesh(value.device_mesh, mesh):
                 return None
             value = value._local_tensor
         elif isinstance(value, torch.Tensor):
@@ -452,6 +462,56 @@ def promote_args(
     return [one(v) for v in values]
 
 
+def _trivial_taken(mesh: Any, have: tuple, want: tuple) -> tuple:
+    """``have`` with ``want``'s placement on every mesh axis of one rank."""
+    sizes = mesh.shape
+    return tuple(w if n == 1 else h for h, w, n in zip(have, want, sizes, strict=True))
+
+
+class _Relabel(torch.autograd.Function):
+    """New placements on one-rank mesh axes only: the same local tensor.
+
+    On a mesh axis of one rank every placement holds the same data (a sum of
+    one term is the total, one shard is the whole), yet ``redistribute``
+    issues a collective over that one-rank group for a Partial one.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, placements: tuple) -> DTensor:
+        ctx.placements = tuple(value.placements)
+        spec = _copy(_spec(value.device_mesh, placements, value._spec.tensor_meta))
+        local = value._local_tensor
+        return DTensor(local.view_as(local), spec, requires_grad=value.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        if isinstance(grad, DTensor):
+            grad = settle(grad, ctx.placements)
+        return grad, None
+
+
+def settle(value: DTensor, placements: Sequence[Any]) -> DTensor:
+    """``value.redistribute`` to ``placements`` on its mesh, free on one-rank axes.
+
+    Placements that differ only on mesh axes of one rank are relabelled
+    (:class:`_Relabel`); the rest is redistributed. Traced steps and a torch
+    without the spec internals redistribute as is.
+    """
+    placements = tuple(placements)
+    have = tuple(value.placements)
+    if have == placements:
+        return value
+    mesh = value.device_mesh
+    if _SPEC is None or torch.compiler.is_compiling():
+        return value.redistribute(mesh, placements)
+    relabelled = _trivial_taken(mesh, have, placements)
+    if relabelled != have:
+        value = _Relabel.apply(value, relabelled)
+    if relabelled != placements:
+        value = value.redistribute(mesh, placements)
+    return value
+
+
 def to_placements(value: torch.Tensor, like: DTensor) -> DTensor:
     """Return ``value`` with ``like``'s mesh and placements.
 
@@ -461,9 +521,9 @@ def to_placements(value: torch.Tensor, like: DTensor) -> DTensor:
     """
     mesh, placements = like.device_mesh, tuple(like.placements)
     if isinstance(value, DTensor):
-        if tuple(value.placements) == placements and value.device_mesh == mesh:
-            return value
-        return value.redistribute(mesh, placements)
+        if not same_mesh(value.device_mesh, mesh):
+            return value.redistribute(mesh, placements)
+        return settle(value, placements)
     if tuple(value.shape) == tuple(like.shape):
         return replicate(value, mesh).redistribute(mesh, placements)
     if tuple(value.shape) == tuple(like._local_tensor.shape):
@@ -499,6 +559,10 @@ def reduce_partial(value: Any) -> Any:
     if not any(p.is_partial() for p in placements):
         return value
     settled = without_partials(placements)
+    value = settle(value, _trivial_taken(value.device_mesh, placements, settled))
+    placements = tuple(value.placements)
+    if placements == settled:
+        return value
     if (
         _SPEC is not None
         and not torch.compiler.is_compiling()
@@ -551,7 +615,9 @@ def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
     if len(rows) != 1 or any(p.is_partial() for p in table.placements):
         return None
     if isinstance(ids, DTensor):
-        if ids.device_mesh != mesh or any(p.is_partial() for p in ids.placements):
+        if not same_mesh(ids.device_mesh, mesh):
+            return None
+        if any(p.is_partial() for p in ids.placements):
             return None
         axis = rows[0]
         id_placements = tuple(
@@ -635,9 +701,7 @@ class _SumPartial(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None]:
-        if tuple(grad.placements) != ctx.placements:
-            grad = grad.redistribute(grad.device_mesh, ctx.placements)
-        return grad, None
+        return settle(grad, ctx.placements), None
 
 
 def gather_non_batch_axes(value: Any, batch_dim_name: str | None) -> Any:
@@ -716,7 +780,7 @@ def update_in_place_of(
         inputs = replicate(inputs, mesh)
     updates = reduce_partial(updates)
     placements = tuple(updates.placements)
-    if inputs.device_mesh != mesh or any(
+    if not same_mesh(inputs.device_mesh, mesh) or any(
         isinstance(p, Shard) and updates.shape[p.dim] != inputs.shape[p.dim]
         for p in placements
     ):
@@ -737,7 +801,7 @@ def gather_axes_splitting(table: Any, ids: Any) -> Any:
     """
     if not (isinstance(table, DTensor) and isinstance(ids, DTensor)):
         return table
-    if table.device_mesh != ids.device_mesh:
+    if not same_mesh(table.device_mesh, ids.device_mesh):
         return table
     placements = tuple(
         Replicate() if isinstance(mine, Shard) and isinstance(theirs, Shard) else mine

@@ -22,6 +22,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from keras_dtensor_fix.dtensor import (
     all_reduce_sum,
     replicate,
+    same_mesh,
+    settle,
     unwrap_local,
     wrap_local,
 )
@@ -121,7 +123,7 @@ def linear_equation(ndim: int) -> str | None:
 
 
 def _same_mesh(value: DTensor, mesh: Any) -> bool:
-    return value.device_mesh is mesh or value.device_mesh == mesh
+    return same_mesh(value.device_mesh, mesh)
 
 
 def local_dense(
@@ -167,7 +169,9 @@ def local_dense(
     if found is None:
         return None
     out, (x_grad, w_grad) = found
-    summed = [axis for axis, p in enumerate(out) if p.is_partial()]
+    # A sum over a mesh axis of one rank is already the total.
+    sizes = mesh.shape
+    summed = [axis for axis, p in enumerate(out) if p.is_partial() and sizes[axis] > 1]
     settled = tuple(Replicate() if p.is_partial() else p for p in out)
     out_shape = _output_shape(equation, tuple(x.shape), tuple(w.shape))
     if b is not None:
@@ -329,8 +333,7 @@ class _LocalEinsum(torch.autograd.Function):
         want = tuple(Replicate() if p.is_partial() else p for p in out_placements)
         if not isinstance(grad, DTensor):
             grad = replicate(grad, mesh)
-        if tuple(grad.placements) != want:
-            grad = grad.redistribute(mesh, want)
+        grad = settle(grad, want)
         needs = ctx.needs_input_grad[2:]
         locals_ = ctx.saved_tensors
         g = grad._local_tensor

@@ -90,6 +90,8 @@ _ABSENT = object()
 _lock = threading.Lock()
 #: id(object) -> (weak or strong reference, {attribute: value before})
 _set: dict[int, tuple[Any, dict[str, Any]]] = {}
+#: (object, attribute) set while dynamo traced, absent before.
+_PENDING: list[tuple[Any, str]] = []
 
 
 def set_attribute(obj: Any, name: str, value: Any) -> None:
@@ -98,18 +100,39 @@ def set_attribute(obj: Any, name: str, value: Any) -> None:
     The first value seen is what is restored (or the attribute is deleted if
     it was absent). Objects are held weakly where they allow it.
     """
-    key = id(obj)
+    if compiling():
+        # Dynamo cannot trace the lock or the weak reference below; a list
+        # append is a side effect it replays. Attributes set only here are
+        # the plugin's own caches, absent before: undone by deleting them.
+        _PENDING.append((obj, name))
+        setattr(obj, name, value)
+        return
+    before = getattr(obj, "__dict__", {}).get(name, _ABSENT)
     with _lock:
-        entry = _set.get(key)
-        if entry is None or _target(entry[0]) is not obj:
-            try:
-                ref: Any = weakref.ref(obj, lambda _, key=key: _forget(key))
-            except TypeError:
-                ref = obj
-            entry = (ref, {})
-            _set[key] = entry
-        entry[1].setdefault(name, getattr(obj, "__dict__", {}).get(name, _ABSENT))
+        _record(obj).setdefault(name, before)
     setattr(obj, name, value)
+
+
+def _record(obj: Any) -> dict[str, Any]:
+    """The attributes recorded for ``obj`` (a new entry if none); under _lock."""
+    key = id(obj)
+    entry = _set.get(key)
+    if entry is None or _target(entry[0]) is not obj:
+        try:
+            ref: Any = weakref.ref(obj, lambda _, key=key: _forget(key))
+        except TypeError:
+            ref = obj
+        entry = (ref, {})
+        _set[key] = entry
+    return entry[1]
+
+
+def _flush_pending() -> None:
+    """Record the attributes set while dynamo traced as absent before."""
+    while _PENDING:
+        obj, name = _PENDING.pop()
+        with _lock:
+            _record(obj).setdefault(name, _ABSENT)
 
 
 def _target(ref: Any) -> Any:
@@ -125,12 +148,14 @@ def _forget(key: int) -> None:
 
 def attributes_set() -> int:
     """How many live objects carry attributes set by :func:`set_attribute`."""
+    _flush_pending()
     with _lock:
         return sum(_target(ref) is not None for ref, _ in _set.values())
 
 
 def undo_attributes() -> None:
     """Put back every attribute :func:`set_attribute` changed."""
+    _flush_pending()
     with _lock:
         entries = list(_set.values())
         _set.clear()

@@ -136,11 +136,20 @@ def is_kind(module_name: str, kind: str) -> bool:
     return module_name in MODULES[kind]
 
 
-@functools.cache
+_FOUND: dict[str, Any] = {}
+
+
 def keras_object(name: str) -> Any:
-    """A Keras object of :data:`OBJECTS` (imports its module on first use)."""
-    module, attribute = OBJECTS[name]
-    return getattr(importlib.import_module(module), attribute)
+    """A Keras object of :data:`OBJECTS` (imports its module on first use).
+
+    A plain dict cache, not ``functools.cache``: wrappers that run inside a
+    compiled step call this, and dynamo traces a dict lookup but not an import.
+    """
+    found = _FOUND.get(name)
+    if found is None:
+        module, attribute = OBJECTS[name]
+        found = _FOUND[name] = getattr(importlib.import_module(module), attribute)
+    return found
 
 
 def keras_module(kind: str) -> ModuleType | None:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import types
 from typing import Any
 
+from torch.distributed.tensor import DTensor
+
 from keras_dtensor_fix import targets
 from keras_dtensor_fix.engine import Implementation, Patch, original
 from keras_dtensor_fix.patches._values import variable_class, walk
 
 
 def _convert_to_numpy(wrapped, instance, args, kwargs):
-    from torch.distributed.tensor import DTensor
-
     def full(value: Any, _layout: Any) -> Any:
         if isinstance(value, variable_class()):
             value = value.value

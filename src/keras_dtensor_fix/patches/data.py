@@ -14,7 +14,11 @@ import sys
 import types
 from typing import Any
 
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
 from keras_dtensor_fix import targets
+from keras_dtensor_fix.dtensor import gather_non_batch_axes, same_mesh, wrap_local
 from keras_dtensor_fix.engine import Implementation, Patch
 from keras_dtensor_fix.patches._values import walk
 from keras_dtensor_fix.state import COMPILED_STEPS, model_parallel, note_sharding
@@ -46,16 +50,11 @@ _LAYOUTS: dict[tuple, tuple] = {}
 
 
 def _distribute_leaf(value: Any, layout: Any) -> Any:
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    from keras_dtensor_fix.dtensor import wrap_local
-
     if value is None or layout is None:
         return value
     mesh, placements = _placements(layout)
     if isinstance(value, DTensor):
-        if value.device_mesh == mesh and tuple(value.placements) == placements:
+        if same_mesh(value.device_mesh, mesh) and tuple(value.placements) == placements:
             return value
         return value.redistribute(mesh, placements)
     if not isinstance(value, torch.Tensor):
@@ -79,7 +78,6 @@ def trivial_axes_replicated(mesh: Any, placements: Any) -> tuple:
     over the batch (loss, gradients) a Partial on that axis: a collective per
     value, each step, on a one-process group.
     """
-    from torch.distributed.tensor import Replicate
 
     return tuple(
         Replicate() if size == 1 else placement
@@ -121,8 +119,6 @@ def _distribute_step_data(wrapped, instance, args, kwargs):
 
 
 def _predict_step(wrapped, instance, args, kwargs):
-    from keras_dtensor_fix.dtensor import gather_non_batch_axes
-
     dist = model_parallel()
     outputs = _distribute_step_data(wrapped, instance, args, kwargs)
     if dist is None:

@@ -18,7 +18,11 @@ import types
 from typing import Any
 
 from keras_dtensor_fix import targets
+from keras_dtensor_fix.dtensor import DTensor
+from keras_dtensor_fix.einsum import linear_equation, local_dense
 from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix.patches._values import resolve
+from keras_dtensor_fix.state import compiling
 
 #: Keras activations (``keras.activations.<name>``) by how far they reach.
 #: Any other callable runs locally only where the output is whole everywhere.
@@ -71,10 +75,6 @@ def activation_scope(activation: Any) -> str:
 
 def _dense_call(wrapped, instance, args, kwargs):
     """``Dense.call`` (``EinsumDense.call``: the layer's equation) on local tensors."""
-    from keras_dtensor_fix.dtensor import DTensor
-    from keras_dtensor_fix.einsum import linear_equation, local_dense
-    from keras_dtensor_fix.patches._values import resolve
-    from keras_dtensor_fix.state import compiling
 
     kernel = getattr(instance, "_kernel", None)
     if (

@@ -12,13 +12,19 @@ from __future__ import annotations
 import sys
 import types
 
+import torch
+from torch.distributed.tensor import DTensor
+
 from keras_dtensor_fix import targets
+from keras_dtensor_fix.dtensor import all_reduce_sums
 from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix.patches._values import local_tensors
 from keras_dtensor_fix.state import model_parallel
 
 
 def _make_metrics_result(owner_name: str):
     """The ``get_metrics_result`` wrapper for the trainer class ``owner_name``."""
+    stateless_scope = targets.keras_object("StatelessScope")  # not while tracing
 
     def _metrics_result(wrapped, instance, args, kwargs):
         """Metric results summed over the batch axis, from DTensor metric variables.
@@ -30,14 +36,10 @@ def _make_metrics_result(owner_name: str):
         rule for ``c10d.allreduce_``. Here one all-reduce per dtype sums them
         all; it runs inside compiled steps too (a traced patch).
         """
-        from keras_dtensor_fix.dtensor import all_reduce_sums
-        from keras_dtensor_fix.patches._values import local_tensors
 
         dist = model_parallel()
         if dist is None:
             return wrapped(*args, **kwargs)
-        import torch
-        from torch.distributed.tensor import DTensor
 
         mesh = dist.device_mesh.backend_mesh
         names = tuple(mesh.mesh_dim_names or ())
@@ -64,7 +66,7 @@ def _make_metrics_result(owner_name: str):
                 ]
                 # A concatenated copy is reduced: the variables stay.
                 values = all_reduce_sums(values, group) if values else values
-            with targets.keras_object("StatelessScope")(
+            with stateless_scope(
                 state_mapping=list(zip(variables, values, strict=True))
             ):
                 results = super(owner, instance).get_metrics_result()

@@ -11,17 +11,20 @@ torch.compile the original runs on the aligned DTensors.
 
 from __future__ import annotations
 
+import importlib
 import types
 from collections.abc import Sequence
 from typing import Any
 
 from keras_dtensor_fix import targets
+from keras_dtensor_fix.dtensor import DTensor, to_placements
 from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix.patches._values import local_tensors
+from keras_dtensor_fix.state import compiling
 
 
 def align_gradients(grads: Sequence[Any], values: Sequence[Any]) -> list[Any]:
     """Give each gradient its variable's placements (or the full value)."""
-    from keras_dtensor_fix.dtensor import DTensor, to_placements
 
     aligned = []
     for grad, value in zip(grads, values, strict=False):
@@ -37,14 +40,11 @@ def align_gradients(grads: Sequence[Any], values: Sequence[Any]) -> list[Any]:
 
 
 def _local(value: Any) -> Any:
-    from keras_dtensor_fix.dtensor import DTensor
-
     return value._local_tensor if isinstance(value, DTensor) else value
 
 
 def _shardwise_ok(optimizer: Any, values: Sequence[Any]) -> bool:
     """Local-shard math is exact when every non-scalar state is a DTensor too."""
-    from keras_dtensor_fix.dtensor import DTensor
 
     meshes = {v.device_mesh for v in values if isinstance(v, DTensor)}
     for variable in optimizer.variables:
@@ -57,10 +57,6 @@ def _shardwise_ok(optimizer: Any, values: Sequence[Any]) -> bool:
 
 
 def _parallel_update_step(wrapped, instance, args, kwargs):
-    from keras_dtensor_fix.dtensor import DTensor
-    from keras_dtensor_fix.patches._values import local_tensors
-    from keras_dtensor_fix.state import compiling
-
     grads, variables, learning_rate = _bind(*args, **kwargs)
     values = [v._value for v in variables]
     if not any(isinstance(v, DTensor) for v in values) and not any(
@@ -89,7 +85,6 @@ def patches(module: types.ModuleType) -> list[Patch]:
     if targets.is_kind(module.__name__, "keras"):
         # Keras imports its torch optimizers only when one is built; import
         # them once Keras is complete, so that their patches land with it.
-        import importlib
 
         for kind in ("optimizers", "parallel_optimizer"):
             for name in targets.modules(kind):

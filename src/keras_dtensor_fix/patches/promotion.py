@@ -17,7 +17,10 @@ from __future__ import annotations
 import sys
 import types
 
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
 from keras_dtensor_fix import targets
+from keras_dtensor_fix.dtensor import implicit_replication, set_implicit_replication
 from keras_dtensor_fix.engine import Implementation, Patch
 from keras_dtensor_fix.state import (
     PROMOTION_MODE,
@@ -28,8 +31,6 @@ from keras_dtensor_fix.state import (
 
 
 def _replicate_plain(on: bool) -> None:
-    from keras_dtensor_fix.dtensor import set_implicit_replication
-
     set_implicit_replication(on)
 
 
@@ -67,7 +68,6 @@ def patches(module: types.ModuleType) -> list[Patch]:
 
 def after_apply() -> None:
     """Exit a promotion mode entered before the plugin was activated."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     module = sys.modules.get(targets.DISTRIBUTION_LIB)
     if promotion_modes() and hasattr(module, "deactivate_dtensor_promotion"):
@@ -98,7 +98,6 @@ def notes() -> list[str]:
     """Whether Keras's promotion mode is on the stack, and DTensor's switch."""
     if "torch" not in sys.modules:
         return []
-    from keras_dtensor_fix.dtensor import implicit_replication
 
     if promotion_modes():
         return [

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import types
 
+import torch
+
+from keras_dtensor_fix.dtensor import DTensor, replicate
 from keras_dtensor_fix.engine import Implementation, Patch
 
 
@@ -23,7 +26,6 @@ def _draw_kept(wrapped, shape, dtype, device, rate, noise_shape, seed):
     Run eagerly (like Keras's own seeded generator): traced, the draw did not
     match the single-process one.
     """
-    import torch
 
     @torch._dynamo.disable
     def draw():
@@ -34,12 +36,9 @@ def _draw_kept(wrapped, shape, dtype, device, rate, noise_shape, seed):
 
 
 def _dropout(wrapped, instance, args, kwargs):
-    from keras_dtensor_fix.dtensor import DTensor, replicate
-
     inputs, rate, noise_shape, seed = _bind(*args, **kwargs)
     if not isinstance(inputs, DTensor) or rate in (0.0, 1.0):
         return wrapped(*args, **kwargs)
-    import torch
 
     kept = _draw_kept(
         wrapped,

@@ -19,7 +19,17 @@ import types
 from typing import Any
 
 from keras_dtensor_fix import targets
+from keras_dtensor_fix.dtensor import (
+    DTensor,
+    is_replicated,
+    reduce_partial,
+    replicate,
+    same_mesh,
+    unwrap_local,
+)
 from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix.patches._values import local_tensors
+from keras_dtensor_fix.state import compiling
 
 
 def local_inputs(
@@ -33,19 +43,13 @@ def local_inputs(
     needs a gradient takes an autograd op (``unwrap_local``), and only when
     the caller wants gradients (``grad``).
     """
-    from keras_dtensor_fix.dtensor import (
-        DTensor,
-        is_replicated,
-        reduce_partial,
-        unwrap_local,
-    )
 
     local = []
     for value in values:
         if isinstance(value, DTensor):
             if mesh is None:
                 mesh = value.device_mesh
-            elif value.device_mesh is not mesh:
+            elif not same_mesh(value.device_mesh, mesh):
                 return None
             value = reduce_partial(value)
             if not is_replicated(value):
@@ -89,9 +93,6 @@ def _update_local(wrapped, instance, args, kwargs):
 
 def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
     """Call ``wrapped`` on local tensors, with ``instance``'s variables local."""
-    from keras_dtensor_fix.dtensor import DTensor, is_replicated, replicate
-    from keras_dtensor_fix.patches._values import local_tensors
-    from keras_dtensor_fix.state import compiling
 
     if compiling() or not getattr(instance, "built", True):
         return wrapped(*args, **kwargs)

@@ -11,6 +11,8 @@ import types
 
 from keras_dtensor_fix import targets
 from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix.handshake import all_processes_call
+from keras_dtensor_fix.state import model_parallel
 
 ENTRIES = ("save_model", "save_weights")
 
@@ -25,9 +27,6 @@ HINT = (
 
 def make_wrapper(name: str):
     def wrapper(wrapped, instance, args, kwargs):
-        from keras_dtensor_fix.handshake import all_processes_call
-        from keras_dtensor_fix.state import model_parallel
-
         if model_parallel() is not None:
             all_processes_call(f"keras.saving.{name}()", HINT)
         return wrapped(*args, **kwargs)

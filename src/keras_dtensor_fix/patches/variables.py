@@ -12,9 +12,13 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
 from keras_dtensor_fix import state, targets
+from keras_dtensor_fix.dtensor import is_replicated, replicate, same_mesh
 from keras_dtensor_fix.engine import Implementation, Patch
-from keras_dtensor_fix.state import model_parallel, note_sharding
+from keras_dtensor_fix.state import compiling, model_parallel, note_sharding
 
 
 def _make_wrapper(convert_to_tensor: Callable[..., Any]):
@@ -31,9 +35,6 @@ def _make_wrapper(convert_to_tensor: Callable[..., Any]):
 
 
 def _replicated_parameter(variable, dist, convert_to_tensor, initializer):
-    import torch
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
     if variable._layout is None:
         variable._layout = dist.get_variable_layout(variable)
     if callable(initializer):
@@ -64,8 +65,6 @@ def _spec(placements: Any) -> tuple:
 
 
 def _placements(spec: tuple) -> tuple:
-    from torch.distributed.tensor import Replicate, Shard
-
     return tuple(Shard(item[1]) if item[0] == "S" else Replicate() for item in spec)
 
 
@@ -140,10 +139,6 @@ def _to_backend_mesh(wrapped, instance, args, kwargs):
 
 
 def _distribute_tensor(wrapped, instance, args, kwargs):
-    from torch.distributed.tensor import DTensor
-
-    from keras_dtensor_fix.state import compiling
-
     tensor, layout = (list(args) + [kwargs.get("tensor"), kwargs.get("layout")])[:2]
     if (
         layout is not None
@@ -153,7 +148,6 @@ def _distribute_tensor(wrapped, instance, args, kwargs):
     ):
         # A scalar assigned to a replicated variable (``count.assign(0)``):
         # every process passes the same value, so no broadcast is needed.
-        from keras_dtensor_fix.dtensor import replicate
 
         return replicate(tensor, _mesh(layout))
     if layout is None or not (isinstance(tensor, DTensor) and compiling()):
@@ -171,11 +165,6 @@ def _direct_assign(wrapped, instance, args, kwargs):
     the same local copy that ``distribute_tensor`` + DTensor ``copy_`` make,
     without their dispatch (metric resets and updates, moving statistics).
     """
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    from keras_dtensor_fix.dtensor import is_replicated
-    from keras_dtensor_fix.state import compiling
 
     current = getattr(instance, "_value", None)
     value = args[0] if args else kwargs.get("value")
@@ -188,7 +177,7 @@ def _direct_assign(wrapped, instance, args, kwargs):
         local = None
         if not isinstance(value, DTensor):
             local = value if value.ndim == 0 else None
-        elif value.device_mesh is current.device_mesh and tuple(
+        elif same_mesh(value.device_mesh, current.device_mesh) and tuple(
             value.placements
         ) == tuple(current.placements):
             local = value._local_tensor
