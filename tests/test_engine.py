@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from support import last_json
+from support import ROOT, last_json
 
 
 @pytest.fixture
@@ -336,6 +336,40 @@ print(json.dumps({"early": early, "found": found, "config": list(config.FAMILIES
     assert out["early"] == []  # implementations load with their Keras modules
     assert all(out["found"].values()) and len(out["found"]) >= 13, out["found"]
     assert out["config"] == out["engine"] == list(out["found"])
+
+
+PACKAGE = ROOT / "src" / "keras_dtensor_fix"
+
+
+def test_structure_keras_names_families_and_docs() -> None:
+    """Keras module names live in targets.py only; no family imports another;
+    the user and developer docs name every family of the table."""
+    import ast
+    import re
+
+    from keras_dtensor_fix import families
+
+    spelled = [
+        path.name
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "targets.py" and "keras.src." in path.read_text()
+    ]
+    assert spelled == []
+    implementations = {row.implementation for row in families.FAMILIES}
+    for name in implementations:
+        tree = ast.parse((PACKAGE / "patches" / f"{name}.py").read_text())
+        imported = {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+        }
+        others = {f"keras_dtensor_fix.patches.{n}" for n in implementations - {name}}
+        assert not imported & others, (name, imported & others)
+    readme = (ROOT / "README.md").read_text()
+    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    for row in families.FAMILIES:
+        assert f"`{row.name}`" in readme, row.name
+        assert re.search(rf"^\| `{row.name}`", architecture, re.M), row.name
 
 
 TRACED_TARGET = """

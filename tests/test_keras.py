@@ -216,7 +216,8 @@ import keras_dtensor_fix
 from keras_dtensor_fix import state
 from keras_dtensor_fix.patches import variables
 
-dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+store = "file://" + sys.argv[1]
+dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
 devices = keras.distribution.list_devices()[:1]
 mesh = keras.distribution.DeviceMesh((1, 1), ["batch", "model"], devices)
 layout_map = keras.distribution.LayoutMap(mesh)

@@ -97,6 +97,14 @@ SKIP_WORDS = {
 }
 
 
+def _plural(words: str, count: int) -> str:
+    """``words`` with its first word ("module") in the plural for ``count`` > 1."""
+    first, _, rest = words.partition(" ")
+    if count == 1 or first != "module":
+        return words
+    return f"modules {rest}"
+
+
 def _expected_skip(reason: str, gate: dict[str, Any]) -> str | None:
     """The summary's word for an expected skip reason, or ``None``."""
     if reason.startswith("inherited from ") and reason.endswith("covered by its patch"):
@@ -217,7 +225,7 @@ def _family_table(families: dict[str, dict[str, Any]]) -> list[str]:
     rows = [["FAMILY", "STATE", *(s.upper() for s in counted), "SKIPPED BECAUSE"]]
     for name, family in families.items():
         because = ", ".join(
-            f"{count} {SKIP_WORDS.get(word, word)}"
+            f"{count} {_plural(SKIP_WORDS.get(word, word), count)}"
             for word, count in family["skipped_because"].items()
         )
         counts = [str(family[s] or "-") for s in counted]
