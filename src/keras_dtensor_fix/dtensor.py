@@ -341,8 +341,14 @@ def same_mesh(a: Any, b: Any) -> bool:
     """Whether ``a`` and ``b`` are the same DeviceMesh.
 
     Identity is the usual case (one torch mesh per Keras mesh) and the cheap
-    test; DeviceMesh's equality covers a mesh built twice.
+    test; DeviceMesh's equality covers a mesh built twice. Traced, the answer
+    is yes: dynamo's identity test on a DeviceMesh can change between the
+    analysis of a frame and its restart after a graph break (a
+    SpeculationLogDivergence), and a Keras distribution has one mesh, which
+    the eager steps before have checked.
     """
+    if torch.compiler.is_compiling():
+        return True
     return a is b or a == b
 
 
@@ -810,3 +816,21 @@ def gather_axes_splitting(table: Any, ids: Any) -> Any:
     if placements == tuple(table.placements):
         return table
     return table.redistribute(table.device_mesh, placements)
+
+
+def gather_axis(value: Any, axis: int | None) -> Any:
+    """``value`` gathered on the mesh axes that shard tensor dim ``axis``.
+
+    ``axis=None`` gathers every sharded dim. An index reduction (``argmax``)
+    over a sharded dim needs the whole dim: DTensor's own rule for it reads a
+    scalar back from the tensor, a graph break that leaves DTensors as the
+    outputs of a compiled graph.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    dim = None if axis is None else axis % max(value.ndim, 1)
+    placements = tuple(
+        Replicate() if isinstance(p, Shard) and dim in (None, p.dim) else p
+        for p in value.placements
+    )
+    return settle(value, placements)

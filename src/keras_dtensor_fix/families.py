@@ -60,7 +60,7 @@ FAMILIES: tuple[Family, ...] = (
         "convert",
         ("core",),
         "convert",
-        "convert_to_numpy gathers a DTensor's full value",
+        "convert_to_numpy gathers; convert_to_tensor traces numpy values",
     ),
     Family(
         "promotion",

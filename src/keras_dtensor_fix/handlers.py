@@ -14,11 +14,13 @@ Otherwise:
      ids (:func:`~keras_dtensor_fix.dtensor.gather_axes_splitting`); under
      torch.compile a row-split table is looked up vocab-parallel. It rewrites
      the arguments and hands on.
-  2. ``local`` (``einsum``, ``matmul``): operands whose placements have a local
+  2. ``index`` (``argmax``, ``argmin``): the operand gathered on the reduced
+     dim (:func:`~keras_dtensor_fix.dtensor.gather_axis`); hands on.
+  3. ``local`` (``einsum``, ``matmul``): operands whose placements have a local
      form run as one local einsum; a Partial result is reduced where it is made.
-  3. ``replicated``: every DTensor operand replicated and no gradient (a step
+  4. ``replicated``: every DTensor operand replicated and no gradient (a step
      counter, a metric): the op on local tensors, the result wrapped once.
-  4. ``promote``: plain tensors next to a DTensor become Replicate DTensors (a
+  5. ``promote``: plain tensors next to a DTensor become Replicate DTensors (a
      plain operand of one rank's shard size is refused in elementwise ops),
      then the op; a contraction's Partial result, or a masked lookup's, is
      reduced. If DTensor has no rule for the op, it runs on full values.
@@ -71,6 +73,10 @@ HELPERS = frozenset({"convert_to_tensors_of_same_dtype"})
 
 # Contractions: over a sharded axis they return Partial sums, reduced at once.
 CONTRACTIONS = frozenset({"matmul", "dot", "inner", "tensordot", "vdot", "einsum"})
+
+
+# Index reductions: over a sharded axis they need the whole axis.
+INDEX_REDUCTIONS = frozenset({"argmax", "argmin"})
 
 
 # Convolutions and the names of their kernels.
@@ -173,6 +179,17 @@ def _lookup(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> A
     return Rewritten(args, kwargs)
 
 
+def _index(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    from keras_dtensor_fix.dtensor import gather_axis
+
+    if not args:
+        return NOT_HANDLED
+    axis = args[1] if len(args) > 1 else kwargs.get("axis")
+    if axis is not None and not isinstance(axis, int):
+        return NOT_HANDLED
+    return Rewritten((gather_axis(resolve(args[0]), axis), *args[1:]), kwargs)
+
+
 def _local(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     from keras_dtensor_fix.dtensor import reduce_partial
     from keras_dtensor_fix.einsum import local_einsum, local_matmul
@@ -212,6 +229,7 @@ def _promote(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> 
 #: docstring). ``applies`` is asked once per op, when its wrapper is made.
 HANDLERS: tuple[Handler, ...] = (
     Handler("lookup", lambda op: op.name == "take", _lookup),
+    Handler("index", lambda op: op.name in INDEX_REDUCTIONS, _index),
     Handler("local", lambda op: op.name in ("einsum", "matmul"), _local),
     Handler("replicated", lambda op: True, _replicated),
     Handler("promote", lambda op: True, _promote),

@@ -36,17 +36,6 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
             stacklevel=2,
         )
         return False
-    hub = keras_hub_layers(instance)
-    if hub:
-        warnings.warn(
-            "keras-dtensor-fix: jit_compile=True is not used for this "
-            f"ModelParallel model: its keras-hub layers ({', '.join(hub[:3])}"
-            f"{', ...' if len(hub) > 3 else ''}) do not compile correctly under "
-            "ModelParallel yet. The model runs eagerly, as upstream Keras runs "
-            "every ModelParallel model.",
-            stacklevel=2,
-        )
-        return False
     recurrent = recurrent_layers(instance)
     if recurrent:
         warnings.warn(
@@ -75,20 +64,6 @@ def _torch_version() -> str:
     import torch
 
     return torch.__version__
-
-
-def keras_hub_layers(model) -> list[str]:
-    """Layers of ``model`` defined by keras-hub (its decoders, embeddings).
-
-    Compiled under ModelParallel with torch 2.13 they meet torch bugs (a
-    DeviceMesh that becomes an output of a graph split by Keras's graph
-    breaks, among others); eager runs match one process.
-    """
-    return [
-        layer.name
-        for layer in model._flatten_layers(include_self=True)
-        if type(layer).__module__.startswith("keras_hub.")
-    ]
 
 
 def recurrent_layers(model) -> list[str]:
@@ -145,10 +120,68 @@ def _static_shapes(wrapped, instance, args, kwargs):
         import torch
 
         static = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(function)
+        static = _eager_if_compile_fails(static, instance, wrapped.__name__)
         static._keras_dtensor_fix_static = True
         state.set_attribute(instance, attribute, static)
         state.note_compiled_step()
     return result
+
+
+def compile_failure(error: BaseException) -> bool:
+    """Whether ``error`` comes from torch.compile itself, not from the step.
+
+    dynamo's and inductor's own errors (a torch bug on some DTensor graph);
+    an error of the step's code reaches the user from the eager retry too.
+    """
+    import torch._dynamo.exc as exc
+
+    return isinstance(
+        error,
+        (exc.BackendCompilerFailed, exc.Unsupported, exc.InternalTorchDynamoError),
+    )
+
+
+def _eager_if_compile_fails(function, instance, make: str):
+    """``function``, or the eager step once torch.compile fails on it.
+
+    Upstream runs every ModelParallel step eagerly, so a model it trains must
+    not fail here because torch cannot compile its graph: the step is rebuilt
+    without torch.compile (warned) and the batch runs again. The failure comes
+    while the step is traced, before its graph runs.
+    """
+    import functools
+
+    @functools.wraps(function)
+    def step(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            if not compile_failure(error):
+                raise
+            import warnings
+
+            warnings.warn(
+                "keras-dtensor-fix: torch.compile failed on this ModelParallel "
+                f"step ({type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                "); it runs eagerly from now on, as upstream Keras runs it.",
+                stacklevel=2,
+            )
+            eager = _build_eagerly(instance, make)
+            return eager(*args, **kwargs)
+
+    return step
+
+
+def _build_eagerly(instance, make: str):
+    """The step function ``make`` builds with ``jit_compile`` off."""
+    attribute = STEP_FUNCTIONS[make]
+    jit_compile = instance._jit_compile
+    instance._jit_compile = False
+    try:
+        getattr(instance, make)(force=True)
+    finally:
+        instance._jit_compile = jit_compile
+    return getattr(instance, attribute)
 
 
 def _eager_on_early_nightly(wrapped, instance, args, kwargs):

@@ -1,8 +1,13 @@
-"""``convert_to_numpy`` gathers a DTensor's full value.
+"""Conversions: ``convert_to_numpy`` gathers, ``convert_to_tensor`` traces.
 
 Nightlies before 2026-10-27 return each process's local shard from
 ``get_weights()`` and ``predict()``; later ones gather themselves, and the
 wrapper only lets a Keras variable holding a DTensor through as its value.
+
+``convert_to_tensor`` reads ``np.array(x).dtype``, which dynamo cannot trace:
+every numpy value a compiled step converts (keras-hub's attention scales its
+queries by ``ops.cast(1 / np.sqrt(head_dim), dtype)``) split the step into
+graphs, and DTensor gradients across those breaks fail to compile.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import numpy as np
+import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor_fix import targets
@@ -30,15 +37,31 @@ def _convert_to_numpy(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def _convert_to_tensor(wrapped, instance, args, kwargs):
+    # Under torch.compile a numpy value goes in as the tensor torch makes of
+    # it (same dtype, so the same result as Keras's numpy path); dynamo traces
+    # torch.as_tensor of a numpy array. Eager calls take Keras's own path.
+    if args and isinstance(args[0], (np.ndarray, np.generic)):
+        if torch.compiler.is_compiling():
+            tensor = torch.as_tensor(args[0])
+            if tensor.dtype == torch.uint32:  # as Keras: torch lacks uint32 ops
+                tensor = tensor.to(torch.int64)
+            args = (tensor,) + args[1:]
+    return wrapped(*args, **kwargs)
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
     return [
+        # Calls from inside the core module (cast, ...) and through
+        # keras.ops.convert_to_tensor look the name up in the module.
+        Patch(module.__name__, "convert_to_tensor", _convert_to_tensor, gated=True),
         Patch(
             module.__name__,
             "convert_to_numpy",
             _convert_to_numpy,
             also_in=targets.aliases("core_star"),
             gated=True,
-        )
+        ),
     ]
 
 
