@@ -258,3 +258,54 @@ def test_deactivate_undoes_attributes_set_on_keras_objects(run_py, tmp_path) -> 
     before, after = out["before"], out["after"]
     assert before["spec"] and before["static"] and before["set"] >= 3, before
     assert after == {"spec": False, "mesh": False, "static": False, "set": 0}, after
+
+
+FALLBACK = """
+import json, sys, warnings
+import keras, numpy as np, torch, torch.distributed as dist
+import torch._inductor.compile_fx as inductor
+import keras_dtensor_fix
+from keras_dtensor_fix.patches import compile as compile_family
+
+def broken_backend(*args, **kwargs):
+    raise RuntimeError("inductor is broken here")
+
+inductor.compile_fx = broken_backend
+if sys.argv[2] == "off":
+    compile_family._eager_if_compile_fails = lambda function, instance, make: function
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0,
+                        world_size=1)
+mesh = keras.distribution.DeviceMesh(
+    (1, 1), ["batch", "model"], keras.distribution.list_devices()[:1])
+layout_map = keras.distribution.LayoutMap(mesh)
+layout_map[".*kernel"] = (None, "model")
+keras.distribution.set_distribution(
+    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
+model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+out = {}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+        out["losses"] = model.fit(x, y, epochs=2, verbose=0).history["loss"]
+    except Exception as err:
+        out["error"] = type(err).__name__
+out["warnings"] = [str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)]
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("fallback", ["on", "off"])
+def test_compile_failure_runs_eagerly(run_py, tmp_path, fallback) -> None:
+    """A ModelParallel step that torch.compile fails on (here: a broken
+    inductor) is rebuilt eagerly once, with one warning, and trains; without
+    the fallback fit() raises. Upstream never compiles these steps."""
+    out = last_json(run_py(FALLBACK, argv=[str(tmp_path / "store"), fallback]))
+    if fallback == "off":
+        assert out["error"] == "BackendCompilerFailed", out
+        return
+    assert len(out["losses"]) == 2 and "error" not in out, out
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert "torch.compile failed" in out["warnings"][0]

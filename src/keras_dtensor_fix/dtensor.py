@@ -500,19 +500,31 @@ def settle(value: DTensor, placements: Sequence[Any]) -> DTensor:
     """``value.redistribute`` to ``placements`` on its mesh, free on one-rank axes.
 
     Placements that differ only on mesh axes of one rank are relabelled
-    (:class:`_Relabel`); the rest is redistributed. Traced steps and a torch
-    without the spec internals redistribute as is.
+    (:class:`_Relabel`, or ``from_local`` when traced); the rest is
+    redistributed. A torch without the spec internals redistributes as is.
     """
     placements = tuple(placements)
     have = tuple(value.placements)
     if have == placements:
         return value
     mesh = value.device_mesh
-    if _SPEC is None or torch.compiler.is_compiling():
+    if _SPEC is None:
         return value.redistribute(mesh, placements)
     relabelled = _trivial_taken(mesh, have, placements)
     if relabelled != have:
-        value = _Relabel.apply(value, relabelled)
+        if torch.compiler.is_compiling():
+            # Traced (a compiled backward of an eager _Relabel too):
+            # to_local/from_local relabel; redistribute refuses "to Partial".
+            value = DTensor.from_local(
+                value.to_local(),
+                mesh,
+                relabelled,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        else:
+            value = _Relabel.apply(value, relabelled)
     if relabelled != placements:
         value = value.redistribute(mesh, placements)
     return value

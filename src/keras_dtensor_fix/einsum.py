@@ -62,6 +62,7 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
         ):
             return None
     compiling = torch.compiler.is_compiling()
+    operands = _split_replicated(equation, operands, mesh)
     found = (plan.__wrapped__ if compiling else plan)(
         equation,
         tuple(tuple(o.shape) for o in operands),
@@ -73,6 +74,39 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
     if compiling:
         return _traced_einsum(equation, found, operands, mesh)
     return _LocalEinsum.apply(equation, found, *operands)
+
+
+def _split_replicated(
+    equation: str, operands: Sequence[DTensor], mesh: Any
+) -> Sequence[DTensor]:
+    """``operands`` with a replicated one split where another shards a letter.
+
+    Llama's attention output (replicated) meets a kernel sharded on the heads
+    it contracts: each rank takes its own slice of the replicated operand (a
+    local split, no communication) and the product has a local form. Its
+    gradient comes back sharded and is gathered by the split's backward.
+    """
+    parsed = _parse(equation)
+    if parsed is None or len(parsed[0]) != len(operands):
+        return operands
+    subscripts = parsed[0]
+    wanted = [list(o.placements) for o in operands]
+    for axis in range(mesh.ndim):
+        letters = set()
+        for i, o in enumerate(operands):
+            placement = o.placements[axis]
+            if type(placement) is Shard and placement.dim < len(subscripts[i]):
+                letters.add(subscripts[i][placement.dim])
+        if len(letters) != 1:
+            continue
+        (letter,) = letters
+        for i, o in enumerate(operands):
+            if o.placements[axis].is_replicate() and letter in subscripts[i]:
+                wanted[i][axis] = Shard(subscripts[i].index(letter))
+    return [
+        o if tuple(w) == tuple(o.placements) else o.redistribute(mesh, tuple(w))
+        for o, w in zip(operands, wanted, strict=True)
+    ]
 
 
 def _traced_einsum(
@@ -272,6 +306,7 @@ def plan(
     None for what has no local form here: an ellipsis, a repeated or
     broadcast letter, Partial or uneven or strided shards, two letters sharded
     on one mesh axis, or a sharded letter that some operand holds unsharded.
+    Mesh axes of one rank are taken as replicated whatever their placement.
     """
     parsed = _parse(equation)
     if parsed is None:
@@ -289,6 +324,13 @@ def plan(
     out: list[Any] = []
     grads: list[list[Any]] = [[] for _ in subscripts]
     for axis, size in enumerate(mesh_shape):
+        if size == 1:
+            # One rank: every placement on this axis holds the whole data
+            # (keras-hub's layouts shard on "batch" of a (1, n) mesh).
+            out.append(Replicate())
+            for i, grad in enumerate(grads):
+                grad.append(placements[i][axis])
+            continue
         holders: dict[str, list[int]] = {}
         for i, letters in enumerate(subscripts):
             placement = placements[i][axis]

@@ -56,8 +56,7 @@ def test_hub_compiled(runs, name: str) -> None:
     for result in ranks:
         assert result[name]["dynamo_graphs"] > 0
         assert result[name]["plugin_warnings"] == []
-    if name != "llama_1x2_compiled":  # Llama: see the README's limitations
-        assert ranks[0][name]["graph_breaks"] == 0
+    assert ranks[0][name]["graph_breaks"] == 0
 
 
 @pytest.mark.skipif(not FOUR, reason="4 processes: KERAS_DTENSOR_FIX_FOUR_RANKS=1")

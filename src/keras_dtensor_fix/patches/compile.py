@@ -130,15 +130,13 @@ def _static_shapes(wrapped, instance, args, kwargs):
 def compile_failure(error: BaseException) -> bool:
     """Whether ``error`` comes from torch.compile itself, not from the step.
 
-    dynamo's and inductor's own errors (a torch bug on some DTensor graph);
-    an error of the step's code reaches the user from the eager retry too.
+    dynamo's and inductor's own errors (a torch bug on some DTensor graph).
+    An error in the step's own code is among them when traced; the eager
+    retry then raises it as it is.
     """
     import torch._dynamo.exc as exc
 
-    return isinstance(
-        error,
-        (exc.BackendCompilerFailed, exc.Unsupported, exc.InternalTorchDynamoError),
-    )
+    return isinstance(error, exc.TorchDynamoException)
 
 
 def _eager_if_compile_fails(function, instance, make: str):
