@@ -291,7 +291,9 @@ with warnings.catch_warnings(record=True) as caught:
         out["losses"] = model.fit(x, y, epochs=2, verbose=0).history["loss"]
     except Exception as err:
         out["error"] = type(err).__name__
-out["warnings"] = [str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)]
+out["warnings"] = [
+    str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
+]
 dist.destroy_process_group()
 print(json.dumps(out))
 """
