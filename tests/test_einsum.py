@@ -40,6 +40,16 @@ def test_plan(equation, shapes, placements, expected) -> None:
     assert plan(equation, shapes, placements, (2,) * len(placements[0])) == expected
 
 
+def test_plan_one_rank_axis() -> None:
+    """A (1, 2) mesh's first axis holds everything on its one rank: keras-hub's
+    layouts shard two letters on it, which is no obstacle there."""
+    placements = ((Shard(2), Shard(2)), (Shard(1), Shard(0)))
+    shapes = ((4, 3, 6), (6, 2, 8))
+    found = plan("bqm,muh->bquh", shapes, placements, (1, 2))
+    assert found == ((R, Partial()), placements)
+    assert plan("bqm,muh->bquh", shapes, placements, (2, 2)) is None
+
+
 @pytest.mark.parametrize(
     ("equation", "shapes", "placements"),
     [

@@ -99,6 +99,13 @@ ALIASES: dict[str, tuple[str, ...]] = {
     + tuple(f"{KERAS_TORCH}.{kind}" for kind in ("random", "rnn")),
     "core": tuple(LAYOUTS.values()),
     "core_star": (*LAYOUTS.values(), "keras.src.backend"),
+    # ``from ...core import convert_to_tensor`` in every op module and more.
+    "core_by_name": _each_layout("numpy", "nn", "math", "linalg", "image")
+    + tuple(
+        f"{KERAS_TORCH}.{name}"
+        for name in ("random", "rnn", "trainer", "distribution_lib", "layer")
+    )
+    + (*LAYOUTS.values(), KERAS_TORCH, "keras.src.backend"),
     "trainer": (TRAINER,),
     "saving": (
         "keras.saving",

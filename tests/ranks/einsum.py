@@ -58,9 +58,10 @@ CASES = {
     ),
     "summed_letter": ("abc,cd->ad", [(4, 3, 6), (6, 8)], [R, Shard(1)], True),
     "replicated": ("ij,jk->ik", [(3, 4), (4, 5)], [R, R], True),
-    # No local form: a sharded letter held unsharded by the other operand,
-    # an uneven shard, a Partial operand, an ellipsis.
-    "unsharded_partner": ("abk,kn->abn", [(4, 3, 6), (6, 8)], [Shard(2), R], False),
+    # A sharded letter held replicated by the other operand: that operand is
+    # split locally on it (Llama's attention output against its kernel).
+    "replicated_partner": ("abk,kn->abn", [(4, 3, 6), (6, 8)], [Shard(2), R], True),
+    # No local form: an uneven shard, a Partial operand, an ellipsis.
     "uneven": ("ij,jk->ik", [(3, 4), (4, 5)], [R, Shard(1)], False),
     "partial": ("ij,jk->ik", [(4, 4), (4, 6)], [Partial(), R], False),
     "ellipsis": ("...k,kn->...n", [(4, 3, 6), (6, 8)], [R, Shard(1)], False),

@@ -52,9 +52,13 @@ def _convert_to_tensor(wrapped, instance, args, kwargs):
 
 def patches(module: types.ModuleType) -> list[Patch]:
     return [
-        # Calls from inside the core module (cast, ...) and through
-        # keras.ops.convert_to_tensor look the name up in the module.
-        Patch(module.__name__, "convert_to_tensor", _convert_to_tensor, gated=True),
+        Patch(
+            module.__name__,
+            "convert_to_tensor",
+            _convert_to_tensor,
+            also_in=targets.aliases("core_by_name"),
+            gated=True,
+        ),
         Patch(
             module.__name__,
             "convert_to_numpy",
