@@ -158,10 +158,11 @@ def _eager_if_compile_fails(function, instance, make: str):
                 raise
             import warnings
 
+            first = (str(error).splitlines() or [""])[0][:200]
             warnings.warn(
                 "keras-dtensor-fix: torch.compile failed on this ModelParallel "
-                f"step ({type(error).__name__}: {str(error).splitlines()[0][:200]}"
-                "); it runs eagerly from now on, as upstream Keras runs it.",
+                f"step ({type(error).__name__}: {first}); it runs eagerly from "
+                "now on, as upstream Keras runs it.",
                 stacklevel=2,
             )
             eager = _build_eagerly(instance, make)
