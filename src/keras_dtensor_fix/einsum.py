@@ -62,7 +62,7 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
         ):
             return None
     compiling = torch.compiler.is_compiling()
-    operands = _split_replicated(equation, operands, mesh)
+    operands = _align_shards(equation, operands, mesh)
     found = (plan.__wrapped__ if compiling else plan)(
         equation,
         tuple(tuple(o.shape) for o in operands),
@@ -76,15 +76,19 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
     return _LocalEinsum.apply(equation, found, *operands)
 
 
-def _split_replicated(
+def _align_shards(
     equation: str, operands: Sequence[DTensor], mesh: Any
 ) -> Sequence[DTensor]:
-    """``operands`` with a replicated one split where another shards a letter.
+    """``operands`` placed so that each mesh axis shards one letter in all.
 
-    Llama's attention output (replicated) meets a kernel sharded on the heads
-    it contracts: each rank takes its own slice of the replicated operand (a
-    local split, no communication) and the product has a local form. Its
-    gradient comes back sharded and is gathered by the split's backward.
+    Where operands shard different letters on one mesh axis (keras-hub's 2-D
+    layouts shard a kernel on "batch" next to batch-split activations), the
+    first operand's letter stays and the others are gathered on that axis
+    (FSDP's all-gather of the weight; its backward reduce-scatters the
+    gradient). Then a replicated operand is split where another shards a
+    letter it holds: Llama's attention output (replicated) meets a kernel
+    sharded on the heads it contracts, and each rank takes its own slice (no
+    communication; the split's backward gathers the gradient).
     """
     parsed = _parse(equation)
     if parsed is None or len(parsed[0]) != len(operands):
@@ -92,17 +96,23 @@ def _split_replicated(
     subscripts = parsed[0]
     wanted = [list(o.placements) for o in operands]
     for axis in range(mesh.ndim):
-        letters = set()
+        letters: dict[int, str] = {}
         for i, o in enumerate(operands):
             placement = o.placements[axis]
             if type(placement) is Shard and placement.dim < len(subscripts[i]):
-                letters.add(subscripts[i][placement.dim])
-        if len(letters) != 1:
+                letters[i] = subscripts[i][placement.dim]
+        if len(set(letters.values())) > 1 and mesh.shape[axis] > 1:
+            keep = next(iter(letters.values()))
+            for i, letter in list(letters.items()):
+                if letter != keep:
+                    wanted[i][axis] = Replicate()
+                    del letters[i]
+        if len(set(letters.values())) != 1:
             continue
-        (letter,) = letters
-        for i, o in enumerate(operands):
-            if o.placements[axis].is_replicate() and letter in subscripts[i]:
-                wanted[i][axis] = Shard(subscripts[i].index(letter))
+        (letter,) = set(letters.values())
+        for i, held in enumerate(subscripts):
+            if wanted[i][axis].is_replicate() and letter in held:
+                wanted[i][axis] = Shard(held.index(letter))
     return [
         o if tuple(w) == tuple(o.placements) else o.redistribute(mesh, tuple(w))
         for o, w in zip(operands, wanted, strict=True)

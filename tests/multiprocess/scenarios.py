@@ -823,7 +823,7 @@ for _kind in ("gemma", "llama", "qwen"):
     _hub_case("hub4", _kind, (2, 2))
 
 
-def _compiled(kind: str) -> dict:
+def _compiled(kind: str, batch_ranks: int = 1) -> dict:
     """jit_compile=True for real: dynamo graphs, no eager fallback (no warning).
 
     The one-process reference runs eagerly: the compiled ranks must equal it.
@@ -835,7 +835,7 @@ def _compiled(kind: str) -> dict:
         if kind == "gpt":
             result = fit_gpt(jit_compile=WORLD > 1)
         else:
-            result = fit_and_generate(kind, jit_compile=WORLD > 1)
+            result = fit_and_generate(kind, batch_ranks, jit_compile=WORLD > 1)
     result["plugin_warnings"] = [
         str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
     ]
@@ -843,16 +843,20 @@ def _compiled(kind: str) -> dict:
     return result
 
 
-def _compiled_case(kind: str) -> None:
+def _compiled_case(group: str, kind: str, mesh: tuple[int, int]) -> None:
     def run():
-        return _compiled(kind)
+        return _compiled(kind, batch_ranks=mesh[0] if WORLD > 1 else 1)
 
-    run.__name__ = f"{kind}_1x2_compiled"
-    case("hub_compiled", layout=_hub_layout(kind))(run)
+    run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}_compiled"
+    case(group, mesh=mesh, layout=_hub_layout(kind), per_rank=mesh[0] > 1)(run)
 
 
+for _kind in ("gemma", "llama", "qwen"):
+    _compiled_case("hub_compiled", _kind, (1, 2))
 for _kind in ("gemma", "llama"):
-    _compiled_case(_kind)
+    _compiled_case("hub_compiled", _kind, (2, 1))
+for _kind in ("gemma", "llama", "qwen"):
+    _compiled_case("hub4_compiled", _kind, (2, 2))
 
 
 GPT_LAYOUT = {  # Megatron: column-parallel Q/K/V and FFN in, row-parallel out
@@ -901,6 +905,10 @@ def gpt_1x2_compiled():
 
 def run_case(name: str) -> dict:
     spec = CASES[name]
+    # Each case starts as a fresh script would: the trainer's step code is
+    # shared by every model, and dynamo stops compiling a code object after
+    # its recompile limit.
+    torch._dynamo.reset()
     keras.utils.set_random_seed(SEED)
     distribute(spec["mesh"], spec.get("layout"))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -42,13 +42,9 @@ def test_hub_parity(runs, name: str) -> None:
     check(name, runs.get("hub", world=2), runs.get("hub", world=1)[0])
 
 
-@pytest.mark.parametrize("name", cases("hub_compiled"))
-def test_hub_compiled(runs, name: str) -> None:
-    """jit_compile=True compiles for real (no eager fallback) and equals an
-    eager process. Upstream runs these steps eagerly ("Running without
-    torch.compile"): see test_upstream_compiled."""
-    ranks = runs.get("hub_compiled", world=2)
-    single = runs.get("hub_compiled", world=1)[0]
+def check_compiled(name: str, ranks: list[dict], single: dict) -> None:
+    """Compiled for real (graphs, no eager fallback, no break) and equal to
+    an eager process."""
     if "tokens" in single[name]:
         check(name, ranks, single)
     else:
@@ -57,6 +53,21 @@ def test_hub_compiled(runs, name: str) -> None:
         assert result[name]["dynamo_graphs"] > 0
         assert result[name]["plugin_warnings"] == []
     assert ranks[0][name]["graph_breaks"] == 0
+
+
+@pytest.mark.parametrize("name", cases("hub_compiled"))
+def test_hub_compiled(runs, name: str) -> None:
+    """jit_compile=True on 2 ranks. Upstream runs these steps eagerly
+    ("Running without torch.compile"): see test_upstream_compiled."""
+    ranks = runs.get("hub_compiled", world=2)
+    check_compiled(name, ranks, runs.get("hub_compiled", world=1)[0])
+
+
+@pytest.mark.skipif(not FOUR, reason="4 processes: KERAS_DTENSOR_FIX_FOUR_RANKS=1")
+@pytest.mark.parametrize("name", cases("hub4_compiled"))
+def test_hub_compiled_four_ranks(runs, name: str) -> None:
+    ranks = runs.get("hub4_compiled", world=4)
+    check_compiled(name, ranks, runs.get("hub4_compiled", world=1)[0])
 
 
 @pytest.mark.skipif(not FOUR, reason="4 processes: KERAS_DTENSOR_FIX_FOUR_RANKS=1")
@@ -85,3 +96,6 @@ def test_upstream_compiled(runs) -> None:
     )  # generate()'s sharded KV cache
     assert "Unable to automatically build" in upstream["llama_1x2_compiled"]["error"]
     assert "must match the size of tensor b" in upstream["gpt_1x2_compiled"]["error"]
+    assert "placement changes" in upstream["gemma_2x1_compiled"]["error"]
+    for name in ("llama_2x1_compiled", "qwen_1x2_compiled"):
+        assert "Unable to automatically build" in upstream[name]["error"]

@@ -124,7 +124,25 @@ def _static_shapes(wrapped, instance, args, kwargs):
         static._keras_dtensor_fix_static = True
         state.set_attribute(instance, attribute, static)
         state.note_compiled_step()
+        _cache_backend_layouts(instance)
     return result
+
+
+def _cache_backend_layouts(model) -> None:
+    """Make each variable's backend layout now, before the step is traced.
+
+    Keras makes a replicated variable's backend layout (the optimizer's
+    iteration count, a metric's total) on its first assignment and caches it
+    on the layout: made inside the traced step, it fails the guard that it
+    is absent at the next call, and every model compiled twice.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    variables = [*model.variables, *getattr(model, "metrics_variables", [])]
+    variables += list(getattr(optimizer, "variables", None) or [])
+    for variable in variables:
+        layout = getattr(variable, "_layout", None)
+        if layout is not None and hasattr(type(layout), "backend_layout"):
+            layout.backend_layout  # noqa: B018  (a cached property)
 
 
 def compile_failure(error: BaseException) -> bool:
