@@ -75,6 +75,7 @@ def tests4(session: nox.Session) -> None:
         "pytest",
         "tests/multiprocess/test_hub.py",
         "tests/multiprocess/test_checkpoint.py",
+        "tests/multiprocess/test_parity.py",
         "-k",
         "four",
         *session.posargs,

@@ -517,6 +517,24 @@ def compiled_batch_axis():
     return fit_rank_rows(jit_compile=True)
 
 
+@case("compiled4", mesh=(2, 2), layout=MEGATRON, per_rank=True)
+def compiled_mlp_2x2():
+    """(2, 2), compiled: each mesh axis splits the 4 processes into 2 groups."""
+    x, y = data()
+    batch_ranks = 2 if WORLD > 1 else 1
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", jit_compile=True)
+    history = model.fit(
+        batch_rows(x, 16, batch_ranks),
+        batch_rows(y, 16, batch_ranks),
+        batch_size=16 // batch_ranks,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+    )
+    return {"losses": history.history["loss"], "weights": weights(model)}
+
+
 @case("compiled", layout=TRANSFORMER)
 def compiled_seeded_dropout():
     """jit_compile=True with a seeded Dropout runs eagerly (with a warning)."""

@@ -10,6 +10,8 @@ promotion mode must stay off the dispatch stack.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from scenarios import CASES
@@ -22,6 +24,7 @@ LOOSE = {"loss_scale_bf16": (2e-3, 5e-2)}
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-4
 
 GROUPS = ("optimizers", "data", "layers", "custom", "compiled")
+FOUR = os.environ.get("KERAS_DTENSOR_FIX_FOUR_RANKS") == "1"
 
 
 def cases(group: str) -> list[str]:
@@ -68,6 +71,24 @@ def test_compiled_for_real(runs, name: str) -> None:
         assert result["dynamo_graphs"] > 0, "the compiled step fell back to eager"
     else:
         assert result["dynamo_graphs"] == 0
+
+
+@pytest.mark.skipif(not FOUR, reason="4 processes: KERAS_DTENSOR_FIX_FOUR_RANKS=1")
+def test_compiled_four_ranks_warm_cache(runs, tmp_path) -> None:
+    """A compiled (2, 2) step, twice over one inductor cache directory.
+
+    The second run finds the first one's compiled graphs on disk; AOT
+    autograd's cache then handed ranks 2-3 a graph naming ranks 0-1's process
+    group ("Could not resolve the process group registered under the name
+    3"). Upstream runs the step eagerly and trains.
+    """
+    single = runs.get("compiled4", world=1)[0]
+    cache = str(tmp_path / "inductor")
+    for run in ("cold", "warm"):
+        env = {"TORCHINDUCTOR_CACHE_DIR": cache, "SCENARIO_RUN": run}
+        ranks = runs.get("compiled4", world=4, **env)
+        assert_parity("compiled_mlp_2x2", ranks, single)
+        assert all(r["compiled_mlp_2x2"]["dynamo_graphs"] > 0 for r in ranks), run
 
 
 def test_fails_without_plugin(runs) -> None:

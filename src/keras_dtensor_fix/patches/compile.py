@@ -120,12 +120,30 @@ def _static_shapes(wrapped, instance, args, kwargs):
         import torch
 
         static = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(function)
+        if _groups_differ_by_rank(model_parallel()):
+            static = torch._functorch.config.patch(enable_autograd_cache=False)(static)
         static = _eager_if_compile_fails(static, instance, wrapped.__name__)
         static._keras_dtensor_fix_static = True
         state.set_attribute(instance, attribute, static)
         state.note_compiled_step()
         _cache_backend_layouts(instance)
     return result
+
+
+def _groups_differ_by_rank(dist) -> bool:
+    """Whether a mesh axis splits the processes into several groups.
+
+    On a (2, 2) mesh ranks 0-1 and 2-3 reduce over different process groups,
+    whose names a compiled graph holds. AOT autograd's on-disk cache, shared
+    by the processes of one machine, then hands a graph compiled on one rank
+    to a rank of the other group ("Could not resolve the process group
+    registered under the name 3"): it is off for these steps.
+    """
+    shape = tuple(dist.device_mesh.shape)
+    world = 1
+    for size in shape:
+        world *= size
+    return any(1 < size < world for size in shape)
 
 
 def _cache_backend_layouts(model) -> None:
