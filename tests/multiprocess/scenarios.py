@@ -639,7 +639,7 @@ def gru():
     return _recurrent(layers.GRU)
 
 
-def _conv_fit(input_shape: tuple, *conv_layers):
+def _conv_fit(input_shape: tuple, *conv_layers, jit_compile: bool = False):
     rng = np.random.default_rng(7)
     x = rng.normal(size=(16, *input_shape)).astype("float32")
     y = rng.normal(size=(16, 2)).astype("float32")
@@ -648,7 +648,7 @@ def _conv_fit(input_shape: tuple, *conv_layers):
     model = keras.Sequential(
         [layers.Input(input_shape), *conv_layers, pool(), layers.Dense(2)]
     )
-    return _fit(model, x, y)
+    return _fit(model, x, y, jit_compile=jit_compile)
 
 
 @case("dropin", layout={".*c1/kernel": (None, None, "model"), ".*c1/bias": ("model",)})
@@ -722,6 +722,24 @@ def lstm_compiled():
         messages = [str(w.message) for w in caught]
         assert any("recurrent layers (rnn)" in m for m in messages), messages
     return result
+
+
+@case(
+    "dropin_compiled",
+    layout={".*c1/kernel": (None, None, "model"), ".*c1/bias": ("model",)},
+)
+def conv1d_output_channels_compiled():
+    return _conv_fit(
+        (9, 8),
+        layers.Conv1D(16, 3, name="c1"),
+        layers.Conv1D(8, 3, name="c2"),
+        jit_compile=True,
+    )
+
+
+@case("dropin_compiled", layout={".*c1/kernel": (None, None, "model", None)})
+def conv2d_input_channels_compiled():
+    return _conv_fit((6, 6, 4), layers.Conv2D(4, 3, name="c1"), jit_compile=True)
 
 
 @case("dropin_compiled", layout=TRANSFORMER)

@@ -81,6 +81,19 @@ def test_dropin_compiled(runs, name: str) -> None:
         assert ranks[0][name]["dynamo_graphs"] > 0, "it ran eagerly"
 
 
+def test_upstream_compiled_convs(runs) -> None:
+    """Upstream runs the compiled conv cases eagerly, and fails as it does on
+    their eager twins (torch 2.13): the plugin compiles and trains them."""
+    upstream = runs.get(
+        "dropin_compiled",
+        world=2,
+        KERAS_DTENSOR_FIX="0",
+        SCENARIO_CASES="conv1d_output_channels_compiled,conv2d_input_channels_compiled",
+    )[0]
+    assert "must match the size" in upstream["conv1d_output_channels_compiled"]["error"]
+    assert "channels" in upstream["conv2d_input_channels_compiled"]["error"]
+
+
 @pytest.mark.parametrize("name", cases("dropin"))
 def test_upstream_does_as_pinned(runs, name: str) -> None:
     """Upstream as users run it: what it does with the same script."""

@@ -61,6 +61,15 @@ CASES = {
     # A sharded letter held replicated by the other operand: that operand is
     # split locally on it (Llama's attention output against its kernel).
     "replicated_partner": ("abk,kn->abn", [(4, 3, 6), (6, 8)], [Shard(2), R], True),
+    # Two letters sharded on one mesh axis (batch-split activations against a
+    # kernel sharded on "batch" too, keras-hub's 2-D layouts): the kernel is
+    # gathered on that axis, the product stays batch-split.
+    "two_letters": (
+        "btnh,nhd->btd",
+        [(4, 3, 2, 4), (2, 4, 6)],
+        [Shard(0), Shard(2)],
+        True,
+    ),
     # No local form: an uneven shard, a Partial operand, an ellipsis.
     "uneven": ("ij,jk->ik", [(3, 4), (4, 5)], [R, Shard(1)], False),
     "partial": ("ij,jk->ik", [(4, 4), (4, 6)], [Partial(), R], False),
