@@ -255,3 +255,27 @@ def test_per_rank_shard_inside_keras_layers(two_ranks) -> None:
             )
         assert unfiltered["cause_type"] == "PromotionError", unfiltered
         assert filtered["message"].startswith("Exception encountered when calling")
+
+
+def test_layout_with_more_axes_than_the_variable(mesh1) -> None:
+    """A LayoutMap entry with 3 axes for a 2-d kernel: an error naming the
+    variable, its layout and one that works. Upstream (and the plugin before
+    this check) raised torch's "IndexError: Dimension out of range" from
+    inside DTensor."""
+    import keras
+
+    from keras_dtensor_fix.patches.variables import LayoutError
+
+    devices = keras.distribution.list_devices()
+    device_mesh = keras.distribution.DeviceMesh((1,), ["model"], devices)
+    layout_map = keras.distribution.LayoutMap(device_mesh)
+    layout_map[".*wide/kernel"] = (None, None, "model")
+    with keras.distribution.ModelParallel(layout_map=layout_map).scope():
+        layer = keras.layers.Dense(4, name="wide")
+        with pytest.raises(LayoutError) as info:
+            layer.build((None, 3))
+    error = info.value
+    assert error.variable.endswith("wide/kernel")
+    assert error.shape == (3, 4) and error.axes == (None, None, "model")
+    assert "(None, 'model')" in error.hint
+    assert "wide/kernel" in str(error) and "3 axes for its 2 dims" in str(error)

@@ -21,8 +21,49 @@ from keras_dtensor_fix.engine import Implementation, Patch
 from keras_dtensor_fix.state import compiling, model_parallel, note_sharding
 
 
+class LayoutError(ValueError):
+    """A variable's layout cannot shard it; ``variable``, ``axes``, ``hint``."""
+
+    def __init__(self, variable: str, shape: tuple, axes: tuple, hint: str) -> None:
+        self.variable, self.shape, self.axes, self.hint = variable, shape, axes, hint
+        super().__init__(
+            f"keras-dtensor-fix: the layout {axes} given to variable '{variable}' "
+            f"(shape {shape}) has {len(axes)} axes for its {len(shape)} dims. "
+            f"What to do: {hint}"
+        )
+
+
+def check_layout(variable: Any, layout: Any) -> None:
+    """Refuse a layout whose axes do not match the variable's dims.
+
+    torch fails on it later with an IndexError from inside DTensor (upstream
+    too); this names the variable, its layout and one that works.
+    """
+    axes = tuple(getattr(layout, "axes", None) or ())
+    shape = tuple(getattr(variable, "shape", ()) or ())
+    if not axes or len(axes) == len(shape):
+        return
+    named = [axis for axis in axes if axis is not None]
+    works: tuple = (None,) * len(shape)
+    if named and shape:
+        works = (None,) * (len(shape) - 1) + (named[0],)
+    raise LayoutError(
+        getattr(variable, "path", getattr(variable, "name", "?")),
+        shape,
+        axes,
+        f"give it {len(shape)} axes in the LayoutMap, e.g. {works} "
+        f"(or {(None,) * len(shape)} to replicate it).",
+    )
+
+
 def _make_wrapper(convert_to_tensor: Callable[..., Any]):
     def _initialize_distributed(wrapped, instance, args, kwargs):
+        dist = model_parallel()
+        if dist is not None:
+            if instance._layout is None:
+                # What Keras's own method does first: it is not done again.
+                instance._layout = dist.get_variable_layout(instance)
+            check_layout(instance, instance._layout)
         value = wrapped(*args, **kwargs)
         if value is not None:
             return value
