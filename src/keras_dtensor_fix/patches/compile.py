@@ -7,6 +7,7 @@ family) the step compiles to a graph like any other.
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 
@@ -140,10 +141,7 @@ def _groups_differ_by_rank(dist) -> bool:
     registered under the name 3"): it is off for these steps.
     """
     shape = tuple(dist.device_mesh.shape)
-    world = 1
-    for size in shape:
-        world *= size
-    return any(1 < size < world for size in shape)
+    return any(1 < size < math.prod(shape) for size in shape)
 
 
 def _cache_backend_layouts(model) -> None:

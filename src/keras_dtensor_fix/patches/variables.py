@@ -59,25 +59,20 @@ def check_layout(variable: Any, layout: Any) -> None:
 def _make_wrapper(convert_to_tensor: Callable[..., Any]):
     def _initialize_distributed(wrapped, instance, args, kwargs):
         dist = model_parallel()
+        if dist is not None and instance._layout is None:
+            # What Keras's own method does first: it is not done again.
+            instance._layout = dist.get_variable_layout(instance)
         if dist is not None:
-            if instance._layout is None:
-                # What Keras's own method does first: it is not done again.
-                instance._layout = dist.get_variable_layout(instance)
             check_layout(instance, instance._layout)
         value = wrapped(*args, **kwargs)
-        if value is not None:
+        if value is not None or dist is None:
             return value
-        dist = model_parallel()
-        if dist is None:
-            return None
         return _replicated_parameter(instance, dist, convert_to_tensor, *args, **kwargs)
 
     return _initialize_distributed
 
 
 def _replicated_parameter(variable, dist, convert_to_tensor, initializer):
-    if variable._layout is None:
-        variable._layout = dist.get_variable_layout(variable)
     if callable(initializer):
         value = initializer(variable._shape, dtype=variable._dtype)
     else:
