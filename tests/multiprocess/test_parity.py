@@ -80,7 +80,7 @@ def test_compiled_four_ranks_warm_cache(runs, tmp_path) -> None:
     The second run finds the first one's compiled graphs on disk; AOT
     autograd's cache then handed ranks 2-3 a graph naming ranks 0-1's process
     group ("Could not resolve the process group registered under the name
-    3"). Upstream runs the step eagerly and trains.
+    3"). Upstream runs the step eagerly (no graph) and equals one process.
     """
     single = runs.get("compiled4", world=1)[0]
     cache = str(tmp_path / "inductor")
@@ -89,6 +89,14 @@ def test_compiled_four_ranks_warm_cache(runs, tmp_path) -> None:
         ranks = runs.get("compiled4", world=4, **env)
         assert_parity("compiled_mlp_2x2", ranks, single)
         assert all(r["compiled_mlp_2x2"]["dynamo_graphs"] > 0 for r in ranks), run
+    upstream = runs.get("compiled4", world=4, KERAS_DTENSOR_FIX="0")
+    for rank in upstream:  # its promotion mode stays on: losses only
+        result = rank["compiled_mlp_2x2"]
+        assert "error" not in result, result.get("traceback")
+        assert result["dynamo_graphs"] == 0
+        np.testing.assert_allclose(
+            result["losses"], single["compiled_mlp_2x2"]["losses"], rtol=LOSS_RTOL
+        )
 
 
 def test_fails_without_plugin(runs) -> None:
