@@ -192,15 +192,16 @@ def batch_axis_numpy():
     return fit_rank_rows()
 
 
-def fit_rank_rows(**compile_kwargs):
-    """An Adam MLP fit on this rank's rows of every batch of 16."""
+def fit_rank_rows(batch_ranks: int = WORLD, **compile_kwargs):
+    """An Adam MLP fit on this rank's rows of every batch of 16, the batch
+    split over ``batch_ranks`` processes (all of them by default)."""
     x, y = data()
     model = mlp()
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", **compile_kwargs)
     history = model.fit(
-        rank_rows(x, 16),
-        rank_rows(y, 16),
-        batch_size=16 // WORLD,
+        batch_rows(x, 16, batch_ranks),
+        batch_rows(y, 16, batch_ranks),
+        batch_size=16 // batch_ranks,
         epochs=3,
         shuffle=False,
         verbose=0,
@@ -520,19 +521,7 @@ def compiled_batch_axis():
 @case("compiled4", mesh=(2, 2), layout=MEGATRON, per_rank=True)
 def compiled_mlp_2x2():
     """(2, 2), compiled: each mesh axis splits the 4 processes into 2 groups."""
-    x, y = data()
-    batch_ranks = 2 if WORLD > 1 else 1
-    model = mlp()
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", jit_compile=True)
-    history = model.fit(
-        batch_rows(x, 16, batch_ranks),
-        batch_rows(y, 16, batch_ranks),
-        batch_size=16 // batch_ranks,
-        epochs=3,
-        shuffle=False,
-        verbose=0,
-    )
-    return {"losses": history.history["loss"], "weights": weights(model)}
+    return fit_rank_rows(batch_ranks=2 if WORLD > 1 else 1, jit_compile=True)
 
 
 @case("compiled", layout=TRANSFORMER)
