@@ -6,6 +6,12 @@ reference. Each process writes ``OUT_DIR/GROUP.rank<R>.json``: for every case,
 its losses, metrics, predictions and final weights (full values), or the error
 it raised. The same seed and data feed both runs.
 
+A case that fails on some ranks only would leave the others waiting in a
+collective until the process group's timeout (30 minutes): after each case
+every rank reports to the others through the launcher's store, and a rank
+whose peers do not report within ``SCENARIO_PEER_WAIT`` seconds (default 120)
+says which case and exits, which makes torchrun stop them all.
+
 Environment: ``SCENARIO_CASES`` (comma list) limits the cases run;
 ``SCENARIO_EXIT_PROMOTION=1`` exits Keras's promotion mode after
 ``set_distribution`` (to show what fails without the plugin);
@@ -15,6 +21,7 @@ off after it (to show what the plugin's switch fixes).
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -30,6 +37,7 @@ from keras import layers, ops  # noqa: E402
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
 SEED = 1234
+PEER_WAIT = float(os.environ.get("SCENARIO_PEER_WAIT", "120"))
 CASES: dict[str, dict[str, object]] = {}
 
 
@@ -731,6 +739,46 @@ def conv2d_input_channels_compiled():
     return _conv_fit((6, 6, 4), layers.Conv2D(4, 3, name="c1"), jit_compile=True)
 
 
+@case("dropin_compiled", layout={".*c1/kernel": ("model", None, None)})
+def conv1d_kernel_axis_compiled():
+    return _conv_fit(
+        (9, 8),
+        layers.Conv1D(16, 4, name="c1"),
+        layers.Conv1D(8, 3, name="c2"),
+        jit_compile=True,
+    )
+
+
+@case("dropin_compiled", layout={".*c1/kernel": (None, None, None, "model", None)})
+def conv3d_input_channels_compiled():
+    return _conv_fit((4, 5, 5, 4), layers.Conv3D(4, 2, name="c1"), jit_compile=True)
+
+
+@case("dropin_compiled", layout={".*c1/kernel": (None, None, "model", None)})
+def depthwise_conv2d_compiled():
+    return _conv_fit((6, 6, 4), layers.DepthwiseConv2D(3, name="c1"), jit_compile=True)
+
+
+@case(
+    "dropin_compiled",
+    layout={
+        ".*c1/depthwise_kernel": (None, None, "model", None),
+        ".*c1/pointwise_kernel": (None, None, None, "model"),
+    },
+)
+def separable_conv2d_compiled():
+    return _conv_fit(
+        (6, 6, 4), layers.SeparableConv2D(8, 3, name="c1"), jit_compile=True
+    )
+
+
+@case("dropin_compiled", layout={".*c1/kernel": (None, None, "model", None)})
+def conv2d_transpose_compiled():
+    return _conv_fit(
+        (5, 5, 4), layers.Conv2DTranspose(6, 3, name="c1"), jit_compile=True
+    )
+
+
 @case("dropin_compiled", layout=TRANSFORMER)
 def mha_causal_mask_compiled():
     return _causal_attention(jit_compile=True)
@@ -858,7 +906,7 @@ def _compiled(kind: str, batch_ranks: int = 1) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if kind == "gpt":
-            result = fit_gpt(jit_compile=WORLD > 1)
+            result = fit_gpt(jit_compile=WORLD > 1, batch_ranks=batch_ranks)
         else:
             result = fit_and_generate(kind, batch_ranks, jit_compile=WORLD > 1)
     result["plugin_warnings"] = [
@@ -896,7 +944,7 @@ GPT_LAYOUT = {  # Megatron: column-parallel Q/K/V and FFN in, row-parallel out
 }
 
 
-def fit_gpt(jit_compile: bool = False) -> dict:
+def fit_gpt(jit_compile: bool = False, batch_ranks: int = 1) -> dict:
     """A GPT-style decoder from keras_hub.layers (causal self-attention)."""
     import keras_hub
 
@@ -912,7 +960,13 @@ def fit_gpt(jit_compile: bool = False) -> dict:
         jit_compile=jit_compile,
     )
     tokens = np.random.default_rng(0).integers(1, 64, size=(8, 12)).astype("int32")
-    return _fit_history(model, tokens, np.roll(tokens, -1, axis=1), batch_size=4)
+    labels = np.roll(tokens, -1, axis=1)
+    return _fit_history(
+        model,
+        batch_rows(tokens, 4, batch_ranks),
+        batch_rows(labels, 4, batch_ranks),
+        batch_size=4 // batch_ranks,
+    )
 
 
 def _fit_history(model, x, y, *, batch_size: int) -> dict:
@@ -923,6 +977,25 @@ def _fit_history(model, x, y, *, batch_size: int) -> dict:
 @case("hub_compiled", layout=GPT_LAYOUT)
 def gpt_1x2_compiled():
     return _compiled("gpt")
+
+
+@case("hub_compiled", mesh=(2, 1), layout=GPT_LAYOUT, per_rank=True)
+def gpt_2x1_compiled():
+    """The same decoder data-parallel: each process feeds its half of a batch."""
+    return _compiled("gpt", batch_ranks=2 if WORLD > 1 else 1)
+
+
+# ---------------------------------------------------------------- harness
+
+
+@case("harness", layout=COLUMNS)
+def one_rank_fails():
+    """The last rank fails before a collective the others wait in."""
+    if WORLD > 1 and RANK == WORLD - 1:
+        raise RuntimeError("this rank fails alone")
+    if WORLD > 1:
+        torch.distributed.barrier()
+    return {"losses": []}
 
 
 # ---------------------------------------------------------------- runner
@@ -958,6 +1031,26 @@ def run_case(name: str) -> dict:
         keras.distribution.set_distribution(None)
 
 
+def wait_for_peers(name: str, result: dict) -> None:
+    """Every rank finished ``name``, or this process ends the run naming it."""
+    store = torch.distributed.distributed_c10d._get_default_store()
+    store.set(f"scenario/{name}/{RANK}", "error" if "error" in result else "ok")
+    keys = [f"scenario/{name}/{rank}" for rank in range(WORLD)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=PEER_WAIT))
+    except Exception:  # the store's timeout error differs by torch release
+        missing = [key for key in keys if not store.check([key])]
+        print(
+            f"scenario {name!r}: rank {RANK} finished it "
+            f"({'failed' if 'error' in result else 'ok'}) but {missing} did not "
+            f"within {PEER_WAIT:.0f} s: they wait in a collective this rank "
+            f"skipped. This rank's result:\n{result.get('traceback', result)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(3)
+
+
 def main(argv: list[str]) -> int:
     group, out_dir = argv[0], argv[1]
     keras.config.disable_traceback_filtering()
@@ -967,7 +1060,11 @@ def main(argv: list[str]) -> int:
     names = [n for n, spec in CASES.items() if spec["group"] == group]
     if only:
         names = [n for n in names if n in only]
-    results = {name: run_case(name) for name in names}
+    results = {}
+    for name in names:
+        results[name] = run_case(name)
+        if WORLD > 1:
+            wait_for_peers(name, results[name])
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{group}.rank{RANK}.json"), "w") as handle:
         json.dump({"world": WORLD, "cases": results}, handle)
