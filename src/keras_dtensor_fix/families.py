@@ -105,6 +105,12 @@ FAMILIES: tuple[Family, ...] = (
         "Dense and EinsumDense on local shards (Megatron layouts)",
     ),
     Family(
+        "rnn",
+        ("rnn",),
+        "rnn",
+        "LSTM/GRU: sharded kernels gathered once per call (compiles right)",
+    ),
+    Family(
         "saving",
         ("saving",),
         "saving",

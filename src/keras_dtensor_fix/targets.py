@@ -90,6 +90,7 @@ MODULES: dict[str, tuple[str, ...]] = {
         "keras.src.layers.core.einsum_dense",
     ),
     "saving": ("keras.src.saving.saving_api",),
+    "rnn": (f"{KERAS_TORCH}.rnn",),
 }
 
 #: Module kind -> modules that bind that kind's functions by name (``from
@@ -121,6 +122,8 @@ OBJECTS: dict[str, tuple[str, str]] = {
     "StatelessScope": ("keras.src.backend", "StatelessScope"),
     "Layer": ("keras.src.layers.layer", "Layer"),
     "RNN": ("keras.src.layers.rnn.rnn", "RNN"),
+    "LSTM": ("keras.src.layers.rnn.lstm", "LSTM"),
+    "GRU": ("keras.src.layers.rnn.gru", "GRU"),
     "SeedGenerator": ("keras.src.random.seed_generator", "SeedGenerator"),
     "TensorLayout": (DISTRIBUTION_API, "TensorLayout"),
     "tree": ("keras.src", "tree"),

@@ -75,10 +75,12 @@ def test_dropin_parity(runs, name: str) -> None:
 def test_dropin_compiled(runs, name: str) -> None:
     ranks = runs.get("dropin_compiled", world=2)
     check(name, ranks, runs.get("dropin_compiled", world=1)[0])
-    if CASES[name].get("eager"):
-        assert ranks[0][name]["dynamo_graphs"] == 0, "compiled: wrong gradients"
+    warned = ranks[0][name].get("plugin_warnings", [])
+    if CASES[name].get("eager"):  # runs eagerly, and says so
+        assert any(CASES[name]["eager"] in w for w in warned), warned
     elif compiles_model_parallel():
         assert ranks[0][name]["dynamo_graphs"] > 0, "it ran eagerly"
+        assert warned == []
 
 
 #: Upstream on the compiled conv cases: it runs them eagerly and fails as on
@@ -111,6 +113,39 @@ def test_upstream_compiled_convs(runs) -> None:
     )[0]
     for name, expected in UPSTREAM_COMPILED.items():
         assert_fails_with(upstream[name], expected)
+
+
+#: Upstream on the compiled recurrent cases (it runs them eagerly).
+UPSTREAM_RECURRENT = {
+    "lstm_compiled": "ok",
+    "gru_compiled": "ok",
+    # Keras's generic RNN loop unbinds the batch-sharded (1, 2) input.
+    "masked_lstm_compiled": "unbind along the sharded dimension",
+    "simple_rnn_compiled": "unbind along the sharded dimension",
+}
+
+
+def test_upstream_compiled_recurrent(runs) -> None:
+    """Upstream runs LSTM and GRU eagerly (0 dynamo graphs) and equals one
+    process, and fails on the generic loop; the plugin compiles LSTM and GRU
+    (without the ``rnn`` family the compiled LSTM's weights end 0.1 off one
+    process's) and runs the generic loop eagerly."""
+    upstream = runs.get(
+        "dropin_compiled",
+        world=2,
+        KERAS_DTENSOR_FIX="0",
+        SCENARIO_CASES=",".join(UPSTREAM_RECURRENT),
+    )[0]
+    single = runs.get("dropin_compiled", world=1)[0]
+    for name, expected in UPSTREAM_RECURRENT.items():
+        if expected != "ok":
+            assert_fails_with(upstream[name], expected)
+            continue
+        assert "error" not in upstream[name], upstream[name].get("traceback")
+        assert upstream[name]["dynamo_graphs"] == 0
+        np.testing.assert_allclose(
+            upstream[name]["losses"], single[name]["losses"], rtol=1e-5
+        )
 
 
 @pytest.mark.parametrize("name", cases("dropin"))

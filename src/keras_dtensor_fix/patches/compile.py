@@ -42,8 +42,10 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
         warnings.warn(
             "keras-dtensor-fix: jit_compile=True is not used for this "
             f"ModelParallel model: its recurrent layers ({', '.join(recurrent)}) "
-            "compile to wrong DTensor gradients with torch "
-            f"{_torch_version()}. The model runs eagerly (correct).",
+            "run Keras's generic RNN loop, which torch "
+            f"{_torch_version()} cannot compile over DTensors. The model runs "
+            "eagerly. LSTM and GRU with their defaults (use_cudnn='auto', no "
+            "recurrent_dropout) compile.",
             stacklevel=2,
         )
         return False
@@ -68,16 +70,28 @@ def _torch_version() -> str:
 
 
 def recurrent_layers(model) -> list[str]:
-    """Recurrent layers (LSTM, GRU, any keras.layers.RNN) of ``model``.
+    """Recurrent layers of ``model`` that run Keras's generic RNN loop.
 
-    Their torch step loops over time steps in Python; compiled under
-    ModelParallel, the sharded kernels' gradients come out wrong.
+    LSTM and GRU on their backend path (``use_cudnn`` "auto" or True, no
+    recurrent dropout, GRU's ``reset_after``) compile, their sharded weights
+    gathered once per call (the ``rnn`` family). The generic loop (any other
+    RNN, or those options) does not compile under ModelParallel: torch fails
+    on the graph it leaves before its first graph break.
     """
     rnn = targets.keras_object("RNN")
+    fast = (targets.keras_object("LSTM"), targets.keras_object("GRU"))
     found = []
     for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, rnn):
-            found.append(layer.name)
+        if not isinstance(layer, rnn):
+            continue
+        if (
+            isinstance(layer, fast)
+            and getattr(layer, "use_cudnn", None) in ("auto", True)
+            and not getattr(layer, "recurrent_dropout", 0)
+            and getattr(layer, "reset_after", True)
+        ):
+            continue
+        found.append(layer.name)
     return found
 
 
@@ -179,16 +193,21 @@ def _eager_if_compile_fails(function, instance, make: str):
     Upstream runs every ModelParallel step eagerly, so a model it trains must
     not fail here because torch cannot compile its graph: the step is rebuilt
     without torch.compile (warned) and the batch runs again. The failure comes
-    while the step is traced, before its graph runs.
+    while the step is traced, before its graph runs, or, on the first batch,
+    inside torch's runner of a graph ahead of a graph break (before the
+    gradients and the optimizer's update).
     """
     import functools
+
+    ran = []
 
     @functools.wraps(function)
     def step(*args, **kwargs):
         try:
-            return function(*args, **kwargs)
+            result = function(*args, **kwargs)
         except Exception as error:
-            if not compile_failure(error):
+            graph_failed = not ran and _in_compiled_runtime(error)
+            if not (compile_failure(error) or graph_failed):
                 raise
             import warnings
 
@@ -201,8 +220,28 @@ def _eager_if_compile_fails(function, instance, make: str):
             )
             eager = _build_eagerly(instance, make)
             return eager(*args, **kwargs)
+        ran.append(True)
+        return result
 
     return step
+
+
+#: Where torch runs a compiled graph: an error raised there on the first call
+#: is torch's (a DTensor output aliasing an input after a graph break: "as_strided
+#: not supported with DTensor"), not the step's, which dynamo met while tracing.
+_COMPILED_RUNTIME = ("torch/_functorch/_aot_autograd/", "torch/_inductor/")
+
+
+def _in_compiled_runtime(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside torch's runner of a compiled graph."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    return any(
+        part in frame.filename.replace("\\", "/")
+        for frame in frames
+        for part in _COMPILED_RUNTIME
+    )
 
 
 def _build_eagerly(instance, make: str):
