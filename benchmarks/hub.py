@@ -32,6 +32,7 @@ writes a JSON, a log and, with ``--plot``, ms/step against width (PNG).
     python benchmarks/hub.py [--rounds 2] [--four] [--plot results/x.png]
     nox -s bench -- --models hub [hub.py arguments]
     python benchmarks/hub.py --profile gpt:512   # phases + plugin hot spots
+    python benchmarks/hub.py --profile gpt:512 --kinds  # eager vs compiled, by kind
 """
 
 from __future__ import annotations
@@ -457,6 +458,122 @@ def profile_worker(case: str, args) -> None:
         torch.distributed.destroy_process_group()
 
 
+#: Where a profiled op's self time goes, first match wins (``--kinds``).
+KINDS = (
+    ("collectives (calls, waits)", ("c10d", "gloo", "plugin all-reduce wait")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn")),
+    ("attention", ("scaled_dot_product", "aten::_softmax")),
+    ("fused (inductor)", ("cpp_fused", "kernel_cpp")),
+    ("optimizer (foreach)", ("aten::_foreach",)),
+    ("other aten ops", ("aten::",)),
+)
+
+
+def _kind(name: str) -> str:
+    for kind, parts in KINDS:
+        if any(part in name for part in parts):
+            return kind
+    return "other recorded"
+
+
+def kinds_worker(case: str, args) -> None:
+    """Eager and compiled steps of one model in the same processes, each
+    profiled with torch's profiler: where rank 0's step time goes by kind of
+    work (op self time), the rest being Python outside any op (Keras, the
+    plugin, DTensor's dispatch, autograd's engine), and the collectives by
+    name."""
+    import collections
+
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    bench._pin()
+    import torch
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.enable_kernel_profile = True  # fused kernels by name
+    torch.set_num_threads(1)
+    if WORLD > 1:
+        torch.distributed.init_process_group("gloo")
+    import keras
+
+    from keras_dtensor_fix import dtensor
+
+    poll = dtensor._poll
+
+    def recorded_poll(work):  # the plugin's eager all-reduce waits, as an op
+        with torch.profiler.record_function("plugin all-reduce wait"):
+            return poll(work)
+
+    dtensor._poll = recorded_poll
+    if WORLD > 1:
+        keras.distribution.initialize()
+    kind, hidden = case.split(":")
+    steps = args.steps
+    rows = {}
+    for config in ("eager", "compiled"):
+        _distribute(kind, (1, WORLD))
+        keras.utils.set_random_seed(0)
+        torch._dynamo.reset()
+        model = build(kind, int(hidden), args.layers, args.seq)
+        model.jit_compile = config == "compiled"
+        x, y, per_rank = _data(args.batch, args.warmup + steps, args.seq, 1)
+
+        def fit(part, model=model, x=x, y=y, per_rank=per_rank):
+            model.fit(
+                {k: v[part] for k, v in x.items()},
+                y[part],
+                batch_size=per_rank,
+                shuffle=False,
+                verbose=0,
+            )
+
+        fit(slice(0, args.warmup * per_rank))
+        start = time.perf_counter()
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]
+        ) as prof:
+            fit(slice(args.warmup * per_rank, (args.warmup + steps) * per_rank))
+        wall = (time.perf_counter() - start) * 1e3 / steps
+        events = prof.events()
+        # The step's thread: the one running the matmuls (gloo's own threads
+        # run the collectives' transport concurrently and are counted apart).
+        busy: collections.Counter = collections.Counter()
+        for event in events:
+            busy[event.thread] += event.name.startswith("aten::")
+        main = busy.most_common(1)[0][0]
+        by_kind: collections.Counter = collections.Counter()
+        collectives: collections.Counter = collections.Counter()
+        for event in events:
+            if event.name.startswith("gloo:"):  # one per collective
+                collectives[event.name] += 1 / steps
+            if event.thread == main:
+                by_kind[_kind(event.name)] += event.self_cpu_time_total / 1e3 / steps
+        rows[config] = (wall, by_kind, collectives)
+        del model
+        keras.distribution.set_distribution(None)
+    if RANK == 0:
+        print(f"== {case}, {WORLD} rank(s), {steps} profiled steps, ms per step")
+        print(f"  {'':26s} {'eager':>9s} {'compiled':>9s}")
+        names = [k for k, _ in KINDS] + ["other recorded"]
+        for name in names:
+            cells = [rows[c][1].get(name, 0.0) for c in rows]
+            print(f"  {name:26s} " + " ".join(f"{v:9.1f}" for v in cells))
+        outside = [rows[c][0] - sum(rows[c][1].values()) for c in rows]
+        print(
+            f"  {'outside any op (Python)':26s} "
+            + " ".join(f"{v:9.1f}" for v in outside)
+        )
+        print(
+            f"  {'step (wall, profiled)':26s} "
+            + " ".join(f"{rows[c][0]:9.1f}" for c in rows)
+        )
+        for config, (_, _, collectives) in rows.items():
+            listed = ", ".join(f"{n} {c:.0f}" for n, c in collectives.most_common())
+            print(f"  collectives per step, {config}: {listed}")
+    if WORLD > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def _callers(stats, steps: int) -> None:
     """Who issues the collectives: callers (two levels) of the plugin's
     all-reduce and of DTensor's redistribute, calls per step."""
@@ -766,6 +883,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-json", type=Path, help="report and plot a --json")
     parser.add_argument("--profile", help="CASE (e.g. gpt:512): phases, hot spots")
     parser.add_argument("--ranks", type=int, default=2, help="for --profile")
+    parser.add_argument(
+        "--kinds",
+        action="store_true",
+        help="with --profile: eager and compiled step time by kind of work",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--cases", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -773,12 +895,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker == "profile":
         profile_worker(args.cases, args)
         return 0
+    if args.worker == "kinds":
+        kinds_worker(args.cases, args)
+        return 0
     if args.worker:
         worker(args.worker, args.cases.split(","), args.out, args)
         return 0
     if args.profile:
         env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
-        script = [__file__, "--worker=profile", f"--cases={args.profile}"]
+        which = "kinds" if args.kinds else "profile"
+        script = [__file__, f"--worker={which}", f"--cases={args.profile}"]
         command = [sys.executable, *script, *_shape_args(args)]
         if args.ranks > 1:
             command[1:1] = ["-m", "torch.distributed.run", "--standalone"]
