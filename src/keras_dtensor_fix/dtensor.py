@@ -195,6 +195,57 @@ def unwrap_local(
     return _UnwrapLocal.apply(value, placements)
 
 
+def reducing_gradient(value: Any) -> Any:
+    """``value``, whose gradient is summed over its Partial mesh axes once.
+
+    Megatron's "f" operator. A replicated activation read by column-parallel
+    products (Q, K and V, an FFN's gates, a vocabulary-sharded head) gets a
+    Partial gradient from each; autograd adds those up (no communication) and
+    this op's backward all-reduces the total once. Handed on as Partial, the
+    gradient ran through the ops before as Partial: a replicated weight there
+    (a norm's scale) got a Partial gradient, and every later reader of the
+    residual stream reduced its own copy. One op per DTensor (cached on it: its
+    readers share the reduction). Leaves (weights), values that need no
+    gradient, traced steps and a torch without the spec internals pass as is.
+    """
+    if (
+        not isinstance(value, DTensor)
+        or value.grad_fn is None
+        or not torch.is_grad_enabled()
+        or _SPEC is None
+        or torch.compiler.is_compiling()
+        or any(p.is_partial() for p in value.placements)
+    ):
+        return value
+    reducing = value.__dict__.get("_keras_dtensor_fix_reducing")
+    if reducing is None:
+        reducing = _ReduceGradient.apply(value)
+        value.__dict__["_keras_dtensor_fix_reducing"] = reducing
+    return reducing
+
+
+class _ReduceGradient(torch.autograd.Function):
+    """Identity forward; the gradient's Partial axes summed in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor) -> DTensor:
+        ctx.mesh = value.device_mesh
+        local = value._local_tensor
+        return DTensor(local.view_as(local), _copy(value._spec), requires_grad=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        if not isinstance(grad, DTensor):
+            return grad
+        placements = tuple(grad.placements)
+        axes = [i for i, p in enumerate(placements) if p.is_partial()]
+        if not axes:
+            return grad
+        total = _all_reduce(grad._local_tensor, ctx.mesh, axes)
+        settled = tuple(Replicate() if p.is_partial() else p for p in placements)
+        return wrap_local(total, ctx.mesh, settled)
+
+
 class _UnwrapLocal(torch.autograd.Function):
     """``to_local``'s autograd op for Replicate and Shard placements."""
 

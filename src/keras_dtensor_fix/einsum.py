@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from keras_dtensor_fix.dtensor import (
     all_reduce_sum,
+    reducing_gradient,
     replicate,
     same_mesh,
     settle,
@@ -73,6 +74,10 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
         return None
     if compiling:
         return _traced_einsum(equation, found, operands, mesh)
+    operands = [
+        reducing_gradient(o) if any(p.is_partial() for p in grad) else o
+        for o, grad in zip(operands, found[1], strict=True)
+    ]
     return _LocalEinsum.apply(equation, found, *operands)
 
 
@@ -226,7 +231,12 @@ def local_dense(
             return None
     if activation is not None and not _scope_fits(scope, settled, len(out_shape)):
         return None
-    local = x if not isinstance(x, DTensor) else unwrap_local(x, x_grad)
+    if not isinstance(x, DTensor):
+        local = x
+    elif any(p.is_partial() for p in x_grad):
+        local = unwrap_local(reducing_gradient(x), x_grad)
+    else:
+        local = unwrap_local(x, x_grad)
     if w.ndim == 2 and equation == linear_equation(x.ndim):
         # torch.matmul: fewer ops than einsum's permutes and bmm, both ways.
         y = torch.matmul(local, unwrap_local(w, w_grad))
