@@ -655,28 +655,36 @@ def _conv_fit(input_shape: tuple, *conv_layers, jit_compile: bool = False):
 
 
 @case("dropin", layout={".*c1/kernel": (None, None, "model"), ".*c1/bias": ("model",)})
-def conv1d_output_channels():
+def conv1d_output_channels(jit_compile: bool = False):
     """Kernel and bias sharded on output channels: the next conv gets them all."""
     return _conv_fit(
-        (9, 8), layers.Conv1D(16, 3, name="c1"), layers.Conv1D(8, 3, name="c2")
+        (9, 8),
+        layers.Conv1D(16, 3, name="c1"),
+        layers.Conv1D(8, 3, name="c2"),
+        jit_compile=jit_compile,
     )
 
 
 @case("dropin", layout={".*c1/kernel": ("model", None, None)})
-def conv1d_kernel_axis():
+def conv1d_kernel_axis(jit_compile: bool = False):
     return _conv_fit(
-        (9, 8), layers.Conv1D(16, 4, name="c1"), layers.Conv1D(8, 3, name="c2")
+        (9, 8),
+        layers.Conv1D(16, 4, name="c1"),
+        layers.Conv1D(8, 3, name="c2"),
+        jit_compile=jit_compile,
     )
 
 
 @case("dropin", layout={".*c1/kernel": (None, None, None, "model", None)})
-def conv3d_input_channels():
-    return _conv_fit((4, 5, 5, 4), layers.Conv3D(4, 2, name="c1"))
+def conv3d_input_channels(jit_compile: bool = False):
+    conv = layers.Conv3D(4, 2, name="c1")
+    return _conv_fit((4, 5, 5, 4), conv, jit_compile=jit_compile)
 
 
 @case("dropin", layout={".*c1/kernel": (None, None, "model", None)})
-def depthwise_conv2d():
-    return _conv_fit((6, 6, 4), layers.DepthwiseConv2D(3, name="c1"))
+def depthwise_conv2d(jit_compile: bool = False):
+    conv = layers.DepthwiseConv2D(3, name="c1")
+    return _conv_fit((6, 6, 4), conv, jit_compile=jit_compile)
 
 
 @case(
@@ -686,13 +694,15 @@ def depthwise_conv2d():
         ".*c1/pointwise_kernel": (None, None, None, "model"),
     },
 )
-def separable_conv2d():
-    return _conv_fit((6, 6, 4), layers.SeparableConv2D(8, 3, name="c1"))
+def separable_conv2d(jit_compile: bool = False):
+    conv = layers.SeparableConv2D(8, 3, name="c1")
+    return _conv_fit((6, 6, 4), conv, jit_compile=jit_compile)
 
 
 @case("dropin", layout={".*c1/kernel": (None, None, "model", None)})
-def conv2d_transpose():
-    return _conv_fit((5, 5, 4), layers.Conv2DTranspose(6, 3, name="c1"))
+def conv2d_transpose(jit_compile: bool = False):
+    conv = layers.Conv2DTranspose(6, 3, name="c1")
+    return _conv_fit((5, 5, 4), conv, jit_compile=jit_compile)
 
 
 def _causal_attention(jit_compile: bool = False):
@@ -750,62 +760,30 @@ def simple_rnn_compiled():
     return _plugin_warnings(_recurrent, layers.SimpleRNN, jit_compile=True)
 
 
-@case(
-    "dropin_compiled",
-    layout={".*c1/kernel": (None, None, "model"), ".*c1/bias": ("model",)},
-)
-def conv1d_output_channels_compiled():
-    return _conv_fit(
-        (9, 8),
-        layers.Conv1D(16, 3, name="c1"),
-        layers.Conv1D(8, 3, name="c2"),
-        jit_compile=True,
-    )
+def _compiled_twin(eager) -> None:
+    """Register ``eager``'s case again, with jit_compile=True, as NAME_compiled."""
+
+    def run():
+        return eager(jit_compile=True)
+
+    run.__name__ = f"{eager.__name__}_compiled"
+    case("dropin_compiled", layout=CASES[eager.__name__]["layout"])(run)
+
+
+for _eager in (
+    conv1d_output_channels,
+    conv1d_kernel_axis,
+    conv3d_input_channels,
+    depthwise_conv2d,
+    separable_conv2d,
+    conv2d_transpose,
+):
+    _compiled_twin(_eager)
 
 
 @case("dropin_compiled", layout={".*c1/kernel": (None, None, "model", None)})
 def conv2d_input_channels_compiled():
     return _conv_fit((6, 6, 4), layers.Conv2D(4, 3, name="c1"), jit_compile=True)
-
-
-@case("dropin_compiled", layout={".*c1/kernel": ("model", None, None)})
-def conv1d_kernel_axis_compiled():
-    return _conv_fit(
-        (9, 8),
-        layers.Conv1D(16, 4, name="c1"),
-        layers.Conv1D(8, 3, name="c2"),
-        jit_compile=True,
-    )
-
-
-@case("dropin_compiled", layout={".*c1/kernel": (None, None, None, "model", None)})
-def conv3d_input_channels_compiled():
-    return _conv_fit((4, 5, 5, 4), layers.Conv3D(4, 2, name="c1"), jit_compile=True)
-
-
-@case("dropin_compiled", layout={".*c1/kernel": (None, None, "model", None)})
-def depthwise_conv2d_compiled():
-    return _conv_fit((6, 6, 4), layers.DepthwiseConv2D(3, name="c1"), jit_compile=True)
-
-
-@case(
-    "dropin_compiled",
-    layout={
-        ".*c1/depthwise_kernel": (None, None, "model", None),
-        ".*c1/pointwise_kernel": (None, None, None, "model"),
-    },
-)
-def separable_conv2d_compiled():
-    return _conv_fit(
-        (6, 6, 4), layers.SeparableConv2D(8, 3, name="c1"), jit_compile=True
-    )
-
-
-@case("dropin_compiled", layout={".*c1/kernel": (None, None, "model", None)})
-def conv2d_transpose_compiled():
-    return _conv_fit(
-        (5, 5, 4), layers.Conv2DTranspose(6, 3, name="c1"), jit_compile=True
-    )
 
 
 @case("dropin_compiled", layout=TRANSFORMER)

@@ -103,14 +103,20 @@ def assert_fails_with(result: dict, expected: str | tuple) -> None:
     assert any(fragment in error for fragment in fragments), result
 
 
-def test_upstream_compiled_convs(runs) -> None:
-    """Upstream fails every compiled conv case: the plugin compiles and trains them."""
-    upstream = runs.get(
+def upstream_compiled(runs) -> dict:
+    """Rank 0's results of upstream on the compiled conv and recurrent cases
+    (one run for both tests)."""
+    return runs.get(
         "dropin_compiled",
         world=2,
         KERAS_DTENSOR_FIX="0",
-        SCENARIO_CASES=",".join(UPSTREAM_COMPILED),
+        SCENARIO_CASES=",".join([*UPSTREAM_COMPILED, *UPSTREAM_RECURRENT]),
     )[0]
+
+
+def test_upstream_compiled_convs(runs) -> None:
+    """Upstream fails every compiled conv case: the plugin compiles and trains them."""
+    upstream = upstream_compiled(runs)
     for name, expected in UPSTREAM_COMPILED.items():
         assert_fails_with(upstream[name], expected)
 
@@ -130,12 +136,7 @@ def test_upstream_compiled_recurrent(runs) -> None:
     process, and fails on the generic loop; the plugin compiles LSTM and GRU
     (without the ``rnn`` family the compiled LSTM's weights end 0.1 off one
     process's) and runs the generic loop eagerly."""
-    upstream = runs.get(
-        "dropin_compiled",
-        world=2,
-        KERAS_DTENSOR_FIX="0",
-        SCENARIO_CASES=",".join(UPSTREAM_RECURRENT),
-    )[0]
+    upstream = upstream_compiled(runs)
     single = runs.get("dropin_compiled", world=1)[0]
     for name, expected in UPSTREAM_RECURRENT.items():
         if expected != "ok":
