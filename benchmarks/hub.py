@@ -285,6 +285,19 @@ def run_case(case: str, config: str, args) -> dict:
     return result
 
 
+def _fit_rows(model, x: dict, y, rows: slice, batch: int, callbacks=None) -> None:
+    """``model.fit`` on ``rows`` of the token-id inputs ``x`` and labels ``y``,
+    in order, one epoch, silent."""
+    model.fit(
+        {k: v[rows] for k, v in x.items()},
+        y[rows],
+        batch_size=batch,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+    )
+
+
 def _single_ab(model, x, y, batch, stamps, clock, args, blocks: int = 10) -> dict:
     """One process, the plugin on and off (activate/deactivate) in alternating
     blocks of ``fit()`` steps; per pair of neighbouring blocks the log of the
@@ -295,15 +308,7 @@ def _single_ab(model, x, y, batch, stamps, clock, args, blocks: int = 10) -> dic
 
     def block(steps: int) -> list[float]:
         stamps.clear()
-        rows = slice(0, (steps + 1) * batch)
-        model.fit(
-            {k: v[rows] for k, v in x.items()},
-            y[rows],
-            batch_size=batch,
-            shuffle=False,
-            verbose=0,
-            callbacks=[clock],
-        )
+        _fit_rows(model, x, y, slice(0, (steps + 1) * batch), batch, [clock])
         return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
 
     block(args.warmup)
@@ -409,13 +414,7 @@ def profile_worker(case: str, args) -> None:
     def fit(n: int, offset: int) -> float:
         part = slice(offset * per_rank, (offset + n) * per_rank)
         start = time.perf_counter()
-        model.fit(
-            {k: v[part] for k, v in x.items()},
-            y[part],
-            batch_size=per_rank,
-            shuffle=False,
-            verbose=0,
-        )
+        _fit_rows(model, x, y, part, per_rank)
         return time.perf_counter() - start
 
     fit(args.warmup, 0)
@@ -517,21 +516,13 @@ def kinds_worker(case: str, args) -> None:
         model.jit_compile = config == "compiled"
         x, y, per_rank = _data(args.batch, args.warmup + steps, args.seq, 1)
 
-        def fit(part, model=model, x=x, y=y, per_rank=per_rank):
-            model.fit(
-                {k: v[part] for k, v in x.items()},
-                y[part],
-                batch_size=per_rank,
-                shuffle=False,
-                verbose=0,
-            )
-
-        fit(slice(0, args.warmup * per_rank))
+        _fit_rows(model, x, y, slice(0, args.warmup * per_rank), per_rank)
+        timed = slice(args.warmup * per_rank, (args.warmup + steps) * per_rank)
         start = time.perf_counter()
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]
         ) as prof:
-            fit(slice(args.warmup * per_rank, (args.warmup + steps) * per_rank))
+            _fit_rows(model, x, y, timed, per_rank)
         wall = (time.perf_counter() - start) * 1e3 / steps
         events = prof.events()
         # The step's thread: the one running the matmuls (gloo's own threads
