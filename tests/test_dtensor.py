@@ -98,3 +98,38 @@ def test_settle_relabels_one_rank_axes_without_a_collective(mesh1, monkeypatch) 
     assert torch.equal(local.grad, torch.ones(3)) and calls == []
     reduced = dtensor.reduce_partial(DTensor.from_local(local, mesh1, [Partial()]))
     assert tuple(reduced.placements) == (Replicate(),) and calls == []
+
+
+def test_placed_is_shared_by_an_activations_readers(mesh1) -> None:
+    """An activation redistributes once per placements for all its readers, so
+    their gradients meet before the one backward (Q, K and V share one
+    all-gather); a weight (a leaf, assigned in place) and an activation changed
+    in place are redistributed again, and a result made without gradient is
+    not handed to a caller that needs one."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from keras_dtensor_fix.dtensor import placed
+
+    weight = distribute_tensor(torch.arange(4.0), mesh1, [Replicate()])
+    weight.requires_grad_(True)
+    assert placed(weight, (Shard(0),)) is not placed(weight, (Shard(0),))
+
+    activation = weight * 2
+    with torch.no_grad():
+        no_grad = placed(activation, (Shard(0),))
+    assert no_grad.grad_fn is None
+    first = placed(activation, (Shard(0),))
+    assert first is not no_grad and first.grad_fn is not None
+    assert placed(activation, (Shard(0),)) is first
+    with torch.no_grad():
+        assert placed(activation, (Shard(0),)) is first
+    (first * 3 + first).sum().backward()
+    assert torch.equal(weight.grad.full_tensor(), torch.full((4,), 8.0))
+
+    other = weight * 2
+    before = placed(other, (Shard(0),))
+    with torch.no_grad():
+        other.add_(1)
+    after = placed(other, (Shard(0),))
+    assert after is not before and torch.equal(after.full_tensor(), other.full_tensor())

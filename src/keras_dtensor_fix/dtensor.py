@@ -581,6 +581,30 @@ def settle(value: DTensor, placements: Sequence[Any]) -> DTensor:
     return value
 
 
+def placed(value: DTensor, placements: Sequence[Any]) -> DTensor:
+    """:func:`settle`, once per activation and placements.
+
+    An activation (not a leaf: nothing assigns to it) keeps what it was
+    redistributed to, so its readers share one redistribution and its
+    backward: a loss and an accuracy metric on the same vocabulary-sharded
+    logits gather them once, and Q, K and V sharding one replicated input on
+    the axis they contract sum their gradients before the one all-gather.
+    A result made without gradient serves only callers without. Not when
+    traced: dynamo cannot keep the cache, and the graph needs none.
+    """
+    placements = tuple(placements)
+    if value.is_leaf or torch.compiler.is_compiling():
+        return settle(value, placements)
+    grad = torch.is_grad_enabled()
+    cache = value.__dict__.setdefault("_keras_dtensor_fix_placed", {})
+    found = cache.get(placements)
+    if found is not None and found[0] == value._version and (found[1] or not grad):
+        return found[2]
+    result = settle(value, placements)
+    cache[placements] = (value._version, grad, result)
+    return result
+
+
 def to_placements(value: torch.Tensor, like: DTensor) -> DTensor:
     """Return ``value`` with ``like``'s mesh and placements.
 
@@ -896,4 +920,6 @@ def gather_axis(value: Any, axis: int | None) -> Any:
         Replicate() if isinstance(p, Shard) and dim in (None, p.dim) else p
         for p in value.placements
     )
-    return settle(value, placements)
+    if placements == tuple(value.placements):
+        return value
+    return placed(value, placements)

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from keras_dtensor_fix.dtensor import (
     all_reduce_sum,
+    placed,
     reducing_gradient,
     replicate,
     same_mesh,
@@ -119,7 +120,7 @@ def _align_shards(
             if wanted[i][axis].is_replicate() and letter in held:
                 wanted[i][axis] = Shard(held.index(letter))
     return [
-        o if tuple(w) == tuple(o.placements) else o.redistribute(mesh, tuple(w))
+        o if tuple(w) == tuple(o.placements) else placed(o, w)
         for o, w in zip(operands, wanted, strict=True)
     ]
 

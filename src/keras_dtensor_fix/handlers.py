@@ -14,8 +14,11 @@ Otherwise:
      ids (:func:`~keras_dtensor_fix.dtensor.gather_axes_splitting`); under
      torch.compile a row-split table is looked up vocab-parallel. It rewrites
      the arguments and hands on.
-  2. ``index`` (``argmax``, ``argmin``): the operand gathered on the reduced
-     dim (:func:`~keras_dtensor_fix.dtensor.gather_axis`); hands on.
+  2. ``index`` (``argmax``, ``argmin``) and ``classes`` (the cross-entropies
+     of :data:`CLASS_AXIS_LOSSES`): the operand gathered on the reduced dim or
+     the class axis (:func:`~keras_dtensor_fix.dtensor.gather_axis`, once per
+     activation: a loss and an accuracy metric on the same vocabulary-sharded
+     logits share one all-gather); hands on.
   3. ``local`` (``einsum``, ``matmul``): operands whose placements have a local
      form run as one local einsum; a Partial result is reduced where it is made.
   4. ``replicated``: every DTensor operand replicated and no gradient (a step
@@ -77,6 +80,13 @@ CONTRACTIONS = frozenset({"matmul", "dot", "inner", "tensordot", "vdot", "einsum
 
 # Index reductions: over a sharded axis they need the whole axis.
 INDEX_REDUCTIONS = frozenset({"argmax", "argmin"})
+
+
+# Losses reading the whole class axis (``axis``, default -1) of ``output``
+# (their second argument): the softmax over a sharded axis needs all of it.
+CLASS_AXIS_LOSSES = frozenset(
+    {"sparse_categorical_crossentropy", "categorical_crossentropy"}
+)
 
 
 # Convolutions and the names of their kernels.
@@ -190,6 +200,17 @@ def _index(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> An
     return Rewritten((gather_axis(resolve(args[0]), axis), *args[1:]), kwargs)
 
 
+def _classes(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    from keras_dtensor_fix.dtensor import gather_axis
+
+    if len(args) < 2:
+        return NOT_HANDLED
+    axis = args[3] if len(args) > 3 else kwargs.get("axis", -1)
+    if not isinstance(axis, int):
+        return NOT_HANDLED
+    return Rewritten((args[0], gather_axis(resolve(args[1]), axis), *args[2:]), kwargs)
+
+
 def _local(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     from keras_dtensor_fix.dtensor import reduce_partial
     from keras_dtensor_fix.einsum import local_einsum, local_matmul
@@ -230,6 +251,7 @@ def _promote(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> 
 HANDLERS: tuple[Handler, ...] = (
     Handler("lookup", lambda op: op.name == "take", _lookup),
     Handler("index", lambda op: op.name in INDEX_REDUCTIONS, _index),
+    Handler("classes", lambda op: op.name in CLASS_AXIS_LOSSES, _classes),
     Handler("local", lambda op: op.name in ("einsum", "matmul"), _local),
     Handler("replicated", lambda op: True, _replicated),
     Handler("promote", lambda op: True, _promote),

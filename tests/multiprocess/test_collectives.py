@@ -11,13 +11,21 @@ variables' sum over the batch axis, coalesced into one all-reduce (Keras runs
 one per variable), which the compiled step keeps even over a one-process batch
 axis (see ``keras_dtensor_fix.patches.data``).
 
-A tiny keras-hub GemmaCausalLM (2 layers) sharded by its own
-``get_layout_map`` on (1, 2) runs 12 per eager step: by hand, Megatron needs
-11 (per layer the attention and FFN row-parallel sums and the column-parallel
-inputs' gradients, the vocabulary-sharded lookup, the tied head's input
-gradient, the logits' all-gather for the loss). Without Megatron's "f"
-(``dtensor.reducing_gradient``) it ran 17: each norm scale's gradient came
-back Partial and took its own all-reduce. Upstream runs 105.
+Tiny keras-hub CausalLMs (2 layers) sharded by their own
+``get_layout_map`` on (1, 2) run what Megatron needs for that layout,
+counted by hand (benchmarks/README.md). Gemma: 11 (per layer the attention
+and FFN row-parallel sums and the column-parallel inputs' gradients, the
+vocabulary-sharded lookup, the tied head's input gradient, one all-gather of
+the logits for both the loss and the accuracy metric). It ran 17 without
+Megatron's "f" (``dtensor.reducing_gradient``: each norm scale's gradient
+came back Partial and took its own all-reduce) and 12 when the metric
+gathered the logits again. Llama: 17 (its layout shards Q/K/V on the
+contracted hidden axis: per layer 3 Q/K/V sums, the attention output and
+FFN sums, then in the backward the all-gather of the Q/K/V input's gradient,
+of the attention output's and the FFN input's sum; plus the lookup). It ran
+21 when Q, K and V each split the replicated input for themselves, each
+split's backward gathering its own gradient (``dtensor.placed`` shares one).
+Upstream runs 105 on Gemma and cannot build Llama.
 
 The same run counts the ops an eager step dispatches on DTensors: dense
 layers run on local tensors (``keras_dtensor_fix.patches.layers``), ops on
@@ -36,7 +44,8 @@ from support import ROOT, run_ranks
 
 SCRIPT = ROOT / "tests" / "ranks" / "collectives.py"
 MEGATRON = {"mlp": 1, "transformer": 3}
-GEMMA = 12  # the hand count, 11, plus one
+#: Tiny keras-hub models, eager: the hand counts.
+HUB = {"gemma": 11, "llama": 17}
 EXTRA = {"eager": 0, "compiled": 1}
 #: Most DTensor-dispatched ops per eager step.
 DTENSOR_OPS = {"mlp": 4, "transformer": 40}
@@ -57,5 +66,6 @@ def test_collectives_per_step(tmp_path) -> None:
         for config, extra in extras.items():
             assert counts[f"{model}/{config}"] == expected + extra, (model, counts)
         assert counts[f"{model}/dtensor_ops"] <= DTENSOR_OPS[model], counts
-    if counts["gemma/eager"] is not None:  # keras-hub installed
-        assert counts["gemma/eager"] == GEMMA, counts
+    for name, expected in HUB.items():
+        if counts[f"{name}/eager"] is not None:  # keras-hub installed
+            assert counts[f"{name}/eager"] == expected, (name, counts)

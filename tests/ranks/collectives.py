@@ -53,31 +53,37 @@ def dtensor_ops(step) -> int:
     return mode.count
 
 
-def gemma_collectives() -> float | None:
-    """Collectives per eager step of a tiny GemmaCausalLM (2 layers) sharded
-    by ``GemmaBackbone.get_layout_map`` on (1, 2); None without keras-hub."""
+def hub_collectives(name: str) -> float | None:
+    """Collectives per eager step of a tiny keras-hub CausalLM (2 layers),
+    ``"gemma"`` or ``"llama"``, sharded by its backbone's ``get_layout_map``
+    on (1, 2); None without keras-hub."""
     try:
         import keras_hub
     except ImportError:
         return None
+    backbone_class, lm_class = {
+        "gemma": (keras_hub.models.GemmaBackbone, keras_hub.models.GemmaCausalLM),
+        "llama": (keras_hub.models.LlamaBackbone, keras_hub.models.LlamaCausalLM),
+    }[name]
     mesh = keras.distribution.distribution().device_mesh
     dist = keras.distribution.ModelParallel(
-        layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh),
+        layout_map=backbone_class.get_layout_map(mesh),
         batch_dim_name="batch",
     )
     dist.auto_shard_dataset = False
     keras.distribution.set_distribution(dist)
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GemmaBackbone(
+    config = dict(
         vocabulary_size=64,
         num_layers=2,
         num_query_heads=4,
         num_key_value_heads=2,
         hidden_dim=32,
         intermediate_dim=64,
-        head_dim=8,
     )
-    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    if name == "gemma":
+        config["head_dim"] = 8
+    model = lm_class(backbone=backbone_class(**config), preprocessor=None)
     model.compile(optimizer=keras.optimizers.Adam(1e-3))
     ids = numpy.random.default_rng(0).integers(1, 64, size=(4, 12)).astype("int32")
     x = {"token_ids": ids, "padding_mask": numpy.ones_like(ids)}
@@ -106,7 +112,8 @@ def main(out: Path) -> None:
             if config == "eager":
                 results[f"{model_name}/dtensor_ops"] = dtensor_ops(step)
     results["graphs"] = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
-    results["gemma/eager"] = gemma_collectives()
+    for name in ("gemma", "llama"):
+        results[f"{name}/eager"] = hub_collectives(name)
     results["compiles"] = compiles_model_parallel()
     if torch.distributed.get_rank() == 0:
         out.write_text(json.dumps(results))
