@@ -205,23 +205,32 @@ def reducing_gradient(value: Any) -> Any:
     gradient ran through the ops before as Partial: a replicated weight there
     (a norm's scale) got a Partial gradient, and every later reader of the
     residual stream reduced its own copy. One op per DTensor (cached on it: its
-    readers share the reduction). Leaves (weights), values that need no
-    gradient, traced steps and a torch without the spec internals pass as is.
+    readers share the reduction). Traced, the op is ``redistribute`` to the
+    same placements: identity forward, and a backward that reduces a Partial
+    gradient to the input's placements. Leaves (weights), values that need no
+    gradient and a torch without the spec internals pass as is.
     """
     if (
         not isinstance(value, DTensor)
-        or value.grad_fn is None
+        or value.is_leaf  # dynamo reads no grad_fn; an activation is no leaf
+        or not value.requires_grad
         or not torch.is_grad_enabled()
         or _SPEC is None
-        or torch.compiler.is_compiling()
         or any(p.is_partial() for p in value.placements)
     ):
         return value
-    reducing = value.__dict__.get("_keras_dtensor_fix_reducing")
+    reducing = getattr(value, _REDUCING, None)
     if reducing is None:
-        reducing = _ReduceGradient.apply(value)
-        value.__dict__["_keras_dtensor_fix_reducing"] = reducing
+        if torch.compiler.is_compiling():
+            reducing = value.redistribute(value.device_mesh, value.placements)
+        else:
+            reducing = _ReduceGradient.apply(value)
+        setattr(value, _REDUCING, reducing)
     return reducing
+
+
+#: The attribute :func:`reducing_gradient` keeps an activation's op in.
+_REDUCING = "_keras_dtensor_fix_reducing"
 
 
 class _ReduceGradient(torch.autograd.Function):
@@ -588,21 +597,32 @@ def placed(value: DTensor, placements: Sequence[Any]) -> DTensor:
     redistributed to, so its readers share one redistribution and its
     backward: a loss and an accuracy metric on the same vocabulary-sharded
     logits gather them once, and Q, K and V sharding one replicated input on
-    the axis they contract sum their gradients before the one all-gather.
-    A result made without gradient serves only callers without. Not when
-    traced: dynamo cannot keep the cache, and the graph needs none.
+    the axis they contract sum their gradients before the one all-gather. A
+    compiled graph needs this too: inductor does not merge collectives. A
+    result made without gradient serves only callers without; one made before
+    an in-place change to the activation (eager: its version) is not reused.
     """
     placements = tuple(placements)
-    if value.is_leaf or torch.compiler.is_compiling():
+    if value.is_leaf:
         return settle(value, placements)
     grad = torch.is_grad_enabled()
-    cache = value.__dict__.setdefault("_keras_dtensor_fix_placed", {})
-    found = cache.get(placements)
-    if found is not None and found[0] == value._version and (found[1] or not grad):
-        return found[2]
+    # Dynamo reads no version counter; a traced activation is not changed in
+    # place between its readers here (Keras's layers return new tensors).
+    version = None if torch.compiler.is_compiling() else value._version
+    kept = getattr(value, _PLACED, None)
+    if kept is None:
+        kept = []
+        setattr(value, _PLACED, kept)
+    for have, at, with_grad, result in kept:
+        if have == placements and at == version and (with_grad or not grad):
+            return result
     result = settle(value, placements)
-    cache[placements] = (value._version, grad, result)
+    kept.append((placements, version, grad, result))
     return result
+
+
+#: The attribute :func:`placed` keeps an activation's redistributions in.
+_PLACED = "_keras_dtensor_fix_placed"
 
 
 def to_placements(value: torch.Tensor, like: DTensor) -> DTensor:

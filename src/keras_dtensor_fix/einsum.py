@@ -136,7 +136,9 @@ def _traced_einsum(
     """
     out_placements, grad_placements = found
     locals_ = [
-        o.to_local(grad_placements=g)
+        (reducing_gradient(o) if any(p.is_partial() for p in g) else o).to_local(
+            grad_placements=g
+        )
         for o, g in zip(operands, grad_placements, strict=True)
     ]
     result = torch.einsum(equation, *locals_)

@@ -27,6 +27,15 @@ of the attention output's and the FFN input's sum; plus the lookup). It ran
 split's backward gathering its own gradient (``dtensor.placed`` shares one).
 Upstream runs 105 on Gemma and cannot build Llama.
 
+Compiled, the same models run the eager count plus the metric all-reduce
+(above), and Gemma one more all-gather of the logits: in the traced step the
+metric reads the logits through another Python object than the loss, so
+``dtensor.placed`` cannot hand it the loss's gathered copy. Before the
+optimizer's wrapper ran in the trace (``traced=True``) and the traced "f"
+(``reducing_gradient`` as ``redistribute`` to the same placements), Gemma's
+compiled step ran 28 and Llama's 30: Adam reduced each Partial norm-scale
+gradient three times (in its momentum, its ``grad * grad`` and its velocity).
+
 The same run counts the ops an eager step dispatches on DTensors: dense
 layers run on local tensors (``keras_dtensor_fix.patches.layers``), ops on
 replicated values that need no gradient too (``numpy`` family), and the loss
@@ -44,8 +53,13 @@ from support import ROOT, run_ranks
 
 SCRIPT = ROOT / "tests" / "ranks" / "collectives.py"
 MEGATRON = {"mlp": 1, "transformer": 3}
-#: Tiny keras-hub models, eager: the hand counts.
-HUB = {"gemma": 11, "llama": 17}
+#: Tiny keras-hub models: the hand counts eager; compiled, see the docstring.
+HUB = {
+    "gemma/eager": 11,
+    "llama/eager": 17,
+    "gemma/compiled": 11 + 1 + 1,
+    "llama/compiled": 17 + 1,
+}
 EXTRA = {"eager": 0, "compiled": 1}
 #: Most DTensor-dispatched ops per eager step.
 DTENSOR_OPS = {"mlp": 4, "transformer": 40}
@@ -67,5 +81,7 @@ def test_collectives_per_step(tmp_path) -> None:
             assert counts[f"{model}/{config}"] == expected + extra, (model, counts)
         assert counts[f"{model}/dtensor_ops"] <= DTENSOR_OPS[model], counts
     for name, expected in HUB.items():
-        if counts[f"{name}/eager"] is not None:  # keras-hub installed
-            assert counts[f"{name}/eager"] == expected, (name, counts)
+        if counts[name] is not None:  # keras-hub installed
+            if name.endswith("compiled") and not counts["compiles"]:
+                continue
+            assert counts[name] == expected, (name, counts)

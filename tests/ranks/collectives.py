@@ -53,10 +53,10 @@ def dtensor_ops(step) -> int:
     return mode.count
 
 
-def hub_collectives(name: str) -> float | None:
-    """Collectives per eager step of a tiny keras-hub CausalLM (2 layers),
+def hub_collectives(name: str, compiled: bool) -> float | None:
+    """Collectives per step of a tiny keras-hub CausalLM (2 layers),
     ``"gemma"`` or ``"llama"``, sharded by its backbone's ``get_layout_map``
-    on (1, 2); None without keras-hub."""
+    on (1, 2), eager or with ``jit_compile=True``; None without keras-hub."""
     try:
         import keras_hub
     except ImportError:
@@ -84,7 +84,7 @@ def hub_collectives(name: str) -> float | None:
     if name == "gemma":
         config["head_dim"] = 8
     model = lm_class(backbone=backbone_class(**config), preprocessor=None)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3))
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=compiled)
     ids = numpy.random.default_rng(0).integers(1, 64, size=(4, 12)).astype("int32")
     x = {"token_ids": ids, "padding_mask": numpy.ones_like(ids)}
     y = numpy.roll(ids, -1, axis=1)
@@ -113,7 +113,8 @@ def main(out: Path) -> None:
                 results[f"{model_name}/dtensor_ops"] = dtensor_ops(step)
     results["graphs"] = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
     for name in ("gemma", "llama"):
-        results[f"{name}/eager"] = hub_collectives(name)
+        for config in ("eager", "compiled"):
+            results[f"{name}/{config}"] = hub_collectives(name, config == "compiled")
     results["compiles"] = compiles_model_parallel()
     if torch.distributed.get_rank() == 0:
         out.write_text(json.dumps(results))

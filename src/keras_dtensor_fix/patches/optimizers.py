@@ -106,6 +106,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
                     f"{name}._parallel_update_step",
                     _parallel_update_step,
                     gated=True,
+                    traced=True,
                 )
             )
     if not result:
