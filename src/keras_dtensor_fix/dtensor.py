@@ -617,6 +617,8 @@ def placed(value: DTensor, placements: Sequence[Any]) -> DTensor:
         if have == placements and at == version and (with_grad or not grad):
             return result
     result = settle(value, placements)
+    # It replaces what it serves better: a stale one, or one without gradient.
+    kept[:] = [entry for entry in kept if entry[0] != placements]
     kept.append((placements, version, grad, result))
     return result
 

@@ -41,13 +41,36 @@ def _convert_to_tensor(wrapped, instance, args, kwargs):
     # Under torch.compile a numpy value goes in as the tensor torch makes of
     # it (same dtype, so the same result as Keras's numpy path); dynamo traces
     # torch.as_tensor of a numpy array. Eager calls take Keras's own path.
-    if args and isinstance(args[0], (np.ndarray, np.generic)):
-        if torch.compiler.is_compiling():
+    if args and torch.compiler.is_compiling():
+        if isinstance(args[0], (np.ndarray, np.generic)):
             tensor = torch.as_tensor(args[0])
             if tensor.dtype == torch.uint32:  # as Keras: torch lacks uint32 ops
                 tensor = tensor.to(torch.int64)
             args = (tensor,) + args[1:]
+        elif isinstance(args[0], DTensor) and _unchanged(wrapped, args, kwargs):
+            return args[0]
     return wrapped(*args, **kwargs)
+
+
+def _unchanged(wrapped: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether Keras's conversion of DTensor ``args[0]`` would return it as is.
+
+    Eager, ``x.to(device)`` and ``x.to(dtype)`` return ``x`` itself when
+    nothing changes; traced, each makes a new object, so what the plugin
+    keeps on an activation (``dtensor.placed``: the logits the loss gathered,
+    which the accuracy metric reads through its own conversion) is lost.
+    """
+    value = args[0]
+    dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
+    if len(args) > 2 or any(kwargs.get(k) for k in ("sparse", "ragged")):
+        return False
+    names = getattr(wrapped, "__globals__", {})  # Keras's core module
+    get_device, to_torch_dtype = names.get("get_device"), names.get("to_torch_dtype")
+    if get_device is None or to_torch_dtype is None:
+        return False
+    if dtype is not None and to_torch_dtype(dtype) != value.dtype:
+        return False
+    return value.device == torch.device(get_device())
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
