@@ -810,7 +810,8 @@ def unseeded_dropout_compiled():
 # shard weights on the batch axis too), fed token ids: no preset download.
 
 
-def _hub_model(kind: str):
+def tiny_causal_lm(kind: str):
+    """A tiny random keras-hub CausalLM (2 layers, no preprocessor, no download)."""
     import keras_hub
 
     backbone, causal_lm = {
@@ -831,7 +832,9 @@ def _hub_model(kind: str):
     return causal_lm(backbone=model, preprocessor=None)
 
 
-def _hub_layout(kind: str):
+def hub_layout(kind: str):
+    """``get_layout_map`` of ``kind``'s backbone, as a function of the mesh."""
+
     def layout(mesh):
         import keras_hub
 
@@ -857,7 +860,7 @@ def batch_rows(array: np.ndarray, batch_size: int, batch_ranks: int) -> np.ndarr
 
 def fit_and_generate(kind: str, batch_ranks: int = 1, jit_compile: bool = False):
     """fit() on token ids, then greedy generate() (the KV-cache path)."""
-    model = _hub_model(kind)
+    model = tiny_causal_lm(kind)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -892,7 +895,7 @@ def _hub_case(group: str, kind: str, mesh: tuple[int, int]) -> None:
         return fit_and_generate(kind, batch_ranks=mesh[0] if WORLD > 1 else 1)
 
     run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}"
-    case(group, mesh=mesh, layout=_hub_layout(kind), per_rank=mesh[0] > 1)(run)
+    case(group, mesh=mesh, layout=hub_layout(kind), per_rank=mesh[0] > 1)(run)
 
 
 for _kind in ("gemma", "llama", "qwen"):
@@ -928,7 +931,7 @@ def _compiled_case(group: str, kind: str, mesh: tuple[int, int]) -> None:
         return _compiled(kind, batch_ranks=mesh[0] if WORLD > 1 else 1)
 
     run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}_compiled"
-    case(group, mesh=mesh, layout=_hub_layout(kind), per_rank=mesh[0] > 1)(run)
+    case(group, mesh=mesh, layout=hub_layout(kind), per_rank=mesh[0] > 1)(run)
 
 
 for _kind in ("gemma", "llama", "qwen"):

@@ -10,6 +10,7 @@ that an eager step dispatches on DTensors (each costs DTensor's dispatch).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ import keras_dtensor_fix  # noqa: E402, F401  (activates, also without the .pth)
 from keras_dtensor_fix.demo import set_model_parallel  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "multiprocess"))  # scenarios: tiny hub models
 from support import compiles_model_parallel  # noqa: E402
 
 
@@ -57,33 +59,18 @@ def hub_collectives(name: str, compiled: bool) -> float | None:
     """Collectives per step of a tiny keras-hub CausalLM (2 layers),
     ``"gemma"`` or ``"llama"``, sharded by its backbone's ``get_layout_map``
     on (1, 2), eager or with ``jit_compile=True``; None without keras-hub."""
-    try:
-        import keras_hub
-    except ImportError:
+    if importlib.util.find_spec("keras_hub") is None:
         return None
-    backbone_class, lm_class = {
-        "gemma": (keras_hub.models.GemmaBackbone, keras_hub.models.GemmaCausalLM),
-        "llama": (keras_hub.models.LlamaBackbone, keras_hub.models.LlamaCausalLM),
-    }[name]
+    from scenarios import hub_layout, tiny_causal_lm
+
     mesh = keras.distribution.distribution().device_mesh
     dist = keras.distribution.ModelParallel(
-        layout_map=backbone_class.get_layout_map(mesh),
-        batch_dim_name="batch",
+        layout_map=hub_layout(name)(mesh), batch_dim_name="batch"
     )
     dist.auto_shard_dataset = False
     keras.distribution.set_distribution(dist)
     keras.utils.set_random_seed(0)
-    config = dict(
-        vocabulary_size=64,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-    )
-    if name == "gemma":
-        config["head_dim"] = 8
-    model = lm_class(backbone=backbone_class(**config), preprocessor=None)
+    model = tiny_causal_lm(name)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=compiled)
     ids = numpy.random.default_rng(0).integers(1, 64, size=(4, 12)).astype("int32")
     x = {"token_ids": ids, "padding_mask": numpy.ones_like(ids)}
