@@ -80,7 +80,7 @@ def hub_collectives(name: str, compiled: bool) -> float | None:
     return bench.collectives(functools.partial(model.train_on_batch, x, y))
 
 
-def main(out: Path) -> None:
+def main(out: Path) -> int:
     results = {}
     for model_name in ("mlp", "transformer"):
         set_model_parallel(bench.LAYOUTS[model_name])
@@ -107,7 +107,11 @@ def main(out: Path) -> None:
         out.write_text(json.dumps(results))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from support import leave  # skips a teardown that can abort: see leave()
+
+    leave(main(Path(sys.argv[1])))
