@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 CONFIGS = (
     "upstream",
@@ -393,6 +394,17 @@ def worker(config: str, model_name: str, out: Path, warmup: int, steps: int) -> 
         torch.distributed.destroy_process_group()
 
 
+def leave() -> NoReturn:
+    """End a worker with status 0 once its report is written, skipping teardown.
+
+    A gloo thread still releasing the last collective's tensors when Python
+    finalizes aborts the process (SIGABRT) after the work is done.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -474,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker, args.models, args.out, args.warmup, args.steps)
-        return 0
+        leave()
 
     import platform
 

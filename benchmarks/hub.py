@@ -885,13 +885,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker == "profile":
         profile_worker(args.cases, args)
-        return 0
+        bench.leave()
     if args.worker == "kinds":
         kinds_worker(args.cases, args)
-        return 0
+        bench.leave()
     if args.worker:
         worker(args.worker, args.cases.split(","), args.out, args)
-        return 0
+        bench.leave()
     if args.profile:
         env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
         which = "kinds" if args.kinds else "profile"
