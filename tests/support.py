@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NoReturn
@@ -60,8 +61,6 @@ def leave(code: int) -> NoReturn:
     torch's own fix (pytorch/pytorch#179291) was abandoned. A rank script that
     ends right after a collective hit it about one run in four on 2 cores.
     """
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -85,8 +84,6 @@ def run_ranks(
     The environment is :func:`clean_env` (torch backend, the checkout's
     ``src``) with one OpenMP thread per rank.
     """
-    import sys
-
     full = clean_env({"OMP_NUM_THREADS": "1", **(env or {})})
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         full.pop(key, None)

@@ -31,7 +31,7 @@ from keras_dtensor_fix.demo import set_model_parallel  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "multiprocess"))  # scenarios: tiny hub models
-from support import compiles_model_parallel  # noqa: E402
+from support import compiles_model_parallel, leave  # noqa: E402
 
 
 class _DTensorOps(TorchDispatchMode):
@@ -111,7 +111,4 @@ def main(out: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from support import leave  # skips a teardown that can abort: see leave()
-
-    leave(main(Path(sys.argv[1])))
+    leave(main(Path(sys.argv[1])))  # skips a teardown that can abort: see leave()
