@@ -78,6 +78,7 @@ def run_ranks(
     env: Mapping[str, str | None] | None = None,
     nproc: int = 2,
     timeout: float = 300,
+    launcher: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` CPU ranks with ``torch.distributed.run``.
 
@@ -93,6 +94,7 @@ def run_ranks(
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
+        *launcher,
         str(script),
         *argv,
     ]

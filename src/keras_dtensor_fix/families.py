@@ -111,10 +111,16 @@ FAMILIES: tuple[Family, ...] = (
         "LSTM/GRU: sharded kernels gathered once per call (compiles right)",
     ),
     Family(
+        "restarts",
+        ("distribution_lib",),
+        "restarts",
+        "torchrun restarts: each attempt's process group its own store keys",
+    ),
+    Family(
         "saving",
-        ("saving",),
+        ("saving", "backup_and_restore", "file_utils"),
         "saving",
-        "model.save on some processes only: an error, not a hang",
+        "one path on every process: one writer, atomic; BackupAndRestore",
     ),
 )
 

@@ -30,28 +30,31 @@ class MissingProcessesError(RuntimeError):
         self.missing = missing
 
 
-def all_processes_call(what: str, hint: str, seconds: float | None = None) -> None:
-    """Return once every process of the default group has called this for ``what``.
+def exchange(
+    what: str, value: str, hint: str, seconds: float | None = None
+) -> list[str]:
+    """Every process's ``value`` for this call of ``what``, indexed by rank.
 
     The n-th call on one process meets the n-th call on the others. Raises
     :class:`MissingProcessesError` naming the processes that did not arrive
     within ``seconds`` (default :data:`SECONDS`); ``hint`` says what to do.
+    Without a process group of several processes: ``[value]``.
     """
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        return
+        return [value]
     world = dist.get_world_size()
     if world == 1:
-        return
+        return [value]
     rank = dist.get_rank()
     with _lock:
         count = _counts[what]
         _counts[what] += 1
     store = dist.distributed_c10d._get_default_store()
     prefix = f"keras_dtensor_fix/{what}/{count}"
-    store.set(f"{prefix}/{rank}", "1")
     keys = [f"{prefix}/{r}" for r in range(world)]
+    store.set(keys[rank], value.encode())
     wait = SECONDS if seconds is None else seconds
     try:
         store.wait(keys, timedelta(seconds=wait))
@@ -67,3 +70,12 @@ def all_processes_call(what: str, hint: str, seconds: float | None = None) -> No
             f"process(es) {missing} within {wait:g} s. {hint}",
             missing,
         ) from None
+    return [store.get(key).decode() for key in keys]
+
+
+def all_processes_call(what: str, hint: str, seconds: float | None = None) -> None:
+    """Return once every process of the default group has called this for ``what``.
+
+    :func:`exchange` with nothing to exchange.
+    """
+    exchange(what, "1", hint, seconds)

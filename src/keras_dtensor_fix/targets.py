@@ -89,7 +89,9 @@ MODULES: dict[str, tuple[str, ...]] = {
         "keras.src.layers.core.dense",
         "keras.src.layers.core.einsum_dense",
     ),
-    "saving": ("keras.src.saving.saving_api",),
+    "saving": ("keras.src.saving.saving_lib",),
+    "backup_and_restore": ("keras.src.callbacks.backup_and_restore",),
+    "file_utils": ("keras.src.utils.file_utils",),
     "rnn": (f"{KERAS_TORCH}.rnn",),
 }
 
@@ -108,12 +110,6 @@ ALIASES: dict[str, tuple[str, ...]] = {
     )
     + (*LAYOUTS.values(), KERAS_TORCH, "keras.src.backend"),
     "trainer": (TRAINER,),
-    "saving": (
-        "keras.saving",
-        "keras.models",
-        "keras._tf_keras.keras.saving",
-        "keras._tf_keras.keras.models",
-    ),
 }
 
 #: Keras objects the patches use, by name: ``(module, attribute)``.
@@ -127,6 +123,7 @@ OBJECTS: dict[str, tuple[str, str]] = {
     "SeedGenerator": ("keras.src.random.seed_generator", "SeedGenerator"),
     "TensorLayout": (DISTRIBUTION_API, "TensorLayout"),
     "tree": ("keras.src", "tree"),
+    "global_state": ("keras.src.backend.common", "global_state"),
     "activations": ("keras.src.activations", "activations"),
 }
 

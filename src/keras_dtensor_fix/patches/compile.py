@@ -7,7 +7,6 @@ family) the step compiles to a graph like any other.
 
 from __future__ import annotations
 
-import math
 import sys
 import types
 
@@ -135,8 +134,8 @@ def _static_shapes(wrapped, instance, args, kwargs):
         import torch
 
         static = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(function)
-        if _groups_differ_by_rank(model_parallel()):
-            static = torch._functorch.config.patch(enable_autograd_cache=False)(static)
+        tag = cache_key_tag(model_parallel(), torch.compiler.config.cache_key_tag)
+        static = torch.compiler.config.patch(cache_key_tag=tag)(static)
         static = _eager_if_compile_fails(static, instance, wrapped.__name__)
         static._keras_dtensor_fix_static = True
         state.set_attribute(instance, attribute, static)
@@ -145,17 +144,32 @@ def _static_shapes(wrapped, instance, args, kwargs):
     return result
 
 
-def _groups_differ_by_rank(dist) -> bool:
-    """Whether a mesh axis splits the processes into several groups.
+def cache_key_tag(dist, user_tag: str = "") -> str:
+    """The compile caches' key tag for this process's compiled steps.
 
-    On a (2, 2) mesh ranks 0-1 and 2-3 reduce over different process groups,
-    whose names a compiled graph holds. AOT autograd's on-disk cache, shared
-    by the processes of one machine, then hands a graph compiled on one rank
-    to a rank of the other group ("Could not resolve the process group
-    registered under the name 3"): it is off for these steps.
+    AOT autograd keys its on-disk cache on dynamo's graph, which is the same
+    on every process, but the graph it compiles from a DTensor program holds
+    this process's own shard offsets and process group names. The caches are
+    shared by the processes of a machine and by every launch, so without the
+    process in the key one process runs a graph compiled for another (a
+    (2, 2) mesh: "Could not resolve the process group registered under the
+    name 3"). The tag keeps the user's own ``cache_key_tag`` in front.
     """
-    shape = tuple(dist.device_mesh.shape)
-    return any(1 < size < math.prod(shape) for size in shape)
+    import torch.distributed as dist_
+
+    mesh = dist.device_mesh
+    rank = dist_.get_rank() if dist_.is_initialized() else 0
+    world = dist_.get_world_size() if dist_.is_initialized() else 1
+    groups = ""
+    backend_mesh = getattr(mesh, "backend_mesh", None)
+    if backend_mesh is not None and world > 1:
+        names = [backend_mesh.get_group(i).group_name for i in range(backend_mesh.ndim)]
+        groups = ",".join(names)
+    ours = (
+        f"keras_dtensor_fix:rank={rank}/{world}"
+        f":mesh={tuple(mesh.shape)}:groups={groups}"
+    )
+    return f"{user_tag}|{ours}" if user_tag else ours
 
 
 def _cache_backend_layouts(model) -> None:

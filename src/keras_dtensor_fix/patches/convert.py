@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from keras_dtensor_fix import targets
+from keras_dtensor_fix import one_writer, targets
 from keras_dtensor_fix.engine import Implementation, Patch, original
 from keras_dtensor_fix.patches._values import variable_class, walk
 
@@ -29,7 +29,8 @@ def _convert_to_numpy(wrapped, instance, args, kwargs):
         if isinstance(value, variable_class()):
             value = value.value
         if isinstance(value, DTensor):
-            return value.detach().full_tensor()
+            found = one_writer.gathered(value)  # a save's writer: no collective
+            return value.detach().full_tensor() if found is None else found
         return value
 
     if args:

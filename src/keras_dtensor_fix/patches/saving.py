@@ -1,51 +1,167 @@
-"""Saving a sharded model on some processes only: an error, not a hang.
+"""Saving with one path on every process, and Keras's BackupAndRestore.
 
-``model.save`` and ``save_weights`` gather every sharded variable with a
-collective, so every process must call them. Under a sharded distribution the
-plugin first checks that all processes arrive (:mod:`keras_dtensor_fix.handshake`).
+Keras's saving is not multi-process aware: each process writes the path it is
+given. Under ModelParallel a save (``save_weights``, ``model.save``, and so
+``ModelCheckpoint`` and ``BackupAndRestore``) becomes one collective step
+(:func:`keras_dtensor_fix.one_writer.save`): every process gathers, one
+writes each path atomically, all learn how it went; a save on some processes
+only is an error naming the others, not a hang. Under other distributions
+(nothing to gather) each process writes atomically, so one shared path is
+safe and a save on process 0 alone still works. ``BackupAndRestore`` writes
+its metadata and deletes its directory from one process, the others waiting.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import types
+from typing import Any
 
-from keras_dtensor_fix import targets
+from keras_dtensor_fix import one_writer, targets
 from keras_dtensor_fix.engine import Implementation, Patch
-from keras_dtensor_fix.handshake import all_processes_call
 from keras_dtensor_fix.state import model_parallel
 
-ENTRIES = ("save_model", "save_weights")
+#: saving_lib function -> its name in messages.
+ENTRIES = {
+    "save_weights_only": "keras.saving.save_weights()",
+    "save_model": "keras.saving.save_model()",
+}
 
-HINT = (
-    "Under ModelParallel Keras gathers each sharded variable with a collective "
-    "while saving, so every process must call it: call it on every process "
-    "(with a path of its own, or write only on process 0 by saving there to "
-    "the real path and elsewhere to a temporary one), or save the shards "
-    "with keras_dtensor_fix.checkpoint.save(model, directory) on every process."
-)
+
+def _processes() -> int:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()
+
+
+def _local_path(filepath: Any) -> str | None:
+    """``filepath`` as a local path, or ``None`` (a file object, a remote URL)."""
+    if not isinstance(filepath, (str, os.PathLike)):
+        return None
+    path = os.fspath(filepath)
+    return None if "://" in str(path) else str(path)
+
+
+def _values(model: Any) -> list:
+    """What a save converts, in the same order on every process."""
+    variables = list(model.variables)
+    variables += list(
+        getattr(getattr(model, "optimizer", None), "variables", None) or []
+    )
+    variables += list(getattr(model, "metrics_variables", None) or [])
+    return [getattr(variable, "value", variable) for variable in variables]
 
 
 def make_wrapper(name: str):
+    what = ENTRIES[name]
+
     def wrapper(wrapped, instance, args, kwargs):
-        if model_parallel() is not None:
-            all_processes_call(f"keras.saving.{name}()", HINT)
-        return wrapped(*args, **kwargs)
+        kwargs = dict(kwargs)
+        if len(args) >= 2:
+            model, filepath, rest = args[0], args[1], args[2:]
+        else:
+            model, rest = args[0] if args else kwargs.pop("model"), ()
+            filepath = kwargs.pop("filepath")
+        path = _local_path(filepath)
+        if path is None or _processes() == 1:
+            return wrapped(model, filepath, *rest, **kwargs)
+
+        def write(target: str) -> None:
+            wrapped(model, target, *rest, **kwargs)
+
+        if model_parallel() is None:
+            one_writer.write_atomically(path, write)
+        else:
+            one_writer.save(what, path, write, _values(model))
 
     return wrapper
 
 
+def _sharded_job() -> bool:
+    return model_parallel() is not None and _processes() > 1
+
+
+def _backup_save(wrapped, instance, args, kwargs):
+    """One process copies, writes and records the backup; all save the weights."""
+    if not _sharded_job():
+        return wrapped(*args, **kwargs)
+    what = "BackupAndRestore backup"
+    error = None
+    try:
+        if one_writer.writer(what, instance.backup_dir):
+            wrapped(*args, **kwargs)
+        else:  # the part of Keras's _save_model that needs every process
+            instance.model.save_weights(filepath=instance._weights_path, overwrite=True)
+    except Exception as exc:  # noqa: BLE001 - reported to every process
+        error = exc
+    one_writer.report(what, instance.backup_dir, error)
+
+
+def _backup_end(wrapped, instance, args, kwargs):
+    """One process deletes the backup; the others wait, then go on."""
+    if not _sharded_job():
+        return wrapped(*args, **kwargs)
+    what = "BackupAndRestore cleanup"
+    error = None
+    try:
+        if one_writer.writer(what, instance.backup_dir):
+            wrapped(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - reported to every process
+        error = exc
+    one_writer.report(what, instance.backup_dir, error)
+
+
+def _makedirs(wrapped, instance, args, kwargs):
+    """Two processes making one directory: the second finds it made."""
+    try:
+        return wrapped(*args, **kwargs)
+    except FileExistsError:
+        path = args[0] if args else kwargs.get("path")
+        if _processes() > 1 and isinstance(path, (str, os.PathLike)):
+            if os.path.isdir(path):
+                return None
+        raise
+
+
+def _skipset_without_distribution(wrapped, instance, args, kwargs):
+    """Keras's attribute skip-set, its throwaway objects made without sharding.
+
+    ``get_attr_skipset`` builds a bare Layer or Optimizer once per process to
+    list the attributes a save skips. Under ModelParallel their variables are
+    distributed, a collective, made only by a process that has not cached
+    the set yet: a writer saving alone would wait for the others.
+    """
+    if model_parallel() is None:
+        return wrapped(*args, **kwargs)
+    global_state = targets.keras_object("global_state")
+    name = sys.modules[targets.DISTRIBUTION_API].GLOBAL_ATTRIBUTE_NAME
+    distribution = global_state.get_global_attribute(name)
+    global_state.set_global_attribute(name, None)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        global_state.set_global_attribute(name, distribution)
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
-    return [
-        Patch(
-            module.__name__,
-            name,
-            make_wrapper(name),
-            also_in=targets.aliases("saving"),
-            gated=True,
-        )
-        for name in ENTRIES
-        if hasattr(module, name)
-    ]
+    name = module.__name__
+    if targets.is_kind(name, "saving"):
+        return [
+            Patch(name, entry, make_wrapper(entry))
+            for entry in ENTRIES
+            if hasattr(module, entry)
+        ] + [Patch(name, "get_attr_skipset", _skipset_without_distribution)]
+    if targets.is_kind(name, "backup_and_restore"):
+        if not hasattr(getattr(module, "BackupAndRestore", None), "_save_model"):
+            raise LookupError("BackupAndRestore._save_model")
+        return [
+            Patch(name, "BackupAndRestore._save_model", _backup_save),
+            Patch(name, "BackupAndRestore.on_train_end", _backup_end),
+        ]
+    return [Patch(name, "makedirs", _makedirs)]
 
 
 IMPLEMENTATION = Implementation(patches)

@@ -1,0 +1,181 @@
+"""One path, many processes: each file written once, atomically.
+
+A training script saves the way it does on one device, so every process of a
+job calls ``save_weights("best.weights.h5")`` with the same path. Keras writes
+whatever it is given: two processes locking one HDF5 file, or writing one zip
+over each other, crash or leave a corrupt file. Under a sharded distribution
+the save is a collective as well (each sharded variable is gathered).
+
+:func:`save` makes the save one collective step: every process gathers the
+sharded values it will need (in the same order), then, for each distinct
+(host, path), the lowest rank that passed it writes the file alone, from those
+values, into a fresh directory beside the target, and moves it into place (a
+reader never sees half a file; a failed write leaves the earlier file). The
+processes then exchange how it went through the process group's store, so a
+failure anywhere is an error everywhere, naming the process and the path.
+Distinct paths (``f"ckpt{rank}.weights.h5"``) each get their own writer, as
+before. :func:`write_atomically` alone serves saves that need no gather.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from keras_dtensor_fix import handshake
+
+#: How long the other processes wait for a writer (seconds); the environment
+#: variable of the same name overrides it.
+SAVE_TIMEOUT = "KERAS_DTENSOR_FIX_SAVE_TIMEOUT"
+DEFAULT_SAVE_SECONDS = 900.0
+
+HINT = (
+    "Under ModelParallel a save gathers the sharded variables, so every process "
+    "must call it, with the same path (one process writes it) or a path of its "
+    "own; or save the shards with keras_dtensor_fix.checkpoint on every process."
+)
+
+_local = threading.local()
+
+
+class SaveError(OSError):
+    """A save that every process made failed on one of them."""
+
+
+def save_seconds() -> float:
+    """The writers' time limit: :data:`SAVE_TIMEOUT`, else 900 s."""
+    raw = os.environ.get(SAVE_TIMEOUT, "")
+    try:
+        return float(raw) if raw.strip() else DEFAULT_SAVE_SECONDS
+    except ValueError:
+        return DEFAULT_SAVE_SECONDS
+
+
+def gathered(value: Any) -> Any | None:
+    """The full value gathered for DTensor ``value`` by the save running now.
+
+    ``None`` outside such a save, or for a replicated DTensor (its local
+    tensor is its value: no collective). A sharded value the save did not
+    gather would need a collective that the other processes, waiting for the
+    writer, will not join: it raises instead of hanging.
+    """
+    cache = getattr(_local, "cache", None)
+    if cache is None:
+        return None
+    found = cache.get(id(value))
+    if found is None and not all(p.is_replicate() for p in value.placements):
+        raise SaveError(
+            "keras-dtensor-fix: this save reached a sharded value that is not a "
+            f"variable of the model or its optimizer (shape {tuple(value.shape)}, "
+            f"placements {value.placements}); it cannot be gathered while the "
+            "other processes wait. Save it with keras_dtensor_fix.checkpoint."
+        )
+    return found
+
+
+def _gather(values: Iterable[Any], keep: bool) -> dict[int, Any]:
+    """Full values of the sharded DTensors in ``values``, by id (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    cache: dict[int, Any] = {}
+    seen: set[int] = set()
+    for value in values:
+        if not isinstance(value, DTensor) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if all(p.is_replicate() for p in value.placements):
+            continue
+        full = value.detach().full_tensor()
+        if keep:
+            cache[id(value)] = full
+    return cache
+
+
+@contextlib.contextmanager
+def _using(cache: dict[int, Any]) -> Iterator[None]:
+    _local.cache = cache
+    try:
+        yield
+    finally:
+        _local.cache = None
+
+
+def write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """``write(target)`` into a fresh directory beside ``path``, then moved in.
+
+    What ``write`` makes there (the file, or a sharded save's index and
+    shards) replaces what stood at ``path``; the named file moves last.
+    """
+    path = os.path.abspath(path)
+    parent, base = os.path.split(path)
+    staging = tempfile.mkdtemp(prefix=f".{base}.", suffix=".partial", dir=parent)
+    try:
+        write(os.path.join(staging, base))
+        for name in sorted(os.listdir(staging), key=lambda n: n == base):
+            source, target = os.path.join(staging, name), os.path.join(parent, name)
+            if os.path.isdir(source) and os.path.isdir(target):
+                shutil.rmtree(target)
+            os.replace(source, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def writer(what: str, path: str) -> bool:
+    """Whether this process writes ``path`` (exchanged with every process).
+
+    The lowest rank that passed the same path on the same host.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    place = f"{socket.gethostname()}\0{os.path.abspath(path)}"
+    places = handshake.exchange(f"{what}/where", place, HINT)
+    return places.index(place) == rank
+
+
+def report(what: str, path: str, error: BaseException | None) -> None:
+    """Tell every process how this one's part went; raise if any failed."""
+    mine = "" if error is None else f"{type(error).__name__}: {error}"
+    hint = (
+        f"A process did not finish its part of a save of {path} (it may have "
+        f"died while writing it). Raise {SAVE_TIMEOUT} for larger models."
+    )
+    seconds = save_seconds()
+    statuses = handshake.exchange(f"{what}/done", f"{path}\0{mine}", hint, seconds)
+    failed = []
+    for peer, status in enumerate(statuses):
+        where, _, message = status.partition("\0")
+        if message:
+            failed.append(f"process {peer} writing {where}: {message}")
+    if failed:
+        raise SaveError(
+            "keras-dtensor-fix: a save failed on "
+            + "; ".join(failed)
+            + ". The file there, if any, is the one saved before (nothing half "
+            "written replaces it). Fix the path (it must be writable by that "
+            "process, on a disk with room) and save again."
+        ) from error
+
+
+def save(what: str, path: str, write: Callable[[str], None], values: Iterable) -> None:
+    """A save every process makes: gather, one writer per path, report.
+
+    ``values`` are what the save will convert (the model's and optimizer's
+    variables' values), in the same order on every process.
+    """
+    mine = writer(what, path)
+    cache = _gather(values, keep=mine)
+    error = None
+    if mine:
+        try:
+            with _using(cache):
+                write_atomically(path, write)
+        except Exception as exc:  # noqa: BLE001 - reported to every process
+            error = exc
+    report(what, path, error)
