@@ -23,9 +23,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
+import threading
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
 import keras
@@ -33,18 +32,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from keras_dtensor_fix.checkpoint_files import (
+    INFO,
+    PARTIAL,
+    CheckpointError,
+    _begin,
+    _commit,
+    _resolve,
+)
+
 __all__ = ["Checkpoint", "CheckpointError", "CheckpointMismatchError", "load", "save"]
 
 FORMAT = 1
-LATEST = "LATEST"
-INFO = "keras_checkpoint.json"
-PREFIX, PARTIAL = "ckpt-", ".partial-"
 #: How many names a mismatch error lists per kind before "... and N more".
 SHOW = 10
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded."""
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
@@ -218,82 +219,6 @@ def _on_first(fn, *args: Any) -> Any:
     return outcome[0]
 
 
-# ---------------------------------------------------------------- files
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: str, text: str) -> None:
-    """Write ``path`` atomically (a temporary file, then ``os.replace``)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def _numbers(directory: str) -> Iterable[int]:
-    for name in os.listdir(directory):
-        if name.startswith(PREFIX) and name[len(PREFIX) :].isdigit():
-            yield int(name[len(PREFIX) :])
-
-
-def _begin(directory: str) -> str:
-    """Make the directory and a fresh partial folder; the new checkpoint's name."""
-    os.makedirs(directory, exist_ok=True)
-    name = f"{PREFIX}{max(_numbers(directory), default=0) + 1:06d}"
-    partial = os.path.join(directory, PARTIAL + name)
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
-    return name
-
-
-def _commit(directory: str, name: str, info: dict, keep: int) -> None:
-    partial = os.path.join(directory, PARTIAL + name)
-    _write_file(os.path.join(partial, INFO), json.dumps(info, indent=1))
-    os.rename(partial, os.path.join(directory, name))
-    _write_file(os.path.join(directory, LATEST), name + "\n")
-    # Older checkpoints and leftovers of interrupted saves go only now.
-    newest = sorted(_numbers(directory))[-keep:]
-    for entry in os.listdir(directory):
-        stale = entry.startswith(PARTIAL) or (
-            entry.startswith(PREFIX)
-            and entry[len(PREFIX) :].isdigit()
-            and int(entry[len(PREFIX) :]) not in newest
-            and entry != name
-        )
-        if stale:
-            shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
-
-
-def _resolve(directory: str) -> str:
-    """The complete checkpoint ``directory`` stands for, or a clear error."""
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
-    latest = os.path.join(directory, LATEST)
-    if os.path.isfile(os.path.join(directory, ".metadata")):
-        path = directory  # a ckpt-N folder itself
-    elif os.path.isfile(latest):
-        with open(latest) as handle:
-            path = os.path.join(directory, handle.read().strip())
-    else:
-        partial = sorted(e for e in os.listdir(directory) if e.startswith(PARTIAL))
-        why = f" (an interrupted save left {partial[-1]})" if partial else ""
-        raise FileNotFoundError(f"no complete checkpoint in {directory!r}{why}")
-    for required in (".metadata", INFO):
-        if not os.path.isfile(os.path.join(path, required)):
-            raise CheckpointError(f"checkpoint {path} is incomplete: no {required}")
-    return path
-
-
 # ---------------------------------------------------------------- API
 
 
@@ -305,12 +230,17 @@ def save(
     metrics: bool = False,
     keep: int = 1,
     epoch: int | None = None,
-) -> str:
+    background: bool = False,
+    group: Any = None,
+) -> str | PendingSave:
     """Save ``model`` (and its optimizer) to ``directory``; every process calls it.
 
     Each process writes its own shards; nothing is gathered. ``keep`` is how
     many checkpoints stay in ``directory``; ``epoch`` (epochs completed) is
-    recorded for :func:`load` to return. Returns the new checkpoint's folder.
+    recorded for :func:`load` to return. Returns the new checkpoint's folder;
+    with ``background`` a :class:`PendingSave` instead: the shards are copied
+    now and written by a thread (its collectives on ``group``, a process
+    group apart from training's, e.g. ``dist.new_group(backend="gloo")``).
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
@@ -318,12 +248,6 @@ def save(
     variables = _variables(model, optimizer, metrics)
     state = {key: _tensor(v) for key, v in variables.items()}
     name = _on_first(_begin, directory)
-    with _dcp_call():
-        dcp.save(
-            state,
-            checkpoint_id=os.path.join(directory, PARTIAL + name),
-            no_dist=not _distributed(),
-        )
     opt, step = getattr(model, "optimizer", None), None
     if opt is not None:  # the local value: it is replicated, no collective
         iterations = _tensor(opt.iterations)
@@ -336,10 +260,67 @@ def save(
         "optimizer": optimizer,
         "metrics": metrics,
     }
+    where = os.path.join(directory, PARTIAL + name)
+    if background:
+        with _dcp_call():
+            future = dcp.async_save(
+                state,
+                checkpoint_id=where,
+                process_group=group,
+                no_dist=not _distributed(),
+            )
+        return PendingSave(future, directory, name, info, keep)
+    with _dcp_call():
+        dcp.save(state, checkpoint_id=where, no_dist=not _distributed())
     # dcp.save returns once every process's shards and the metadata are
     # written, so the first process may rename now.
     _on_first(_commit, directory, name, info, keep)
     return os.path.join(directory, name)
+
+
+class PendingSave:
+    """A checkpoint being written in the background.
+
+    The first process commits it (rename, ``LATEST``) as soon as its write
+    ends: DCP's coordinator finishes only once every process has written its
+    shards. :meth:`wait` (every process, in step) returns the folder or
+    raises what failed anywhere.
+    """
+
+    def __init__(self, future: Any, directory: str, name: str, info: dict, keep: int):
+        self.path = os.path.join(directory, name)
+        self._error: BaseException | None = None
+        self._future = getattr(future, "upload_completion", future)
+        self._committed = threading.Event()
+        if _rank() == 0:
+            self._future.add_done_callback(
+                lambda done: self._commit(done, directory, name, info, keep)
+            )
+        else:
+            self._committed.set()
+
+    def _commit(self, done: Any, directory: str, name: str, info: dict, keep: int):
+        try:
+            if done.exception() is None:
+                _commit(directory, name, info, keep)
+        except Exception as exc:  # noqa: BLE001 - raised by wait()
+            self._error = exc
+        finally:
+            self._committed.set()
+
+    def wait(self) -> str:
+        """Block until written and committed, on every process."""
+        error = self._future.exception()
+        self._committed.wait()
+        failed = repr(error or self._error) if (error or self._error) else None
+        first = _from_first(failed)
+        if error is not None:
+            raise CheckpointError(f"background save of {self.path} failed") from error
+        if first is not None:
+            raise CheckpointError(
+                f"background save of {self.path} failed on the first process: {first}"
+            )
+        return self.path
 
 
 def load(
@@ -386,50 +367,5 @@ def load(
     return {**info, "path": path}
 
 
-class Checkpoint(keras.callbacks.Callback):
-    """Save a sharded checkpoint during ``fit``: every epoch or every N batches.
-
-    Every process must run the callback (``fit`` does). Resume with
-    ``info = load(model, directory)`` and ``fit(..., initial_epoch=info["epoch"])``.
-    """
-
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        save_freq: str | int = "epoch",
-        *,
-        optimizer: bool = True,
-        metrics: bool = False,
-        keep: int = 1,
-    ) -> None:
-        super().__init__()
-        if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
-            raise ValueError(
-                f"save_freq must be 'epoch' or a positive int, got {save_freq!r}"
-            )
-        self.directory, self.save_freq = os.fspath(directory), save_freq
-        self.optimizer, self.metrics, self.keep = optimizer, metrics, keep
-        self._epoch, self._batches = 0, 0
-
-    def _save(self, epoch: int) -> None:
-        save(
-            self.model,
-            self.directory,
-            optimizer=self.optimizer,
-            metrics=self.metrics,
-            keep=self.keep,
-            epoch=epoch,
-        )
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._epoch = epoch
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self.save_freq != "epoch":
-            self._batches += 1
-            if self._batches % self.save_freq == 0:
-                self._save(self._epoch)  # epochs completed: not this one
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if self.save_freq == "epoch":
-            self._save(epoch + 1)
+# The callback lives in its own module; it uses save and load above.
+from keras_dtensor_fix.checkpoint_callback import Checkpoint  # noqa: E402

@@ -124,6 +124,7 @@ OBJECTS: dict[str, tuple[str, str]] = {
     "TensorLayout": (DISTRIBUTION_API, "TensorLayout"),
     "tree": ("keras.src", "tree"),
     "global_state": ("keras.src.backend.common", "global_state"),
+    "MonitorCallback": ("keras.src.callbacks.monitor_callback", "MonitorCallback"),
     "activations": ("keras.src.activations", "activations"),
 }
 

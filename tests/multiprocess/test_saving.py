@@ -159,21 +159,28 @@ def test_same_path_four_processes(tmp_path, single, mesh: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "kill_at", "kill_rank"),
-    [("adam", "batch", "1"), ("sgd", "batch", "0"), ("adam", "write", "0")],
+    ("optimizer", "kill_at", "kill_rank", "callback"),
+    [
+        ("adam", "batch", "1", "backup"),
+        ("sgd", "batch", "0", "backup"),
+        ("adam", "write", "0", "backup"),
+        ("adam", "batch", "1", "checkpoint"),
+    ],
 )
 def test_killed_process_resumes(
-    tmp_path, optimizer: str, kill_at: str, kill_rank: str
+    tmp_path, optimizer: str, kill_at: str, kill_rank: str, callback: str
 ) -> None:
-    """torchrun restarts the group; BackupAndRestore resumes to the same end.
+    """torchrun restarts the group; fit() resumes to the same end.
 
+    ``backup``: Keras's BackupAndRestore; ``checkpoint``: the project's
+    ``Checkpoint`` (sharded, saved in the background, restored by itself).
     ``write`` kills the writing process inside the epoch-3 backup's write:
     the earlier backup stays whole, and the resumed run starts from it.
     """
     reference = one_process(tmp_path / "single", "resume", optimizer)
     out = tmp_path / "ranks"
     out.mkdir()
-    env = {"KILL_AT": kill_at, "KILL_RANK": kill_rank, "OMP_NUM_THREADS": "1"}
+    env = {"KILL_AT": kill_at, "KILL_RANK": kill_rank, "RESUME_WITH": callback}
     proc = run_ranks(
         SCRIPT,
         "resume",
@@ -189,7 +196,16 @@ def test_killed_process_resumes(
     for rank in range(2):
         result = json.loads((out / f"resume.rank{rank}.json").read_text())
         assert result["attempt"] == 1, result
-        assert not result["backup_left"]  # deleted at the end of training
+        # BackupAndRestore deletes its backup at the end; Checkpoint keeps it.
+        assert result["backup_left"] == (callback == "checkpoint")
+        # Resumed, not trained again from scratch: fit() ran only the epochs
+        # after the backup (the epoch-2 one; a background save may not be
+        # committed yet when the process dies: then epoch 1's).
+        done = 4 - len(result["losses"])
+        assert done == 2 or (callback == "checkpoint" and done == 1), result
+        np.testing.assert_allclose(
+            result["losses"], reference["losses"][done:], rtol=RTOL
+        )
         for got, want in zip(result["weights"], reference["weights"], strict=True):
             np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-6)
 

@@ -11,8 +11,9 @@ process passes the SAME paths, as a script written for one device does.
 model. ``resume``: fit 4 epochs with BackupAndRestore; on the first attempt
 (``TORCHELASTIC_RESTART_COUNT`` 0) process ``KILL_RANK`` dies at ``KILL_AT``
 (``batch`` mid-epoch 3, or ``write``: inside the backup's write in epoch 3);
-torchrun restarts the group and fit resumes from the backup. Each process
-writes ``OUT_DIR/MODE.rank<R>.json``: final weights, losses and checks.
+torchrun restarts the group and fit resumes from the backup
+(``RESUME_WITH=checkpoint``: ``keras_dtensor_fix.checkpoint.Checkpoint``'s). Each
+process writes ``OUT_DIR/MODE.rank<R>.json``: final weights, losses and checks.
 """
 
 from __future__ import annotations
@@ -166,7 +167,12 @@ def kill_in_write() -> None:
 def resume() -> dict:
     model = build()
     x, y = data()
-    callbacks = [keras.callbacks.BackupAndRestore(str(OUT / "backup"))]
+    if os.environ.get("RESUME_WITH") == "checkpoint":  # the project's own
+        from keras_dtensor_fix.checkpoint import Checkpoint
+
+        callbacks = [Checkpoint(str(OUT / "backup"))]
+    else:
+        callbacks = [keras.callbacks.BackupAndRestore(str(OUT / "backup"))]
     if KILL_AT == "batch":
         callbacks.append(Kill())
     elif ATTEMPT == 0 and RANK == KILL_RANK:

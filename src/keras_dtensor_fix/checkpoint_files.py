@@ -1,0 +1,96 @@
+"""A checkpoint directory on disk: numbered folders, ``LATEST``, atomic commits.
+
+Each save goes to ``DIR/.partial-ckpt-N``; committing renames it to
+``DIR/ckpt-N``, then points ``DIR/LATEST`` (replaced atomically) at it and
+removes older checkpoints beyond ``keep`` and leftovers of interrupted saves.
+Standard library only; :mod:`keras_dtensor_fix.checkpoint` decides which
+process runs each step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+
+LATEST = "LATEST"
+INFO = "keras_checkpoint.json"
+PREFIX, PARTIAL = "ckpt-", ".partial-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded."""
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, text: str) -> None:
+    """Write ``path`` atomically (a temporary file, then ``os.replace``)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _numbers(directory: str) -> Iterable[int]:
+    for name in os.listdir(directory):
+        if name.startswith(PREFIX) and name[len(PREFIX) :].isdigit():
+            yield int(name[len(PREFIX) :])
+
+
+def _begin(directory: str) -> str:
+    """Make the directory and a fresh partial folder; the new checkpoint's name."""
+    os.makedirs(directory, exist_ok=True)
+    name = f"{PREFIX}{max(_numbers(directory), default=0) + 1:06d}"
+    partial = os.path.join(directory, PARTIAL + name)
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    return name
+
+
+def _commit(directory: str, name: str, info: dict, keep: int) -> None:
+    partial = os.path.join(directory, PARTIAL + name)
+    _write_file(os.path.join(partial, INFO), json.dumps(info, indent=1))
+    os.rename(partial, os.path.join(directory, name))
+    _write_file(os.path.join(directory, LATEST), name + "\n")
+    # Older checkpoints and leftovers of interrupted saves go only now.
+    newest = sorted(_numbers(directory))[-keep:]
+    for entry in os.listdir(directory):
+        stale = entry.startswith(PARTIAL) or (
+            entry.startswith(PREFIX)
+            and entry[len(PREFIX) :].isdigit()
+            and int(entry[len(PREFIX) :]) not in newest
+            and entry != name
+        )
+        if stale:
+            shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
+
+
+def _resolve(directory: str) -> str:
+    """The complete checkpoint ``directory`` stands for, or a clear error."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    latest = os.path.join(directory, LATEST)
+    if os.path.isfile(os.path.join(directory, ".metadata")):
+        path = directory  # a ckpt-N folder itself
+    elif os.path.isfile(latest):
+        with open(latest) as handle:
+            path = os.path.join(directory, handle.read().strip())
+    else:
+        partial = sorted(e for e in os.listdir(directory) if e.startswith(PARTIAL))
+        why = f" (an interrupted save left {partial[-1]})" if partial else ""
+        raise FileNotFoundError(f"no complete checkpoint in {directory!r}{why}")
+    for required in (".metadata", INFO):
+        if not os.path.isfile(os.path.join(path, required)):
+            raise CheckpointError(f"checkpoint {path} is incomplete: no {required}")
+    return path
