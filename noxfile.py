@@ -76,6 +76,7 @@ def tests4(session: nox.Session) -> None:
         "tests/multiprocess/test_hub.py",
         "tests/multiprocess/test_checkpoint.py",
         "tests/multiprocess/test_parity.py",
+        "tests/multiprocess/test_saving.py",
         "-k",
         "four",
         *session.posargs,

@@ -1,0 +1,101 @@
+"""``one_writer.write_atomically`` and the restarts family's store, in one process.
+
+The multi-process behaviour (one writer per path, errors on every process,
+killed writers, restarts) is in ``tests/multiprocess/test_saving.py``; here,
+what a writer leaves on disk: the new file whole, or the earlier file
+untouched, and never a staging directory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from keras_dtensor_fix import one_writer
+
+
+def entries(directory) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+def test_replaces_the_file_whole(tmp_path) -> None:
+    target = tmp_path / "w.weights.h5"
+    target.write_text("old")
+
+    def write(path: str) -> None:
+        assert os.path.dirname(path) != str(tmp_path)  # staged beside, not in place
+        assert target.read_text() == "old"  # a reader still sees the old file
+        with open(path, "w") as handle:
+            handle.write("new")
+
+    one_writer.write_atomically(str(target), write)
+    assert target.read_text() == "new"
+    assert entries(tmp_path) == ["w.weights.h5"]
+
+
+def test_a_failed_write_leaves_the_earlier_file(tmp_path) -> None:
+    target = tmp_path / "w.weights.h5"
+    target.write_text("old")
+
+    def write(path: str) -> None:
+        with open(path, "w") as handle:
+            handle.write("half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        one_writer.write_atomically(str(target), write)
+    assert target.read_text() == "old"
+    assert entries(tmp_path) == ["w.weights.h5"]
+
+
+def test_several_files_move_in_the_named_one_last(tmp_path) -> None:
+    """A sharded save: shards, then its index (a reader of the index finds them)."""
+    moved = []
+    real_replace = os.replace
+
+    def write(path: str) -> None:
+        folder = os.path.dirname(path)
+        for name in ("m_00000.weights.h5", "m_00001.weights.h5"):
+            with open(os.path.join(folder, name), "w") as handle:
+                handle.write(name)
+        with open(path, "w") as handle:
+            handle.write("index")
+
+    def replace(source: str, target: str) -> None:
+        moved.append(os.path.basename(target))
+        real_replace(source, target)
+
+    os.replace = replace
+    try:
+        one_writer.write_atomically(str(tmp_path / "m.weights.json"), write)
+    finally:
+        os.replace = real_replace
+    assert moved[-1] == "m.weights.json"
+    assert entries(tmp_path) == [
+        "m.weights.json",
+        "m_00000.weights.h5",
+        "m_00001.weights.h5",
+    ]
+
+
+def test_a_missing_directory_is_the_error(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError):
+        one_writer.write_atomically(str(tmp_path / "no" / "w.weights.h5"), print)
+
+
+def test_save_timeout_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv(one_writer.SAVE_TIMEOUT, "12.5")
+    assert one_writer.save_seconds() == 12.5
+    monkeypatch.setenv(one_writer.SAVE_TIMEOUT, "soon")
+    assert one_writer.save_seconds() == one_writer.DEFAULT_SAVE_SECONDS
+
+
+def test_attempt_store_only_under_torchrun(monkeypatch) -> None:
+    from keras_dtensor_fix.patches import restarts
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert restarts.attempt_store() is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert restarts.attempt_store() is None
