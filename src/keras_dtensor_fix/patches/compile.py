@@ -214,9 +214,12 @@ def _eager_if_compile_fails(function, instance, make: str):
     import functools
 
     ran = []
+    told: set[str] = set()
 
     @functools.wraps(function)
     def step(*args, **kwargs):
+        watch = len(ran) < WATCHED_CALLS
+        before = dynamo_counts() if watch else None
         try:
             result = function(*args, **kwargs)
         except Exception as error:
@@ -234,10 +237,56 @@ def _eager_if_compile_fails(function, instance, make: str):
             )
             eager = _build_eagerly(instance, make)
             return eager(*args, **kwargs)
+        if watch:
+            message = break_report(before, dynamo_counts(), len(ran))
+            if message is not None and message[:60] not in told:
+                import warnings
+
+                told.add(message[:60])
+                warnings.warn(message, stacklevel=2)
         ran.append(True)
         return result
 
     return step
+
+
+#: The first calls of a compiled step, whose graph breaks and recompilations
+#: are reported (once each); later calls pay nothing for it.
+WATCHED_CALLS = 3
+
+
+def dynamo_counts() -> tuple[dict[str, int], int]:
+    """dynamo's graph breaks by reason, and its count of graphs compiled."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+
+
+def break_report(
+    before: tuple[dict[str, int], int], after: tuple[dict[str, int], int], call: int
+) -> str | None:
+    """What a user should hear about call ``call`` (from 0) of a compiled step."""
+    (breaks, graphs), (breaks_now, graphs_now) = before, after
+    new = {
+        reason: count - breaks.get(reason, 0)
+        for reason, count in breaks_now.items()
+        if count > breaks.get(reason, 0)
+    }
+    parts = []
+    if new:
+        reasons = "; ".join(reason.splitlines()[0][:160] for reason in list(new)[:3])
+        parts.append(f"has {sum(new.values())} graph break(s) ({reasons})")
+    if call > 0 and graphs_now > graphs:
+        parts.append(f"compiled again on call {call + 1} (new shapes or guards)")
+    if not parts:
+        return None
+    return (
+        "keras-dtensor-fix: this compiled ModelParallel step "
+        + " and ".join(parts)
+        + ". Each costs time, and DTensor gradients across a graph break have "
+        "come out wrong with torch 2.13: compare with jit_compile=False. "
+        "TORCH_LOGS=graph_breaks,recompiles shows where."
+    )
 
 
 #: Where torch runs a compiled graph: an error raised there on the first call
