@@ -46,6 +46,11 @@ def distribute() -> None:
         return
     keras.distribution.initialize()
     devices = keras.distribution.list_devices()
+    if os.environ.get("SAVING_DISTRIBUTION") == "data":
+        data_parallel = keras.distribution.DataParallel(devices=devices)
+        data_parallel.auto_shard_dataset = False
+        keras.distribution.set_distribution(data_parallel)
+        return
     mesh = keras.distribution.DeviceMesh(MESH, ["batch", "model"], devices)
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*hidden/kernel"] = (None, "model")  # column parallel

@@ -7,8 +7,9 @@ given. Under ModelParallel a save (``save_weights``, ``model.save``, and so
 writes each path atomically, all learn how it went; a save on some processes
 only is an error naming the others, not a hang. Under other distributions
 (nothing to gather) each process writes atomically, so one shared path is
-safe and a save on process 0 alone still works. ``BackupAndRestore`` writes
-its metadata and deletes its directory from one process, the others waiting.
+safe and a save on process 0 alone still works. Under any distribution over
+several processes, ``BackupAndRestore`` copies, writes its metadata and
+deletes its directory from one process, the others waiting.
 """
 
 from __future__ import annotations
@@ -80,13 +81,15 @@ def make_wrapper(name: str):
     return wrapper
 
 
-def _sharded_job() -> bool:
-    return model_parallel() is not None and _processes() > 1
+def _distributed_job() -> bool:
+    """A Keras distribution over several processes (any: each runs callbacks)."""
+    api = sys.modules.get(targets.DISTRIBUTION_API)
+    return api is not None and api.distribution() is not None and _processes() > 1
 
 
 def _backup_save(wrapped, instance, args, kwargs):
     """One process copies, writes and records the backup; all save the weights."""
-    if not _sharded_job():
+    if not _distributed_job():
         return wrapped(*args, **kwargs)
     what = "BackupAndRestore backup"
     error = None
@@ -102,7 +105,7 @@ def _backup_save(wrapped, instance, args, kwargs):
 
 def _backup_end(wrapped, instance, args, kwargs):
     """One process deletes the backup; the others wait, then go on."""
-    if not _sharded_job():
+    if not _distributed_job():
         return wrapped(*args, **kwargs)
     what = "BackupAndRestore cleanup"
     error = None
