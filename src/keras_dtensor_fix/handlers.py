@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from keras_dtensor_fix.patches._values import (
+from keras_dtensor_fix.values import (
     promote_call,
     resolve,
     variable_class,
@@ -362,7 +362,7 @@ def make_update_wrapper(signature: inspect.Signature):
     cache stays sharded from the first step on.
     """
     from keras_dtensor_fix.dtensor import update_in_place_of, wrap_local
-    from keras_dtensor_fix.patches._values import full_value
+    from keras_dtensor_fix.values import full_value
 
     def wrapper(wrapped, instance, args, kwargs):
         bound = signature.bind(*args, **kwargs)

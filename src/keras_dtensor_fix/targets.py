@@ -160,15 +160,6 @@ def keras_object(name: str) -> Any:
     return found
 
 
-def keras_module(kind: str) -> ModuleType | None:
-    """The imported module of ``kind`` (the first layout found), else ``None``."""
-    for name in MODULES[kind]:
-        module = sys.modules.get(name)
-        if module is not None:
-            return module
-    return None
-
-
 # -- capabilities of the Keras build and of torch ---------------------------------
 
 

@@ -2,6 +2,8 @@
 
 Each exports ``IMPLEMENTATION`` (an :class:`~keras_dtensor_fix.engine.Implementation`).
 The engine imports a module when the first Keras module its family patches is
-imported; modules here never import one another (``_values`` is shared
-Keras-facing argument handling, not a family).
+imported; modules here never import one another. What families share lives
+outside this package (:mod:`keras_dtensor_fix.values`,
+:mod:`keras_dtensor_fix.handlers`, ...), and nothing outside it imports from
+here except the engine's family loader.
 """

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor_fix import one_writer, targets
 from keras_dtensor_fix.engine import Implementation, Patch, original
-from keras_dtensor_fix.patches._values import variable_class, walk
+from keras_dtensor_fix.values import variable_class, walk
 
 
 def _convert_to_numpy(wrapped, instance, args, kwargs):

@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from keras_dtensor_fix import targets
 from keras_dtensor_fix.dtensor import gather_non_batch_axes, same_mesh, wrap_local
 from keras_dtensor_fix.engine import Implementation, Patch
-from keras_dtensor_fix.patches._values import walk
 from keras_dtensor_fix.state import COMPILED_STEPS, model_parallel, note_sharding
+from keras_dtensor_fix.values import walk
 
 
 def _placements(layout: Any) -> tuple[Any, tuple]:

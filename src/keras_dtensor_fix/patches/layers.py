@@ -21,8 +21,8 @@ from keras_dtensor_fix import targets
 from keras_dtensor_fix.dtensor import DTensor
 from keras_dtensor_fix.einsum import linear_equation, local_dense
 from keras_dtensor_fix.engine import Implementation, Patch
-from keras_dtensor_fix.patches._values import resolve
 from keras_dtensor_fix.state import compiling
+from keras_dtensor_fix.values import resolve
 
 #: Keras activations (``keras.activations.<name>``) by how far they reach.
 #: Any other callable runs locally only where the output is whole everywhere.

@@ -19,8 +19,8 @@ from typing import Any
 from keras_dtensor_fix import targets
 from keras_dtensor_fix.dtensor import DTensor, to_placements
 from keras_dtensor_fix.engine import Implementation, Patch
-from keras_dtensor_fix.patches._values import local_tensors
 from keras_dtensor_fix.state import compiling
+from keras_dtensor_fix.values import local_tensors
 
 
 def align_gradients(grads: Sequence[Any], values: Sequence[Any]) -> list[Any]:

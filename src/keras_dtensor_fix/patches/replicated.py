@@ -28,8 +28,8 @@ from keras_dtensor_fix.dtensor import (
     unwrap_local,
 )
 from keras_dtensor_fix.engine import Implementation, Patch
-from keras_dtensor_fix.patches._values import local_tensors
 from keras_dtensor_fix.state import compiling
+from keras_dtensor_fix.values import local_tensors
 
 
 def local_inputs(

@@ -1,4 +1,4 @@
-"""Keras-facing argument handling shared by the patch families.
+"""Keras-facing argument handling shared by the patch families and handlers.
 
 Turns Keras variables and numpy arrays among an op's arguments into tensors,
 promotes plain tensors next to a DTensor (see :mod:`keras_dtensor_fix.dtensor`)

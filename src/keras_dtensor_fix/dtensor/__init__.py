@@ -1,0 +1,111 @@
+"""Pure-torch DTensor helpers: find a DTensor among arguments, promote plain tensors.
+
+Nothing here knows Keras. A plain tensor is promoted only as the *full logical
+value* (a Replicate DTensor on the partner's mesh); a tensor that looks like one
+rank's shard of the partner is refused with :class:`PromotionError`.
+
+Modules, by job (each imports only those above it; collectives reads its
+setting from the package):
+
+- :mod:`.spec`: the DTensorSpec cache.
+- :mod:`.collectives`: the one all-reduce path, polled on CPU.
+- :mod:`.placement`: mesh and placement checks, ``settle``, ``placed``,
+  reducing Partial values.
+- :mod:`.local`: ``wrap_local``, ``unwrap_local``, ``replicate``,
+  ``reducing_gradient``.
+- :mod:`.promotion`: finding DTensors, promotion, ``PromotionError``,
+  ``replicated_locals``, ``to_placements``.
+- :mod:`.gather`: op-specific layouts (embedding lookups, index reductions,
+  batch-only calls, slice updates, gathering outputs).
+
+Import the names below from the package (``from keras_dtensor_fix.dtensor
+import settle``); the modules are its layout, not its interface.
+
+:data:`POLL_SECONDS` is a setting, and it lives here only: ``_poll`` in
+:mod:`.collectives` reads ``keras_dtensor_fix.dtensor.POLL_SECONDS`` at each
+call, so ``keras_dtensor_fix.dtensor.POLL_SECONDS = 0`` takes effect at once.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import DTensor
+
+from keras_dtensor_fix.dtensor.collectives import (
+    _poll as _poll,  # the polling wait, for tests (it reads POLL_SECONDS here)
+)
+from keras_dtensor_fix.dtensor.collectives import all_reduce_sum, all_reduce_sums
+from keras_dtensor_fix.dtensor.gather import (
+    batch_parallel_call,
+    gather_axes_splitting,
+    gather_axis,
+    gather_non_batch_axes,
+    update_in_place_of,
+    vocab_parallel_lookup,
+)
+from keras_dtensor_fix.dtensor.local import (
+    reducing_gradient,
+    replicate,
+    unwrap_local,
+    wrap_local,
+)
+from keras_dtensor_fix.dtensor.placement import (
+    is_replicated,
+    placed,
+    reduce_masked,
+    reduce_partial,
+    same_mesh,
+    settle,
+)
+from keras_dtensor_fix.dtensor.promotion import (
+    PromotionError,
+    describe,
+    find_dtensor,
+    has_plain_tensor,
+    implicit_replication,
+    local_shard_dim,
+    promote,
+    promote_args,
+    replicate_result,
+    replicated_locals,
+    set_implicit_replication,
+    to_placements,
+)
+
+__all__ = [
+    "DTensor",
+    "POLL_SECONDS",
+    "PromotionError",
+    "all_reduce_sum",
+    "all_reduce_sums",
+    "batch_parallel_call",
+    "describe",
+    "find_dtensor",
+    "gather_axes_splitting",
+    "gather_axis",
+    "gather_non_batch_axes",
+    "has_plain_tensor",
+    "implicit_replication",
+    "is_replicated",
+    "local_shard_dim",
+    "placed",
+    "promote",
+    "promote_args",
+    "reduce_masked",
+    "reduce_partial",
+    "reducing_gradient",
+    "replicate",
+    "replicate_result",
+    "replicated_locals",
+    "same_mesh",
+    "set_implicit_replication",
+    "settle",
+    "to_placements",
+    "unwrap_local",
+    "update_in_place_of",
+    "vocab_parallel_lookup",
+    "wrap_local",
+]
+
+#: How long the all-reduce of a CPU tensor is polled before its thread blocks
+#: (seconds; 0 blocks at once). Read from here at each call (see above).
+POLL_SECONDS = 0.05

@@ -1,0 +1,221 @@
+"""Op-specific layouts: what an op needs gathered or split to run correctly.
+
+A vocabulary-parallel embedding lookup with no mask state, tables gathered on
+the axes that split their ids, an index reduction's axis gathered, batch-only
+calls (convolutions), in-place slice updates (a KV cache), and a model
+output's non-batch axes gathered for ``predict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from keras_dtensor_fix.dtensor.local import replicate
+from keras_dtensor_fix.dtensor.placement import (
+    placed,
+    reduce_partial,
+    same_mesh,
+    without_partials,
+)
+
+
+def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
+    """``embedding(ids, table)`` for a table split on its rows, with no mask state.
+
+    DTensor's own lookup returns a ``_MaskPartial`` value that carries its mask
+    from the lookup to the reduction in a Python buffer. A traced step cannot
+    hold that: dynamo runs an autograd.Function's forward twice (once to trace
+    it, once for its output), the first run releases the mask and the second
+    finds none, and inductor meets the traced run's fake mask in its own fake
+    mode. Here each rank looks its ids up in its own rows, zeroes the rows it
+    does not hold and the partial sums are reduced: Megatron's
+    vocabulary-parallel embedding, the same values and gradients, all in
+    traceable DTensor calls. Negative ids count from the end, as Keras's
+    ``take`` does. Returns ``None`` when ``table`` is not a 2-D DTensor split on
+    its rows by exactly one mesh axis (DTensor's own rule then runs).
+    """
+    if not isinstance(table, DTensor) or table.ndim != 2:
+        return None
+    mesh = table.device_mesh
+    rows = [i for i, p in enumerate(table.placements) if p == Shard(0)]
+    if len(rows) != 1 or any(p.is_partial() for p in table.placements):
+        return None
+    if isinstance(ids, DTensor):
+        if not same_mesh(ids.device_mesh, mesh):
+            return None
+        if any(p.is_partial() for p in ids.placements):
+            return None
+        axis = rows[0]
+        id_placements = tuple(
+            Replicate() if i == axis else p for i, p in enumerate(ids.placements)
+        )
+        if id_placements != tuple(ids.placements):
+            ids = ids.redistribute(mesh, id_placements)
+        local_ids = ids.to_local()
+    else:
+        id_placements = (Replicate(),) * mesh.ndim
+        local_ids = ids
+    axis = rows[0]
+    out_placements = []
+    table_grads = []
+    for i, (mine, theirs) in enumerate(
+        zip(table.placements, id_placements, strict=True)
+    ):
+        if i == axis:
+            out_placements.append(Partial())
+            table_grads.append(mine)
+        elif isinstance(mine, Shard) and isinstance(theirs, Shard):
+            return None  # gather_axes_splitting gathers such a table first
+        elif isinstance(mine, Shard):  # the embedding dim
+            out_placements.append(Shard(local_ids.ndim))
+            table_grads.append(mine)
+        else:  # a replicated table, ids split or not
+            out_placements.append(theirs)
+            # Each rank's rows of ids give part of the table's gradient.
+            table_grads.append(Partial() if isinstance(theirs, Shard) else mine)
+    vocab = table.shape[0]
+    size, offset = Shard.local_shard_size_and_offset(
+        vocab, mesh.size(axis), mesh.get_coordinate()[axis]
+    )
+    local_ids = local_ids.long()
+    local_ids = torch.where(local_ids < 0, local_ids + vocab, local_ids)
+    outside = (local_ids < offset) | (local_ids >= offset + size)
+    shifted = torch.where(outside, 0, local_ids - offset)
+    local_table = table.to_local(grad_placements=tuple(table_grads))
+    found = torch.nn.functional.embedding(shifted, local_table)
+    found = found.masked_fill(outside.unsqueeze(-1), 0)
+    partial = DTensor.from_local(found, mesh, tuple(out_placements), run_check=False)
+    settled = without_partials(out_placements)
+    return partial.redistribute(mesh, settled)
+
+
+def gather_non_batch_axes(value: Any, batch_dim_name: str | None) -> Any:
+    """This process's rows of ``value``: sharded on the batch mesh axis only.
+
+    Every other mesh axis is gathered, so a model-axis-sharded output comes
+    back whole. Non-DTensors pass through.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    mesh = value.device_mesh
+    names = mesh.mesh_dim_names or (None,) * mesh.ndim
+    placements = [
+        Shard(0) if value.ndim and name == batch_dim_name else Replicate()
+        for name in names
+    ]
+    return value.redistribute(mesh, placements).to_local()
+
+
+def batch_parallel_call(
+    fn: Any, value: Any, weights: Sequence[Any], mesh: Any
+) -> DTensor:
+    """``fn(value, *weights)`` per rank: weights gathered, ``value`` only batch-split.
+
+    For ops DTensor has no rule for on the placements at hand (a convolution
+    whose kernel or input channels are sharded: torch's conv handler knows
+    only replicated and width-sharded operands and mislabels the rest). Each
+    mesh axis that splits ``value`` on dim 0 keeps splitting it; every other
+    axis is gathered, and the result has the batch placements. A weight's
+    gradient is a Partial sum over the batch axes (reduced by autograd where
+    its redistribution back to the weight's placements runs). Plain operands
+    are taken as full values.
+    """
+    batch = (
+        tuple(
+            Shard(0) if isinstance(p, Shard) and p.dim == 0 else Replicate()
+            for p in (value.placements if isinstance(value, DTensor) else ())
+        )
+        or (Replicate(),) * mesh.ndim
+    )
+    full = (Replicate(),) * mesh.ndim
+    weight_grads = tuple(Partial() if p == Shard(0) else p for p in batch)
+    if isinstance(value, DTensor):
+        value = value.redistribute(mesh, batch).to_local(grad_placements=batch)
+    local = []
+    for weight in weights:
+        if isinstance(weight, DTensor):
+            weight = weight.redistribute(mesh, full).to_local(
+                grad_placements=weight_grads
+            )
+        local.append(weight)
+    return DTensor.from_local(fn(value, *local), mesh, batch, run_check=False)
+
+
+def update_in_place_of(
+    inputs: Any, updates: Any
+) -> tuple[Any, torch.Tensor, torch.Tensor, tuple] | None:
+    """Local operands for writing ``updates`` into a copy of ``inputs``.
+
+    For ops that write one tensor into another (a KV cache's slice update):
+    with a plain or differently placed target, DTensor's in-place copy would
+    need to change the target's placements, which it refuses. Both take the
+    placements of ``updates`` (a plain ``inputs`` is the full value, split
+    locally with no communication) wherever ``updates`` spans every sharded
+    dim whole, so each rank writes its own part; otherwise both are gathered.
+    Returns ``(mesh, local inputs, local updates, placements)`` or ``None``
+    when neither is a DTensor. A Partial ``updates`` is reduced first.
+    """
+    partner = updates if isinstance(updates, DTensor) else inputs
+    if not isinstance(partner, DTensor):
+        return None
+    mesh = partner.device_mesh
+    if not isinstance(updates, DTensor):
+        updates = replicate(updates, mesh)
+    if not isinstance(inputs, DTensor):
+        inputs = replicate(inputs, mesh)
+    updates = reduce_partial(updates)
+    placements = tuple(updates.placements)
+    if not same_mesh(inputs.device_mesh, mesh) or any(
+        isinstance(p, Shard) and updates.shape[p.dim] != inputs.shape[p.dim]
+        for p in placements
+    ):
+        placements = (Replicate(),) * mesh.ndim
+    local = [v.redistribute(mesh, placements).to_local() for v in (inputs, updates)]
+    return mesh, local[0], local[1], placements
+
+
+def gather_axes_splitting(table: Any, ids: Any) -> Any:
+    """``table`` gathered on every mesh axis that also splits ``ids``.
+
+    A layout that shards a weight on the batch axis too (keras-hub's 2-D
+    layouts, FSDP style) splits an embedding table's columns on the axis
+    that splits the ids' rows: no placement of the lookup holds both, and
+    DTensor's embedding rule then pairs a mask of the local rows with the
+    global rows (IndexError). Gathering those columns first is what FSDP does
+    before a weight is used; its gradient is reduce-scattered back.
+    """
+    if not (isinstance(table, DTensor) and isinstance(ids, DTensor)):
+        return table
+    if not same_mesh(table.device_mesh, ids.device_mesh):
+        return table
+    placements = tuple(
+        Replicate() if isinstance(mine, Shard) and isinstance(theirs, Shard) else mine
+        for mine, theirs in zip(table.placements, ids.placements, strict=True)
+    )
+    if placements == tuple(table.placements):
+        return table
+    return table.redistribute(table.device_mesh, placements)
+
+
+def gather_axis(value: Any, axis: int | None) -> Any:
+    """``value`` gathered on the mesh axes that shard tensor dim ``axis``.
+
+    ``axis=None`` gathers every sharded dim. An index reduction (``argmax``)
+    over a sharded dim needs the whole dim: DTensor's own rule for it reads a
+    scalar back from the tensor, a graph break that leaves DTensors as the
+    outputs of a compiled graph.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    dim = None if axis is None else axis % max(value.ndim, 1)
+    placements = tuple(
+        Replicate() if isinstance(p, Shard) and dim in (None, p.dim) else p
+        for p in value.placements
+    )
+    if placements == tuple(value.placements):
+        return value
+    return placed(value, placements)

@@ -1,0 +1,178 @@
+"""Crossing between local tensors and DTensors, cheaper than torch's own.
+
+``wrap_local`` and ``unwrap_local`` are ``DTensor.from_local`` and
+``to_local`` built from cached specs (:mod:`.spec`) with smaller autograd ops;
+``replicate`` wraps a full value; ``reducing_gradient`` (Megatron's "f") sums
+an activation's Partial gradient once in backward (:mod:`.collectives`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from keras_dtensor_fix.dtensor.collectives import _all_reduce
+from keras_dtensor_fix.dtensor.placement import settle
+from keras_dtensor_fix.dtensor.spec import _SPEC, _SPECS, _copy, _remember, _spec
+
+
+def wrap_local(value: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> DTensor:
+    """``DTensor.from_local(value, mesh, placements, run_check=False)``, cheaper.
+
+    The DTensor is built as ``from_local`` builds it, from a cached spec. A
+    tensor that needs no gradient (a batch, a metric input) skips the autograd
+    op; one that does takes :class:`_WrapLocal`, a smaller one. A Partial
+    value that needs a gradient, a negative shard dim, a traced step and any
+    torch without those internals go through ``from_local``.
+    """
+    if value.device.type != mesh.device_type:
+        value = value.to(mesh.device_type)
+    placements = tuple(placements)
+    grad = value.requires_grad and torch.is_grad_enabled()
+    if (
+        _SPEC is None
+        or torch.compiler.is_compiling()
+        or any(isinstance(p, Shard) and p.dim < 0 for p in placements)
+        or (grad and any(p.is_partial() for p in placements))
+    ):
+        return DTensor.from_local(value, mesh, placements, run_check=False)
+    key = (mesh, placements, value.shape, value.stride(), value.dtype)
+    spec = _SPECS.get(key)
+    if spec is None:
+        _, meta_class, global_info = _SPEC
+        shape, stride = global_info(value, mesh, placements)
+        meta = meta_class(torch.Size(shape), tuple(stride), value.dtype)
+        spec = _remember(key, _spec(mesh, placements, meta))
+    if grad:
+        return _WrapLocal.apply(value, spec)
+    return DTensor(value.view_as(value), _copy(spec), requires_grad=False)
+
+
+class _WrapLocal(torch.autograd.Function):
+    """``from_local``'s autograd op for Replicate and Shard placements.
+
+    The gradient goes back as the local tensor of a gradient with the forward
+    placements (redistributed to them first if it has others).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, spec: Any) -> DTensor:
+        ctx.spec = spec
+        # As from_local: the wrapper's requires_grad follows the local tensor's.
+        return DTensor(
+            value.view_as(value), _copy(spec), requires_grad=value.requires_grad
+        )
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        if isinstance(grad, DTensor):
+            grad = settle(grad, ctx.spec.placements)._local_tensor
+        return grad, None
+
+
+def unwrap_local(
+    value: DTensor, grad_placements: Sequence[Any] | None = None
+) -> torch.Tensor:
+    """``value.to_local(grad_placements=...)``, cheaper when it needs a gradient.
+
+    The gradient comes back as :func:`wrap_local` of the plain gradient with
+    ``grad_placements`` (default: the forward placements), from a cached spec,
+    where ``to_local``'s backward builds a new one. A Partial ``value``, a
+    traced step and any torch without those internals go through ``to_local``.
+    """
+    if not (value.requires_grad and torch.is_grad_enabled()):
+        return value._local_tensor.view_as(value._local_tensor)
+    if (
+        _SPEC is None
+        or torch.compiler.is_compiling()
+        or any(p.is_partial() for p in value.placements)
+    ):
+        return value.to_local(grad_placements=grad_placements)
+    placements = tuple(grad_placements or value.placements)
+    return _UnwrapLocal.apply(value, placements)
+
+
+def reducing_gradient(value: Any) -> Any:
+    """``value``, whose gradient is summed over its Partial mesh axes once.
+
+    Megatron's "f" operator. A replicated activation read by column-parallel
+    products (Q, K and V, an FFN's gates, a vocabulary-sharded head) gets a
+    Partial gradient from each; autograd adds those up (no communication) and
+    this op's backward all-reduces the total once. Handed on as Partial, the
+    gradient ran through the ops before as Partial: a replicated weight there
+    (a norm's scale) got a Partial gradient, and every later reader of the
+    residual stream reduced its own copy. One op per DTensor (cached on it: its
+    readers share the reduction). Traced, the op is ``redistribute`` to the
+    same placements: identity forward, and a backward that reduces a Partial
+    gradient to the input's placements. Leaves (weights), values that need no
+    gradient and a torch without the spec internals pass as is.
+    """
+    if (
+        not isinstance(value, DTensor)
+        or value.is_leaf  # dynamo reads no grad_fn; an activation is no leaf
+        or not value.requires_grad
+        or not torch.is_grad_enabled()
+        or _SPEC is None
+        or any(p.is_partial() for p in value.placements)
+    ):
+        return value
+    reducing = getattr(value, _REDUCING, None)
+    if reducing is None:
+        if torch.compiler.is_compiling():
+            reducing = value.redistribute(value.device_mesh, value.placements)
+        else:
+            reducing = _ReduceGradient.apply(value)
+        setattr(value, _REDUCING, reducing)
+    return reducing
+
+
+#: The attribute :func:`reducing_gradient` keeps an activation's op in.
+_REDUCING = "_keras_dtensor_fix_reducing"
+
+
+class _ReduceGradient(torch.autograd.Function):
+    """Identity forward; the gradient's Partial axes summed in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor) -> DTensor:
+        ctx.mesh = value.device_mesh
+        local = value._local_tensor
+        return DTensor(local.view_as(local), _copy(value._spec), requires_grad=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        if not isinstance(grad, DTensor):
+            return grad
+        placements = tuple(grad.placements)
+        axes = [i for i, p in enumerate(placements) if p.is_partial()]
+        if not axes:
+            return grad
+        total = _all_reduce(grad._local_tensor, ctx.mesh, axes)
+        settled = tuple(Replicate() if p.is_partial() else p for p in placements)
+        return wrap_local(total, ctx.mesh, settled)
+
+
+class _UnwrapLocal(torch.autograd.Function):
+    """``to_local``'s autograd op for Replicate and Shard placements."""
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, placements: tuple) -> torch.Tensor:
+        ctx.mesh, ctx.placements = value.device_mesh, placements
+        ctx.set_materialize_grads(False)
+        local = value._local_tensor
+        # A fresh tensor: autograd writes its metadata into the result.
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        if grad is not None and not isinstance(grad, DTensor):
+            grad = wrap_local(grad, ctx.mesh, ctx.placements)
+        return grad, None
+
+
+def replicate(value: torch.Tensor, mesh: Any) -> DTensor:
+    """Wrap a plain tensor holding the full value as a Replicate DTensor on ``mesh``."""
+    return wrap_local(value, mesh, [Replicate()] * mesh.ndim)

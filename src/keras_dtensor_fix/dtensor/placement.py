@@ -1,0 +1,234 @@
+"""Placements of a DTensor on its mesh: compare, settle, share, reduce.
+
+``settle`` redistributes and only relabels on mesh axes of one rank;
+``placed`` keeps an activation's redistribution for all its readers;
+``reduce_partial`` and ``reduce_masked`` turn pending (Partial) reductions
+into Replicate, with plain c10d all-reduces where they can
+(:mod:`.collectives`). Also the mesh and placement predicates the rest of the
+package uses (``same_mesh``, ``is_replicated``, ``without_partials``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from keras_dtensor_fix.dtensor.collectives import _all_reduce
+from keras_dtensor_fix.dtensor.spec import _SPEC, _copy, _spec
+
+
+def same_mesh(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are the same DeviceMesh.
+
+    Identity is the usual case (one torch mesh per Keras mesh) and the cheap
+    test; DeviceMesh's equality covers a mesh built twice. Traced, the answer
+    is yes: dynamo's identity test on a DeviceMesh can change between the
+    analysis of a frame and its restart after a graph break (a
+    SpeculationLogDivergence), and a Keras distribution has one mesh, which
+    the eager steps before have checked.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    return a is b or a == b
+
+
+def _trivial_taken(mesh: Any, have: tuple, want: tuple) -> tuple:
+    """``have`` with ``want``'s placement on every mesh axis of one rank."""
+    sizes = mesh.shape
+    return tuple(w if n == 1 else h for h, w, n in zip(have, want, sizes, strict=True))
+
+
+class _Relabel(torch.autograd.Function):
+    """New placements on one-rank mesh axes only: the same local tensor.
+
+    On a mesh axis of one rank every placement holds the same data (a sum of
+    one term is the total, one shard is the whole), yet ``redistribute``
+    issues a collective over that one-rank group for a Partial one.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, placements: tuple) -> DTensor:
+        ctx.placements = tuple(value.placements)
+        spec = _copy(_spec(value.device_mesh, placements, value._spec.tensor_meta))
+        local = value._local_tensor
+        return DTensor(local.view_as(local), spec, requires_grad=value.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        if isinstance(grad, DTensor):
+            grad = settle(grad, ctx.placements)
+        return grad, None
+
+
+def settle(value: DTensor, placements: Sequence[Any]) -> DTensor:
+    """``value.redistribute`` to ``placements`` on its mesh, free on one-rank axes.
+
+    Placements that differ only on mesh axes of one rank are relabelled
+    (:class:`_Relabel`, or ``from_local`` when traced); the rest is
+    redistributed. A torch without the spec internals redistributes as is.
+    """
+    placements = tuple(placements)
+    have = tuple(value.placements)
+    if have == placements:
+        return value
+    mesh = value.device_mesh
+    if _SPEC is None:
+        return value.redistribute(mesh, placements)
+    relabelled = _trivial_taken(mesh, have, placements)
+    if relabelled != have:
+        if torch.compiler.is_compiling():
+            # Traced (a compiled backward of an eager _Relabel too):
+            # to_local/from_local relabel; redistribute refuses "to Partial".
+            value = DTensor.from_local(
+                value.to_local(),
+                mesh,
+                relabelled,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        else:
+            value = _Relabel.apply(value, relabelled)
+    if relabelled != placements:
+        value = value.redistribute(mesh, placements)
+    return value
+
+
+def placed(value: DTensor, placements: Sequence[Any]) -> DTensor:
+    """:func:`settle`, once per activation and placements.
+
+    An activation (not a leaf: nothing assigns to it) keeps what it was
+    redistributed to, so its readers share one redistribution and its
+    backward: a loss and an accuracy metric on the same vocabulary-sharded
+    logits gather them once, and Q, K and V sharding one replicated input on
+    the axis they contract sum their gradients before the one all-gather. A
+    compiled graph needs this too: inductor does not merge collectives. A
+    result made without gradient serves only callers without; one made before
+    an in-place change to the activation (eager: its version) is not reused.
+    """
+    placements = tuple(placements)
+    if value.is_leaf:
+        return settle(value, placements)
+    grad = torch.is_grad_enabled()
+    # Dynamo reads no version counter; a traced activation is not changed in
+    # place between its readers here (Keras's layers return new tensors).
+    version = None if torch.compiler.is_compiling() else value._version
+    kept = getattr(value, _PLACED, None)
+    if kept is None:
+        kept = []
+        setattr(value, _PLACED, kept)
+    for have, at, with_grad, result in kept:
+        if have == placements and at == version and (with_grad or not grad):
+            return result
+    result = settle(value, placements)
+    # It replaces what it serves better: a stale one, or one without gradient.
+    kept[:] = [entry for entry in kept if entry[0] != placements]
+    kept.append((placements, version, grad, result))
+    return result
+
+
+#: The attribute :func:`placed` keeps an activation's redistributions in.
+_PLACED = "_keras_dtensor_fix_placed"
+
+
+def is_replicated(value: DTensor) -> bool:
+    """Whether ``value`` holds the same full value on every rank."""
+    return all(p.is_replicate() for p in value.placements)
+
+
+def without_partials(placements: Sequence[Any]) -> tuple:
+    """``placements`` with every partial one (a pending reduction) replicated."""
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
+def reduce_partial(value: Any) -> Any:
+    """``value`` with its ``Partial`` mesh axes reduced to ``Replicate``.
+
+    What Megatron's row-parallel layer does with its output. Left Partial, the
+    first nonlinear op reduces it in the forward pass and its backward reduces
+    the saved Partial input a second time. Eager sums take one c10d
+    all-reduce per axis (:class:`_SumPartial`); anything else (another reduce
+    op, a traced step) goes through ``redistribute``.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    placements = tuple(value.placements)
+    if not any(p.is_partial() for p in placements):
+        return value
+    settled = without_partials(placements)
+    value = settle(value, _trivial_taken(value.device_mesh, placements, settled))
+    placements = tuple(value.placements)
+    if placements == settled:
+        return value
+    if (
+        _SPEC is not None
+        and not torch.compiler.is_compiling()
+        and all(
+            type(p) is Partial and p.reduce_op == "sum"
+            for p in placements
+            if p.is_partial()
+        )
+    ):
+        return _SumPartial.apply(value, settled)
+    return value.redistribute(value.device_mesh, settled)
+
+
+def reduce_masked(value: Any) -> Any:
+    """``value`` reduced at once if it is partial with a one-shot mask.
+
+    A lookup in a table sharded on its rows (an embedding sharded on the
+    vocabulary) gives a ``_MaskPartial`` value whose mask torch releases at
+    its first reduction: a second use of the unreduced value (a layer norm
+    that reads it twice) fails. Reduced where it is made, it is plain
+    Replicate, as Megatron's vocabulary-parallel embedding returns it.
+    """
+    if isinstance(value, DTensor) and any(
+        p.is_partial() and type(p) is not Partial for p in value.placements
+    ):
+        settled = without_partials(value.placements)
+        return _ReduceMasked.apply(value, settled)
+    return value
+
+
+class _ReduceMasked(torch.autograd.Function):
+    """Reduce a masked partial value; its gradient goes back replicated.
+
+    ``redistribute``'s own backward would turn a Partial gradient into the
+    mask placement, which torch does not support (tied embeddings give one).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, settled: tuple) -> DTensor:
+        return value.redistribute(value.device_mesh, settled)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            settled = without_partials(grad.placements)
+            grad = grad.redistribute(grad.device_mesh, settled)
+        return grad, None
+
+
+class _SumPartial(torch.autograd.Function):
+    """Partial("sum") to Replicate with plain c10d all-reduces.
+
+    The same result and gradient as ``redistribute`` (whose backward keeps a
+    replicated gradient replicated), without its functional-collective
+    machinery, which on a CPU (gloo) step costs more than the all-reduce.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, settled: tuple) -> DTensor:
+        mesh = value.device_mesh
+        ctx.placements = settled
+        axes = [axis for axis, p in enumerate(value.placements) if p.is_partial()]
+        local = _all_reduce(value._local_tensor, mesh, axes)
+        spec = _copy(_spec(mesh, settled, value._spec.tensor_meta))
+        return DTensor(local, spec, requires_grad=value.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None]:
+        return settle(grad, ctx.placements), None

@@ -1,0 +1,225 @@
+"""Find a DTensor among arguments and promote plain tensors next to it.
+
+A plain tensor is promoted only as the *full logical value* (a Replicate
+DTensor on the partner's mesh); a tensor that looks like one rank's shard of
+the partner is refused with :class:`PromotionError`. Also DTensor's implicit
+replication switch, ``replicated_locals`` (the one "may run locally" rule),
+``to_placements`` and ``describe`` for error messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from keras_dtensor_fix.dtensor.local import replicate, wrap_local
+from keras_dtensor_fix.dtensor.placement import is_replicated, same_mesh, settle
+
+
+class PromotionError(RuntimeError):
+    """A plain tensor met a DTensor and could not be promoted safely.
+
+    ``problem`` says what was found, ``hint`` what to do; the message is both.
+    """
+
+    def __init__(self, problem: str, hint: str = "") -> None:
+        super().__init__(f"{problem} {hint}".strip())
+        self.problem = problem
+        self.hint = hint
+
+
+def implicit_replication() -> bool:
+    """Whether DTensor treats a plain tensor operand as a replicated value here.
+
+    torch keeps the switch per thread (C++ thread-local state, carried into
+    autograd's backward threads).
+    """
+    return bool(DTensor._op_dispatcher._allow_implicit_replication)
+
+
+def set_implicit_replication(on: bool) -> None:
+    """Turn DTensor's implicit replication of plain tensors on or off (this thread).
+
+    It lives in DTensor's dispatcher, in C: an op that mixes a plain tensor
+    with a DTensor costs no Python beyond DTensor's own dispatch, and an op
+    without a DTensor is not touched at all.
+    """
+    DTensor._op_dispatcher._allow_implicit_replication = bool(on)
+
+
+def _is_plain(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+
+
+def find_dtensor(values: Iterable[Any]) -> DTensor | None:
+    """Return the first DTensor in ``values`` or one level inside a list/tuple."""
+    for value in values:
+        if isinstance(value, DTensor):
+            return value
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, DTensor):
+                    return item
+    return None
+
+
+def has_plain_tensor(values: Iterable[Any]) -> bool:
+    """Whether ``values`` (or lists inside) hold a non-scalar plain tensor."""
+    for value in values:
+        if _is_plain(value) and value.ndim:
+            return True
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if _is_plain(item) and item.ndim:
+                    return True
+    return False
+
+
+def describe(value: Any) -> str:
+    """A short description of a tensor for error messages: shape, dtype, placements."""
+    if isinstance(value, DTensor):
+        placements = ", ".join(str(p) for p in value.placements)
+        local = tuple(value._local_tensor.shape)
+        return (
+            f"DTensor(shape={tuple(value.shape)}, local={local}, "
+            f"dtype={value.dtype}, placements=({placements}))"
+        )
+    if isinstance(value, torch.Tensor):
+        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
+    return type(value).__name__
+
+
+def replicated_locals(values: Sequence[Any]) -> tuple[Any, list[Any]] | None:
+    """The mesh and ``values`` with each DTensor as its local tensor, or None.
+
+    Only when an op on them may run locally: every DTensor is fully
+    replicated on one mesh, nothing needs a gradient, every plain tensor with
+    dims sits on the mesh's device (it is then taken as the full value, as
+    :func:`promote` takes it) and nothing is being traced. Each rank then
+    computes the full result, the same everywhere, with no DTensor dispatch.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    grad = torch.is_grad_enabled()
+    mesh = None
+    local = []
+    for value in values:
+        if isinstance(value, DTensor):
+            if (grad and value.requires_grad) or not is_replicated(value):
+                return None
+            if mesh is None:
+                mesh = value.device_mesh
+            elif not same_mesh(value.device_mesh, mesh):
+                return None
+            value = value._local_tensor
+        elif isinstance(value, torch.Tensor):
+            if grad and value.requires_grad:
+                return None
+        elif isinstance(value, (list, tuple)) and find_dtensor(value) is not None:
+            return None
+        local.append(value)
+    if mesh is None:
+        return None
+    for value in local:
+        if isinstance(value, torch.Tensor) and value.ndim:
+            if value.device.type != mesh.device_type:
+                return None
+    return mesh, local
+
+
+def replicate_result(result: Any, mesh: Any) -> Any:
+    """Each tensor in ``result`` (lists and tuples inside) as a Replicate DTensor."""
+    if isinstance(result, torch.Tensor) and not isinstance(result, DTensor):
+        return replicate(result, mesh)
+    if isinstance(result, (list, tuple)):
+        return type(result)(replicate_result(r, mesh) for r in result)
+    return result
+
+
+def local_shard_dim(value: torch.Tensor, partner: DTensor) -> int | None:
+    """The dim where ``value`` has the partner's *local* size, not its global one.
+
+    Such a tensor is most likely one rank's shard of a sharded value (a per-rank
+    data batch, a ``to_local()`` result): promoting it as Replicate would be
+    wrong. Only meaningful for elementwise (broadcasting) ops.
+    """
+    if value.ndim != partner.ndim:
+        return None
+    local_shape = partner._local_tensor.shape
+    for placement in partner.placements:
+        if isinstance(placement, Shard):
+            dim = placement.dim % partner.ndim
+            size = value.shape[dim]
+            if size != 1 and size == local_shape[dim] != partner.shape[dim]:
+                return dim
+    return None
+
+
+def promote(
+    value: torch.Tensor, partner: DTensor, *, op: str = "op", elementwise: bool = True
+) -> DTensor:
+    """Promote plain ``value`` next to ``partner`` as a Replicate DTensor.
+
+    Raises :class:`PromotionError` when ``value`` looks like a per-rank shard.
+    """
+    if elementwise:
+        dim = local_shard_dim(value, partner)
+        if dim is not None:
+            raise PromotionError(
+                f"{op}: a plain {describe(value)} meets {describe(partner)}. Its "
+                f"dim {dim} has the size of one rank's shard "
+                f"({value.shape[dim]}), not the global size "
+                f"({partner.shape[dim]}), so it looks like a per-rank shard;",
+                "promoting it as the full (replicated) value would be wrong. "
+                "Distribute it first: keras.distribution.distribute_tensor(x, "
+                "layout) for a full value, or the backend's "
+                "distribute_data_input(x, layout) for a per-process batch.",
+            )
+    return replicate(value, partner.device_mesh)
+
+
+def promote_args(
+    values: Sequence[Any], partner: DTensor, *, op: str = "op", elementwise: bool = True
+) -> list[Any]:
+    """Promote every non-scalar plain tensor in ``values`` (and one level of lists)."""
+
+    def one(value: Any) -> Any:
+        if _is_plain(value) and value.ndim:
+            return promote(value, partner, op=op, elementwise=elementwise)
+        if isinstance(value, (list, tuple)) and any(
+            _is_plain(v) and v.ndim for v in value
+        ):
+            return type(value)(
+                promote(v, partner, op=op, elementwise=elementwise)
+                if _is_plain(v) and v.ndim
+                else v
+                for v in value
+            )
+        return value
+
+    return [one(v) for v in values]
+
+
+def to_placements(value: torch.Tensor, like: DTensor) -> DTensor:
+    """Return ``value`` with ``like``'s mesh and placements.
+
+    A plain tensor of ``like``'s global shape is taken as the full value; one of
+    its local shape as this rank's shard. A DTensor is redistributed (a
+    ``Partial`` gradient becomes reduced, for instance).
+    """
+    mesh, placements = like.device_mesh, tuple(like.placements)
+    if isinstance(value, DTensor):
+        if not same_mesh(value.device_mesh, mesh):
+            return value.redistribute(mesh, placements)
+        return settle(value, placements)
+    if tuple(value.shape) == tuple(like.shape):
+        return replicate(value, mesh).redistribute(mesh, placements)
+    if tuple(value.shape) == tuple(like._local_tensor.shape):
+        return wrap_local(value, mesh, placements)
+    raise PromotionError(
+        f"a plain {describe(value)} cannot take the layout of {describe(like)}: "
+        "its shape is neither the global nor the local shape."
+    )
