@@ -85,10 +85,13 @@ def test_a_missing_directory_is_the_error(tmp_path) -> None:
 
 
 def test_save_timeout_from_the_environment(monkeypatch) -> None:
-    monkeypatch.setenv(one_writer.SAVE_TIMEOUT, "12.5")
-    assert one_writer.save_seconds() == 12.5
-    monkeypatch.setenv(one_writer.SAVE_TIMEOUT, "soon")
-    assert one_writer.save_seconds() == one_writer.DEFAULT_SAVE_SECONDS
+    from keras_dtensor_fix import config
+
+    monkeypatch.setenv(config.ENV_SAVE_TIMEOUT, "12.5")
+    assert config.save_seconds() == 12.5
+    monkeypatch.setenv(config.ENV_SAVE_TIMEOUT, "soon")
+    with pytest.warns(UserWarning, match="not a positive number"):
+        assert config.save_seconds() == config.DEFAULT_SAVE_SECONDS
 
 
 def test_attempt_store_only_under_torchrun(monkeypatch) -> None:

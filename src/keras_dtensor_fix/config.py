@@ -3,7 +3,8 @@
 ``KERAS_DTENSOR_FIX`` switches automatic activation on or off,
 ``KERAS_DTENSOR_FIX_DISABLE`` turns off single patch families and
 ``KERAS_DTENSOR_FIX_STRICT`` makes a patch that cannot apply raise instead of
-warn. This module imports nothing but the standard library: it runs at
+warn; ``KERAS_DTENSOR_FIX_SAVE_TIMEOUT`` is how long processes wait for the one
+writing a shared save. This module imports nothing but the standard library: it runs at
 interpreter start.
 """
 
@@ -20,6 +21,8 @@ from . import families as _families
 ENV_ENABLE = "KERAS_DTENSOR_FIX"
 ENV_DISABLE = "KERAS_DTENSOR_FIX_DISABLE"
 ENV_STRICT = "KERAS_DTENSOR_FIX_STRICT"
+ENV_SAVE_TIMEOUT = "KERAS_DTENSOR_FIX_SAVE_TIMEOUT"
+DEFAULT_SAVE_SECONDS = 900.0
 
 #: Every patch family's name (the table is :mod:`keras_dtensor_fix.families`).
 FAMILIES: tuple[str, ...] = _families.names()
@@ -114,3 +117,26 @@ def load(environ: Mapping[str, str] | None = None, *, warn: bool = True) -> Conf
         for message in config.warnings:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
     return config
+
+
+def save_seconds(environ: Mapping[str, str] | None = None) -> float:
+    """``KERAS_DTENSOR_FIX_SAVE_TIMEOUT`` in seconds (a positive number).
+
+    Read at each save, so a script may set it late; a bad value warns and
+    :data:`DEFAULT_SAVE_SECONDS` stands.
+    """
+    raw = (os.environ if environ is None else environ).get(ENV_SAVE_TIMEOUT, "")
+    if not raw.strip():
+        return DEFAULT_SAVE_SECONDS
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if seconds > 0:
+        return seconds
+    warnings.warn(
+        f"keras-dtensor-fix: {ENV_SAVE_TIMEOUT}={raw!r} is not a positive number "
+        f"of seconds; using {DEFAULT_SAVE_SECONDS:g}.",
+        stacklevel=2,
+    )
+    return DEFAULT_SAVE_SECONDS

@@ -28,12 +28,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from keras_dtensor_fix import handshake
-
-#: How long the other processes wait for a writer (seconds); the environment
-#: variable of the same name overrides it.
-SAVE_TIMEOUT = "KERAS_DTENSOR_FIX_SAVE_TIMEOUT"
-DEFAULT_SAVE_SECONDS = 900.0
+from keras_dtensor_fix import config, handshake
 
 HINT = (
     "Under ModelParallel a save gathers the sharded variables, so every process "
@@ -46,15 +41,6 @@ _local = threading.local()
 
 class SaveError(OSError):
     """A save that every process made failed on one of them."""
-
-
-def save_seconds() -> float:
-    """The writers' time limit: :data:`SAVE_TIMEOUT`, else 900 s."""
-    raw = os.environ.get(SAVE_TIMEOUT, "")
-    try:
-        return float(raw) if raw.strip() else DEFAULT_SAVE_SECONDS
-    except ValueError:
-        return DEFAULT_SAVE_SECONDS
 
 
 def gathered(value: Any) -> Any | None:
@@ -144,9 +130,9 @@ def report(what: str, path: str, error: BaseException | None) -> None:
     mine = "" if error is None else f"{type(error).__name__}: {error}"
     hint = (
         f"A process did not finish its part of a save of {path} (it may have "
-        f"died while writing it). Raise {SAVE_TIMEOUT} for larger models."
+        f"died while writing it). Raise {config.ENV_SAVE_TIMEOUT} for larger models."
     )
-    seconds = save_seconds()
+    seconds = config.save_seconds()
     statuses = handshake.exchange(f"{what}/done", f"{path}\0{mine}", hint, seconds)
     failed = []
     for peer, status in enumerate(statuses):
