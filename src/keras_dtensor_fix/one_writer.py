@@ -149,6 +149,27 @@ def report(what: str, path: str, error: BaseException | None) -> None:
         ) from error
 
 
+def by_one(
+    what: str,
+    path: str,
+    run: Callable[[], None],
+    elsewhere: Callable[[], None] | None = None,
+) -> None:
+    """``run()`` on the process that writes ``path``, ``elsewhere()`` on the others.
+
+    Every process calls it; all return once it is done, or raise what failed.
+    """
+    error = None
+    try:
+        if writer(what, path):
+            run()
+        elif elsewhere is not None:
+            elsewhere()
+    except Exception as exc:  # noqa: BLE001 - reported to every process
+        error = exc
+    report(what, path, error)
+
+
 def save(what: str, path: str, write: Callable[[str], None], values: Iterable) -> None:
     """A save every process makes: gather, one writer per path, report.
 

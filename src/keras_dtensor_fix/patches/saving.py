@@ -91,30 +91,27 @@ def _backup_save(wrapped, instance, args, kwargs):
     """One process copies, writes and records the backup; all save the weights."""
     if not _distributed_job():
         return wrapped(*args, **kwargs)
-    what = "BackupAndRestore backup"
-    error = None
-    try:
-        if one_writer.writer(what, instance.backup_dir):
-            wrapped(*args, **kwargs)
-        else:  # the part of Keras's _save_model that needs every process
-            instance.model.save_weights(filepath=instance._weights_path, overwrite=True)
-    except Exception as exc:  # noqa: BLE001 - reported to every process
-        error = exc
-    one_writer.report(what, instance.backup_dir, error)
+
+    def weights_only() -> None:  # the part of Keras's _save_model every process runs
+        instance.model.save_weights(filepath=instance._weights_path, overwrite=True)
+
+    one_writer.by_one(
+        "BackupAndRestore backup",
+        instance.backup_dir,
+        lambda: wrapped(*args, **kwargs),
+        elsewhere=weights_only,
+    )
 
 
 def _backup_end(wrapped, instance, args, kwargs):
     """One process deletes the backup; the others wait, then go on."""
     if not _distributed_job():
         return wrapped(*args, **kwargs)
-    what = "BackupAndRestore cleanup"
-    error = None
-    try:
-        if one_writer.writer(what, instance.backup_dir):
-            wrapped(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - reported to every process
-        error = exc
-    one_writer.report(what, instance.backup_dir, error)
+    one_writer.by_one(
+        "BackupAndRestore cleanup",
+        instance.backup_dir,
+        lambda: wrapped(*args, **kwargs),
+    )
 
 
 def _makedirs(wrapped, instance, args, kwargs):
