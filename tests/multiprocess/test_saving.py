@@ -4,7 +4,8 @@
 ``ModelCheckpoint`` (every epoch, ``save_freq``, ``save_best_only``, a
 ``.keras`` model), ``BackupAndRestore`` (epoch and ``save_freq``),
 ``save_weights`` (plain and sharded with ``max_shard_size``), ``model.save``,
-and loads each file back, on 2 processes (and 4, and two torchrun agents).
+and loads each file back, on 2 processes (and 4, and two torchrun agents;
+and under DataParallel, where nothing is gathered).
 Checked here: every process loads every file equal to its model; training
 equals one process; the files equal the one-process files; no staging
 directory is left behind; a process killed mid-fit, or while writing a backup,
@@ -18,7 +19,7 @@ Upstream Keras (``KERAS_DTENSOR_FIX=0``, keras-nightly 3.16.0.dev2026102704,
 observed here): every one of these fails at the first save: one process
 cannot lock the HDF5 file (``BlockingIOError: ... unable to lock file``), the
 other loses its peer in the gather; the job exits non-zero and nothing can
-resume. Pinned by ``test_upstream_fails``.
+resume. DataParallel fails the same way. Pinned by ``test_upstream_fails``.
 """
 
 from __future__ import annotations
@@ -151,6 +152,12 @@ def test_same_path_two_agents(tmp_path, single) -> None:
     check_entries(two_agents(tmp_path, "entries"), single, tmp_path)
 
 
+def test_same_path_data_parallel(tmp_path, single) -> None:
+    """DataParallel: nothing to gather; each process writes atomically."""
+    env = {"SAVING_DISTRIBUTION": "data"}
+    check_entries(ranks(tmp_path, "entries", env=env), single, tmp_path)
+
+
 @pytest.mark.skipif(not FOUR, reason="4 processes: KERAS_DTENSOR_FIX_FOUR_RANKS=1")
 @pytest.mark.parametrize("mesh", ["1,4", "2,2"])
 def test_same_path_four_processes(tmp_path, single, mesh: str) -> None:
@@ -226,14 +233,19 @@ def test_bad_directory_and_full_disk(tmp_path) -> None:
         assert result["disk_kept"]  # the earlier file, not a broken one
 
 
-def test_upstream_fails(tmp_path) -> None:
-    """Upstream: one shared path crashes the job at the first save."""
+@pytest.mark.parametrize("distribution", ["model", "data"])
+def test_upstream_fails(tmp_path, distribution: str) -> None:
+    """Upstream: one shared path crashes the job at the first save.
+
+    ModelParallel and DataParallel alike (observed: h5py's ``unable to lock
+    file`` on one process).
+    """
     proc = run_ranks(
         SCRIPT,
         "entries",
         str(tmp_path),
         nproc=2,
-        env={"KERAS_DTENSOR_FIX": "0"},
+        env={"KERAS_DTENSOR_FIX": "0", "SAVING_DISTRIBUTION": distribution},
         timeout=TIMEOUT,
     )
     assert proc.returncode != 0

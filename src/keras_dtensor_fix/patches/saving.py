@@ -92,14 +92,14 @@ def _backup_save(wrapped, instance, args, kwargs):
     if not _distributed_job():
         return wrapped(*args, **kwargs)
 
-    def weights_only() -> None:  # the part of Keras's _save_model every process runs
+    def weights_only() -> None:  # the part of Keras's _save_model that gathers
         instance.model.save_weights(filepath=instance._weights_path, overwrite=True)
 
     one_writer.by_one(
         "BackupAndRestore backup",
         instance.backup_dir,
         lambda: wrapped(*args, **kwargs),
-        elsewhere=weights_only,
+        elsewhere=weights_only if model_parallel() is not None else None,
     )
 
 
