@@ -121,7 +121,7 @@ def writer(what: str, path: str) -> bool:
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     place = f"{socket.gethostname()}\0{os.path.abspath(path)}"
-    places = handshake.exchange(f"{what}/where", place, HINT)
+    places = handshake.exchange(what, place, HINT)
     return places.index(place) == rank
 
 
@@ -133,7 +133,7 @@ def report(what: str, path: str, error: BaseException | None) -> None:
         f"died while writing it). Raise {config.ENV_SAVE_TIMEOUT} for larger models."
     )
     seconds = config.save_seconds()
-    statuses = handshake.exchange(f"{what}/done", f"{path}\0{mine}", hint, seconds)
+    statuses = handshake.exchange(f"{what} (outcome)", f"{path}\0{mine}", hint, seconds)
     failed = []
     for peer, status in enumerate(statuses):
         where, _, message = status.partition("\0")
