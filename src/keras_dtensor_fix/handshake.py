@@ -71,11 +71,3 @@ def exchange(
             missing,
         ) from None
     return [store.get(key).decode() for key in keys]
-
-
-def all_processes_call(what: str, hint: str, seconds: float | None = None) -> None:
-    """Return once every process of the default group has called this for ``what``.
-
-    :func:`exchange` with nothing to exchange.
-    """
-    exchange(what, "1", hint, seconds)
