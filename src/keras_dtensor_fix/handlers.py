@@ -21,9 +21,12 @@ Otherwise:
      logits share one all-gather); hands on.
   3. ``local`` (``einsum``, ``matmul``): operands whose placements have a local
      form run as one local einsum; a Partial result is reduced where it is made.
-  4. ``replicated``: every DTensor operand replicated and no gradient (a step
+  4. ``per_element`` (``one_hot``): each rank's shard mapped alone, the
+     placements kept (:func:`~keras_dtensor_fix.dtensor.per_element_call`);
+     DTensor has no rule for ``one_hot`` under torch.compile.
+  5. ``replicated``: every DTensor operand replicated and no gradient (a step
      counter, a metric): the op on local tensors, the result wrapped once.
-  5. ``promote``: plain tensors next to a DTensor become Replicate DTensors (a
+  6. ``promote``: plain tensors next to a DTensor become Replicate DTensors (a
      plain operand of one rank's shard size is refused in elementwise ops),
      then the op; a contraction's Partial result, or a masked lookup's, is
      reduced. If DTensor has no rule for the op, it runs on full values.
@@ -87,6 +90,11 @@ INDEX_REDUCTIONS = frozenset({"argmax", "argmin"})
 CLASS_AXIS_LOSSES = frozenset(
     {"sparse_categorical_crossentropy", "categorical_crossentropy"}
 )
+
+
+# Ops mapping each element of their first argument to new trailing dims
+# (``axis``, default -1, says where the new dim goes).
+PER_ELEMENT = frozenset({"one_hot"})
 
 
 # Convolutions and the names of their kernels.
@@ -225,6 +233,19 @@ def _local(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> An
     return NOT_HANDLED if local is None else reduce_partial(local)
 
 
+def _per_element(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    from keras_dtensor_fix.dtensor import per_element_call
+
+    if not args:
+        return NOT_HANDLED
+    value = resolve(args[0])
+    axis = args[2] if len(args) > 2 else kwargs.get("axis", -1)
+    if axis not in (-1, getattr(value, "ndim", None)):
+        return NOT_HANDLED
+    result = per_element_call(lambda local: wrapped(local, *args[1:], **kwargs), value)
+    return NOT_HANDLED if result is None else result
+
+
 def _replicated(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     from keras_dtensor_fix.dtensor import replicate_result, replicated_locals
 
@@ -253,6 +274,7 @@ HANDLERS: tuple[Handler, ...] = (
     Handler("index", lambda op: op.name in INDEX_REDUCTIONS, _index),
     Handler("classes", lambda op: op.name in CLASS_AXIS_LOSSES, _classes),
     Handler("local", lambda op: op.name in ("einsum", "matmul"), _local),
+    Handler("per_element", lambda op: op.name in PER_ELEMENT, _per_element),
     Handler("replicated", lambda op: True, _replicated),
     Handler("promote", lambda op: True, _promote),
 )

@@ -819,8 +819,31 @@ def tiny_causal_lm(kind: str):
         "gemma": (keras_hub.models.GemmaBackbone, keras_hub.models.GemmaCausalLM),
         "llama": (keras_hub.models.LlamaBackbone, keras_hub.models.LlamaCausalLM),
         "qwen": (keras_hub.models.QwenBackbone, keras_hub.models.QwenCausalLM),
+        "qwen_moe": (
+            keras_hub.models.QwenMoeBackbone,
+            keras_hub.models.QwenMoeCausalLM,
+        ),
+        "qwen3_moe": (
+            keras_hub.models.Qwen3MoeBackbone,
+            keras_hub.models.Qwen3MoeCausalLM,
+        ),
     }[kind]
-    extra = {"head_dim": 8} if kind == "gemma" else {}
+    extra = {
+        "gemma": {"head_dim": 8},
+        # 4 experts, 2 per token: top_k, one_hot and an add_loss in the router
+        "qwen_moe": {
+            "moe_intermediate_dim": 16,
+            "shared_expert_intermediate_dim": 16,
+            "num_experts": 4,
+            "top_k": 2,
+        },
+        "qwen3_moe": {
+            "head_dim": 8,
+            "moe_intermediate_dim": 16,
+            "num_experts": 4,
+            "top_k": 2,
+        },
+    }.get(kind, {})
     model = backbone(
         vocabulary_size=64,
         num_layers=2,
@@ -843,6 +866,8 @@ def hub_layout(kind: str):
             "gemma": keras_hub.models.GemmaBackbone,
             "llama": keras_hub.models.LlamaBackbone,
             "qwen": keras_hub.models.QwenBackbone,
+            "qwen_moe": keras_hub.models.QwenMoeBackbone,
+            "qwen3_moe": keras_hub.models.Qwen3MoeBackbone,
         }
         return backbones[kind].get_layout_map(mesh)
 
@@ -941,6 +966,8 @@ for _kind in ("gemma", "llama"):
     _compiled_case("hub_compiled", _kind, (2, 1))
 for _kind in ("gemma", "llama", "qwen"):
     _compiled_case("hub4_compiled", _kind, (2, 2))
+for _kind in ("qwen_moe", "qwen3_moe"):
+    _compiled_case("moe_compiled", _kind, (1, 2))
 
 
 GPT_LAYOUT = {  # Megatron: column-parallel Q/K/V and FFN in, row-parallel out

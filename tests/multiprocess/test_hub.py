@@ -63,6 +63,15 @@ def test_hub_compiled(runs, name: str) -> None:
     check_compiled(name, ranks, runs.get("hub_compiled", world=1)[0])
 
 
+@pytest.mark.parametrize("name", cases("moe_compiled"))
+def test_moe_compiled(runs, name: str) -> None:
+    """QwenMoe and Qwen3Moe (experts routed with top_k and one_hot, a
+    balancing loss through add_loss) compile to graphs with no break on 2
+    ranks and equal one eager process. See test_upstream_moe for upstream."""
+    ranks = runs.get("moe_compiled", world=2)
+    check_compiled(name, ranks, runs.get("moe_compiled", world=1)[0])
+
+
 @pytest.mark.skipif(not FOUR, reason="4 processes: KERAS_DTENSOR_FIX_FOUR_RANKS=1")
 @pytest.mark.parametrize("name", cases("hub4_compiled"))
 def test_hub_compiled_four_ranks(runs, name: str) -> None:

@@ -16,7 +16,7 @@ setting from the package):
 - :mod:`.promotion`: finding DTensors, promotion, ``PromotionError``,
   ``replicated_locals``, ``to_placements``.
 - :mod:`.gather`: op-specific layouts (embedding lookups, index reductions,
-  batch-only calls, slice updates, gathering outputs).
+  batch-only calls, per-element ops, slice updates, gathering outputs).
 
 Import the names below from the package (``from keras_dtensor_fix.dtensor
 import settle``); the modules are its layout, not its interface.
@@ -39,6 +39,7 @@ from keras_dtensor_fix.dtensor.gather import (
     gather_axes_splitting,
     gather_axis,
     gather_non_batch_axes,
+    per_element_call,
     update_in_place_of,
     vocab_parallel_lookup,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "all_reduce_sum",
     "all_reduce_sums",
     "batch_parallel_call",
+    "per_element_call",
     "describe",
     "find_dtensor",
     "gather_axes_splitting",

@@ -2,8 +2,8 @@
 
 A vocabulary-parallel embedding lookup with no mask state, tables gathered on
 the axes that split their ids, an index reduction's axis gathered, batch-only
-calls (convolutions), in-place slice updates (a KV cache), and a model
-output's non-batch axes gathered for ``predict``.
+calls (convolutions), per-element ops (``one_hot``), in-place slice updates
+(a KV cache), and a model output's non-batch axes gathered for ``predict``.
 """
 
 from __future__ import annotations
@@ -108,6 +108,36 @@ def gather_non_batch_axes(value: Any, batch_dim_name: str | None) -> Any:
         for name in names
     ]
     return value.redistribute(mesh, placements).to_local()
+
+
+def per_element_call(fn: Any, value: Any) -> DTensor | None:
+    """``fn(value)`` on each rank's shard, for an op that maps each element alone.
+
+    ``fn`` may add trailing dims (``one_hot``), which no mesh axis splits.
+    DTensor has no rule for such ops under torch.compile (``one_hot`` checks
+    its values, which a trace cannot), and none is needed: each shard's
+    result is the result's shard. Returns ``None`` for a Partial value.
+    """
+    if not isinstance(value, DTensor):
+        return None
+    if any(p.is_partial() for p in value.placements):
+        return None
+    local = fn(value.to_local())
+    if local.ndim < value.ndim:
+        return None
+    placements = tuple(
+        Shard(p.dim % value.ndim) if isinstance(p, Shard) else p
+        for p in value.placements
+    )
+    shape = torch.Size((*value.shape, *local.shape[value.ndim :]))
+    stride, step = [], 1
+    for size in reversed(shape):  # contiguous, as the local result is
+        stride.insert(0, step)
+        step *= size
+    mesh = value.device_mesh
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=shape, stride=tuple(stride)
+    )
 
 
 def batch_parallel_call(

@@ -139,9 +139,37 @@ def _static_shapes(wrapped, instance, args, kwargs):
         static = _eager_if_compile_fails(static, instance, wrapped.__name__)
         static._keras_dtensor_fix_static = True
         state.set_attribute(instance, attribute, static)
+        _losses_consumed(instance)
         state.note_compiled_step()
         _cache_backend_layouts(instance)
     return result
+
+
+def _losses_consumed(instance) -> None:
+    """A compiled step clears the ``add_loss`` losses once its loss has read them.
+
+    A layer's ``add_loss`` tensor (an MoE router's balancing loss) stays in
+    the layer's ``_losses`` after the loss is computed, so dynamo makes it an
+    output of the forward graph whose ``grad_fn`` ``autograd.grad`` then
+    consumes: a graph break on one process, a failed trace over DTensors; and
+    the next call finds the list non-empty and compiles again. Keras clears
+    the list when the next call starts, so clearing it here changes nothing
+    a step reads. Eager calls are left as they are.
+    """
+    compute_loss = instance._compute_loss
+    if getattr(compute_loss, "_keras_dtensor_fix_clears", False):
+        return
+
+    def compute_and_clear(*args, **kwargs):
+        loss = compute_loss(*args, **kwargs)
+        import torch
+
+        if torch.compiler.is_compiling():
+            instance._clear_losses()
+        return loss
+
+    compute_and_clear._keras_dtensor_fix_clears = True
+    state.set_attribute(instance, "_compute_loss", compute_and_clear)
 
 
 def cache_key_tag(dist, user_tag: str = "") -> str:
@@ -198,7 +226,14 @@ def compile_failure(error: BaseException) -> bool:
     """
     import torch._dynamo.exc as exc
 
-    return isinstance(error, exc.TorchDynamoException)
+    if isinstance(error, exc.TorchDynamoException):
+        return True
+    # An assertion inside dynamo's own checks (DTensor outputs it expected as
+    # fake tensors) is not wrapped in its exception types.
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and "torch/_dynamo/" in frames[-1].filename.replace("\\", "/")
 
 
 def _eager_if_compile_fails(function, instance, make: str):
