@@ -1,0 +1,224 @@
+"""Time to the first compiled step: ``fit()``'s first epoch, compiled and eager.
+
+For each model (``--models``, from hub.py: ``gpt`` and ``gemma``) on 2 ranks,
+mesh (1, 2), its own layout, each round (``--rounds``) runs, in this order and
+each in its own processes:
+
+  eager   jit_compile=False
+  cold    jit_compile=True on an empty torch compile cache (a new
+          TORCHINDUCTOR_CACHE_DIR, which holds inductor's, AOT autograd's and
+          the FX graph caches)
+  warm    jit_compile=True again on the cache the cold run just filled: the
+          same script launched again
+  single-cold, single-warm (``--single``)   the same on one process with no
+          distribution: plain Keras's own compiled start
+
+and prints each first epoch (build, compile, ``--steps`` steps), the second
+epoch (the steady state), the ratios to eager's first epoch paired by round,
+and where a compiled start goes (dynamo's ``compile_times``, rank 0: tracing,
+AOT autograd, inductor).
+
+    python benchmarks/start.py [--rounds 2] [--models gpt,gemma] [--single]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = ("eager", "cold", "warm")
+#: ``--single``: the same model compiled on one process with no distribution
+#: (plain Keras), cold then warm: what tracing costs without DTensor.
+SINGLE = ("single-cold", "single-warm")
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: build, fit two epochs, write the epoch times (rank 0)."""
+    import keras
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    import hub
+
+    torch.set_num_threads(1)
+    if "WORLD_SIZE" in os.environ:
+        keras.distribution.initialize()
+        mesh = keras.distribution.DeviceMesh(
+            (1, 2), ["batch", "model"], keras.distribution.list_devices()
+        )
+        distribution = keras.distribution.ModelParallel(
+            layout_map=hub.layout_map(args.model, mesh), batch_dim_name="batch"
+        )
+        distribution.auto_shard_dataset = False  # each rank feeds the whole batch
+        keras.distribution.set_distribution(distribution)
+    keras.utils.set_random_seed(0)
+    model = hub.build(args.model, args.hidden, args.layers, args.seq)
+    model.jit_compile = args.compiled
+
+    class Epochs(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            # The first epoch counts from fit()'s call: the build is in it.
+            times.append(time.perf_counter() - (begin if epoch == 0 else self.start))
+
+    times: list[float] = []
+    rng = np.random.default_rng(0)
+    n = args.batch * args.steps
+    ids = rng.integers(1, hub.VOCAB, size=(n, args.seq)).astype("int32")
+    x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    begin = time.perf_counter()
+    model.fit(
+        x,
+        np.roll(ids, -1, axis=1),
+        batch_size=args.batch,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[Epochs()],
+    )
+    phases = {}
+    if args.compiled:
+        from torch._dynamo.utils import compile_times
+
+        headers, values = compile_times(repr="csv", aggregate=True)
+        phases = {h: float(v) for h, v in zip(headers, values, strict=False)}
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "first": times[0],
+                    "second": times[1],
+                    "phases": phases,
+                    "graphs": graphs,
+                    "breaks": breaks,
+                    # hits, misses and bypasses of the FX graph and AOT caches
+                    "caches": {
+                        k: v
+                        for group in ("inductor", "aot_autograd")
+                        for k, v in torch._dynamo.utils.counters[group].items()
+                        if "cache" in k
+                    },
+                    "loss": model.history.history["loss"] if model.history else None,
+                }
+            )
+        )
+
+
+def launch(args: argparse.Namespace, model: str, config: str, cache: str) -> dict:
+    out = Path(tempfile.mkdtemp()) / "result.json"
+    env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = cache
+    ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    command = [
+        sys.executable,
+        *([] if config.startswith("single") else ranks),
+        __file__,
+        "--worker",
+        f"--model={model}",
+        f"--out={out}",
+        f"--hidden={args.hidden}",
+        f"--layers={args.layers}",
+        f"--seq={args.seq}",
+        f"--batch={args.batch}",
+        f"--steps={args.steps}",
+    ] + (["--compiled"] if config != "eager" else [])
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.exists():
+        return {"error": proc.stderr[-2000:]}
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="gpt", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--models", default="gpt,gemma")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--single", action="store_true", help="add " + str(SINGLE))
+    parser.add_argument("--json", help="write every run here")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    import torch
+
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, hidden {args.hidden}, "
+        f"{args.layers} layers, seq {args.seq}, batch {args.batch}, "
+        f"{args.steps} steps an epoch, 2 ranks, mesh (1, 2)",
+        flush=True,
+    )
+    runs: dict[str, dict[str, list[dict]]] = {}
+    for round_ in range(args.rounds):
+        for model in args.models.split(","):
+            cache = tempfile.mkdtemp(prefix="start-cache-")
+            single = tempfile.mkdtemp(prefix="start-cache-")
+            for config in CONFIGS + (SINGLE if args.single else ()):
+                if config.startswith("single"):
+                    cache = single
+                result = launch(args, model, config, cache)
+                runs.setdefault(model, {}).setdefault(config, []).append(result)
+                shown = result.get("error", "")[-300:] or (
+                    f"first {result['first']:.1f} s, second {result['second']:.1f}"
+                    f" s, graphs {result['graphs']}, breaks {result['breaks']},"
+                    f" losses {result['loss']}"
+                )
+                print(f"round {round_ + 1} {model} {config}: {shown}", flush=True)
+    report(runs)
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1))
+
+
+def report(runs: dict[str, dict[str, list[dict]]]) -> None:
+    print("\nmodel | config | first epoch s | / eager first (paired) | 2nd epoch s")
+    for model, configs in runs.items():
+        eager = configs["eager"]
+        for config in [c for c in CONFIGS + SINGLE if c in configs]:
+            rows = configs[config]
+            ok = [r for r in rows if "error" not in r]
+            if not ok:
+                print(f"{model} | {config} | failed")
+                continue
+            ratios = [
+                r["first"] / e["first"]
+                for r, e in zip(rows, eager, strict=True)
+                if "error" not in r and "error" not in e
+            ]
+            print(
+                f"{model} | {config} | {statistics.median(r['first'] for r in ok):.1f}"
+                f" | {statistics.median(ratios):.1f}x"
+                f" | {statistics.median(r['second'] for r in ok):.2f}"
+            )
+        for config in [c for c in configs if c != "eager"]:
+            ok = [r for r in configs[config] if "error" not in r]
+            if ok:
+                phases = ok[-1]["phases"]
+                top = sorted(phases.items(), key=lambda kv: -kv[1])[:6]
+                shown = ", ".join(f"{name} {secs:.1f}" for name, secs in top)
+                print(f"  {model} {config} compile phases (s, rank 0): {shown}")
+
+
+if __name__ == "__main__":
+    main()
