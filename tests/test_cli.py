@@ -197,13 +197,8 @@ def _report(rows, *, enabled=True, gate=True, backend="torch", disabled=()):
     }
 
 
-def _summary(report, imported=(), exists=("k.a", "k.b", "k.hook"), **kw):
-    return summarize(
-        report,
-        imported=lambda name: name in imported,
-        exists=lambda name: name in exists,
-        **kw,
-    )
+def _summary(report, exists=("k.a", "k.b"), **kw):
+    return summarize(report, exists=lambda name: name in exists, **kw)
 
 
 def test_summary_counts_and_expected_skips() -> None:
@@ -226,7 +221,6 @@ def test_summary_counts_and_expected_skips() -> None:
                 "no such module in this Keras (layout ops)",
                 "other_layout",
             ),
-            ("f", "k.hook", "*", "pending", "module not imported yet", "not_imported"),
             (
                 "g",
                 "k.b",
@@ -238,10 +232,9 @@ def test_summary_counts_and_expected_skips() -> None:
         ],
         disabled=["g"],
     )
-    summary = _summary(report, imported={"k.hook"})
+    summary = _summary(report)
     assert summary["ok"] and summary["state"] == "active"
     f = summary["families"]["f"]
-    # A module the family only hooks (imported, no row of its own) is no target.
     assert (f["applied"], f["skipped"], f["pending"]) == (1, 2, 0)
     assert f["skipped_because"] == {"inherited": 1, "other layout": 1}
     assert summary["families"]["g"]["state"] == "disabled"
@@ -279,7 +272,7 @@ def test_summary_counts_and_expected_skips() -> None:
 )
 def test_summary_flags_the_unexpected(row, why) -> None:
     report = _report([("f", "k.a", "x", "applied", "wrapped", "wrapped"), row])
-    summary = _summary(report, imported={"k.a"})
+    summary = _summary(report)
     assert not summary["ok"]
     assert len(summary["unexpected"]) == 1
     assert summary["unexpected"][0].startswith(f"f: {why}")
@@ -292,14 +285,14 @@ def test_summary_pending_is_news_only_when_every_target_was_imported() -> None:
             ("f", "k.b", "*", "pending", "module not imported yet", "not_imported"),
         ]
     )
-    assert _summary(report, imported={"k.a"}, all_targets=False)["ok"]
+    assert _summary(report, all_targets=False)["ok"]
 
 
 def test_summary_flags_a_family_that_applied_nothing() -> None:
     # Every row "expected", yet nothing applied in modules this Keras has.
     why = "already patched by family g"
     rows = [("f", "k.a", "C.m", "skipped", why, "patched_by_family")]
-    summary = _summary(_report(rows), imported={"k.a"})
+    summary = _summary(_report(rows))
     assert summary["unexpected"] == ["f: nothing applied although this Keras has k.a"]
 
 

@@ -16,6 +16,7 @@ strict mode is on (``KERAS_DTENSOR_FIX_STRICT=1`` or ``activate(strict=True)``).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import sys
 import threading
@@ -159,8 +160,15 @@ def _on_import(module: types.ModuleType) -> None:
 
 def _apply_module(module: types.ModuleType) -> None:
     for family in loader.families():
-        if _enabled(family) and module.__name__ in family.modules:
-            _apply_family(family, module)
+        if _enabled(family):
+            _apply_to(family, module)
+
+
+def _apply_to(family: loader.Family, module: types.ModuleType) -> None:
+    if module.__name__ in family.modules:
+        _apply_family(family, module)
+    elif family.preload and module.__name__ == targets.KERAS:
+        _preload(family)
 
 
 def _flush_deferred() -> None:
@@ -170,13 +178,13 @@ def _flush_deferred() -> None:
         _deferred.pop(key, None)
         module = sys.modules.get(key[1])
         if module is not None:
-            _apply_family(family, module)
+            _apply_to(family, module)
 
 
 def _gate_open(family: loader.Family, module: str) -> bool:
     """Whether ``family`` may act on ``module`` now (undecided: deferred).
 
-    The module gets a row saying why not.
+    A target module gets a row saying why not.
     """
     key = (id(family), module)
     if family.gated:
@@ -184,15 +192,27 @@ def _gate_open(family: loader.Family, module: str) -> bool:
         if verdict.ok is not True:
             if verdict.ok is None:
                 _deferred[key] = family
-            state, cause = (
-                (PENDING, Cause.GATE_UNDECIDED)
-                if verdict.ok is None
-                else (SKIPPED, Cause.GATE_CLOSED)
-            )
-            _row(family, module, ANY, state, cause, verdict.reason)
+            if module in family.modules:
+                state, cause = (
+                    (PENDING, Cause.GATE_UNDECIDED)
+                    if verdict.ok is None
+                    else (SKIPPED, Cause.GATE_CLOSED)
+                )
+                _row(family, module, ANY, state, cause, verdict.reason)
             return False
     _deferred.pop(key, None)
     return True
+
+
+def _preload(family: loader.Family) -> None:
+    """Keras is in: import the family's modules, whose hooks apply it now."""
+    if not _gate_open(family, targets.KERAS):
+        return
+    for name in family.modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - never break the user's import
+            _fail(f"family {family.name}: preloading {name} failed")
 
 
 # -- apply / revert -------------------------------------------------------------
@@ -341,15 +361,15 @@ def activate(
         _active = True
         try:
             # Each module once: a module hook applies every family that
-            # targets it, so a failing family warns once. ``keras`` and
-            # ``distribution_lib`` decide a deferred gate.
+            # targets it, so a failing family warns once. ``keras`` runs the
+            # preloads; it and ``distribution_lib`` decide a deferred gate.
             names = dict.fromkeys(
                 name
                 for family in loader.families()
                 if _enabled(family)
                 for name in family.modules
             )
-            names.update(dict.fromkeys(("keras", targets.DISTRIBUTION_LIB)))
+            names.update(dict.fromkeys((targets.KERAS, targets.DISTRIBUTION_LIB)))
             for name in names:
                 hooks.ensure(name, _on_import)
         except PatchError:

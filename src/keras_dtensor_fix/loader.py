@@ -37,6 +37,7 @@ class Family:
     modules: tuple[str, ...]
     source: str  # the implementation's module name
     gated: bool = True
+    preload: bool = False  # import ``modules`` once Keras is imported
     implementation: Implementation | None = None
     error: str | None = None  # why the implementation is unusable
     key: object = None  # what registered it (a family module)
@@ -47,7 +48,7 @@ def _from_row(row: _table.Family) -> Family:
         dict.fromkeys(name for kind in row.kinds for name in targets.modules(kind))
     )
     source = f"{PATCHES}.{row.implementation}"
-    return Family(row.name, modules, source, row.gated)
+    return Family(row.name, modules, source, row.gated, row.preload)
 
 
 _families: list[Family] | None = None

@@ -278,14 +278,12 @@ def _judge(
 def summarize(
     report: dict[str, Any],
     *,
-    imported: Callable[[str], bool] | None = None,
     exists: Callable[[str], bool] | None = None,
     all_targets: bool = True,
 ) -> dict[str, Any]:
     """What a person needs from ``report``: state, family counts, the unexpected.
 
-    ``imported`` and ``exists`` tell whether a module is imported in this
-    process and whether this Keras has it (defaults: ``sys.modules`` and
+    ``exists`` tells whether this Keras has a module (default:
     :func:`keras_dtensor_fix.targets.find_spec`); ``all_targets`` says whether
     every existing target module was imported, so that one still pending is
     news. Keys: ``state`` (``active``, ``off``, ``idle`` or ``waiting``),
@@ -295,7 +293,6 @@ def summarize(
     """
     import platform
 
-    imported = imported or (lambda name: name in sys.modules)
     exists = exists or (lambda name: targets.find_spec(name) is not None)
     gate = report["gate"]
     working = report["enabled"] and gate["ok"] is True
@@ -303,15 +300,6 @@ def summarize(
     unexpected: list[str] = []
     for row in report["targets"]:
         state, module, reason = row["state"], row["module"], row["reason"]
-        if (
-            working
-            and state == PENDING
-            and row["attribute"] == ANY
-            and imported(module)
-        ):
-            # A module the family only hooks (it wraps nothing there, as the
-            # optimizers family's hook on ``keras``): not a target.
-            continue
         family = _count(families, row["family"], state)
         if not module.startswith("keras_dtensor_fix."):
             family["modules"].add(module)

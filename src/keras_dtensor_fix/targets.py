@@ -21,6 +21,8 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
+#: The package whose import completes Keras: families' preloads run then.
+KERAS = "keras"
 KERAS_TORCH = "keras.src.backend.torch"
 CONFIG_MODULE = "keras.src.backend.config"
 DISTRIBUTION_LIB = f"{KERAS_TORCH}.distribution_lib"
@@ -82,9 +84,6 @@ MODULES: dict[str, tuple[str, ...]] = {
     "random": (f"{KERAS_TORCH}.random",),
     "optimizers": tuple(f"{_OPTIMIZERS}.torch_{name}" for name in OPTIMIZERS),
     "parallel_optimizer": (f"{_OPTIMIZERS}.torch_parallel_optimizer",),
-    # Keras imports its torch optimizers only when one is built; the
-    # optimizers family imports them when ``keras`` is complete.
-    "keras": ("keras",),
     "loss_and_metrics": (COMPILE_UTILS, "keras.src.metrics.reduction_metrics"),
     "dense_layers": ("keras.src.layers.core.dense", EINSUM_DENSE),
     "saving": ("keras.src.saving.saving_lib",),
