@@ -40,8 +40,9 @@ class Implementation:
     ``patches(module)`` lists the patches for one imported target module
     (raising :class:`LookupError` means "this Keras has no such target": a
     one-line warning and a status row). ``after_apply`` runs once per target
-    module after its patches, ``after_revert`` once after deactivation, and
-    ``notes`` says what the family found about this Keras build (``status``).
+    module after its patches, ``after_revert`` on deactivation once for each
+    ``after_apply`` that ran, and ``notes`` says what the family found about
+    this Keras build (``status``).
     """
 
     patches: Callable[[types.ModuleType], Iterable[Patch]]

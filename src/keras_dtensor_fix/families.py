@@ -25,7 +25,7 @@ class Family:
     kinds: tuple[str, ...]
     #: Module under ``keras_dtensor_fix.patches`` that implements it.
     implementation: str
-    #: What it fixes, in one line (the README and ``status`` show it).
+    #: What it fixes, in one line (for the reader of this table).
     summary: str
     #: Applied only under Keras's torch backend with distribution support.
     gated: bool = True
