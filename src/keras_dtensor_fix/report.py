@@ -132,7 +132,7 @@ def _placeholder(
         return _row(family.name, module, ANY, PENDING, Cause.NOT_ACTIVE, why)
     if family.gated and gate.ok is False:
         return _row(family.name, module, ANY, SKIPPED, Cause.GATE_CLOSED, gate.reason)
-    if "keras" in sys.modules and targets.find_spec(module) is None:
+    if targets.KERAS in sys.modules and targets.find_spec(module) is None:
         why = f"no such module in this Keras (layout {targets.layout()})"
         return _row(family.name, module, ANY, SKIPPED, Cause.OTHER_LAYOUT, why)
     why = "module not imported yet"
