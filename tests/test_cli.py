@@ -23,7 +23,7 @@ KEYS = {
     "warnings",
     "summary",
 }
-FIELDS = ("family", "module", "attribute", "state", "reason")
+FIELDS = ("family", "module", "attribute", "state", "reason", "cause")
 SUMMARY_KEYS = {"state", "headline", "python", "families", "unexpected", "ok"}
 
 # Keras's own random module moved dropout away: the family says so with a
@@ -197,30 +197,44 @@ def _report(rows, *, enabled=True, gate=True, backend="torch", disabled=()):
     }
 
 
-def _summary(report, imported=(), exists=("k.a", "k.b", "k.hook"), **kw):
-    return summarize(
-        report,
-        imported=lambda name: name in imported,
-        exists=lambda name: name in exists,
-        **kw,
-    )
+def _summary(report, exists=("k.a", "k.b"), **kw):
+    return summarize(report, exists=lambda name: name in exists, **kw)
 
 
 def test_summary_counts_and_expected_skips() -> None:
     report = _report(
         [
-            ("f", "k.a", "x", "applied", "wrapped"),
-            ("f", "k.a", "C.m", "skipped", "inherited from B; covered by its patch"),
-            ("f", "k.old", "*", "skipped", "no such module in this Keras (layout ops)"),
-            ("f", "k.hook", "*", "pending", "module not imported yet"),
-            ("g", "k.b", "*", "disabled", "disabled by KERAS_DTENSOR_FIX_DISABLE"),
+            ("f", "k.a", "x", "applied", "wrapped", "wrapped"),
+            (
+                "f",
+                "k.a",
+                "C.m",
+                "skipped",
+                "inherited from B; covered by its patch",
+                "inherited",
+            ),
+            (
+                "f",
+                "k.old",
+                "*",
+                "skipped",
+                "no such module in this Keras (layout ops)",
+                "other_layout",
+            ),
+            (
+                "g",
+                "k.b",
+                "*",
+                "disabled",
+                "disabled by KERAS_DTENSOR_FIX_DISABLE",
+                "disabled",
+            ),
         ],
         disabled=["g"],
     )
-    summary = _summary(report, imported={"k.hook"})
+    summary = _summary(report)
     assert summary["ok"] and summary["state"] == "active"
     f = summary["families"]["f"]
-    # A module the family only hooks (imported, no row of its own) is no target.
     assert (f["applied"], f["skipped"], f["pending"]) == (1, 2, 0)
     assert f["skipped_because"] == {"inherited": 1, "other layout": 1}
     assert summary["families"]["g"]["state"] == "disabled"
@@ -235,17 +249,30 @@ def test_summary_counts_and_expected_skips() -> None:
 @pytest.mark.parametrize(
     ("row", "why"),
     [
-        (("f", "k.a", "y", "skipped", "not found: k.a.y"), "k.a.y skipped: not found"),
         (
-            ("f", "k.a", "C.m", "skipped", "inherited from B; not patched there"),
+            ("f", "k.a", "y", "skipped", "not found: k.a.y", "not_found"),
+            "k.a.y skipped: not found",
+        ),
+        (
+            (
+                "f",
+                "k.a",
+                "C.m",
+                "skipped",
+                "inherited from B; not patched there",
+                "inherited_unpatched",
+            ),
             "k.a.C.m skipped: inherited from B; not patched there",
         ),
-        (("f", "k.b", "*", "pending", "module not imported yet"), "k.b pending"),
+        (
+            ("f", "k.b", "*", "pending", "module not imported yet", "not_imported"),
+            "k.b pending",
+        ),
     ],
 )
 def test_summary_flags_the_unexpected(row, why) -> None:
-    report = _report([("f", "k.a", "x", "applied", "wrapped"), row])
-    summary = _summary(report, imported={"k.a"})
+    report = _report([("f", "k.a", "x", "applied", "wrapped", "wrapped"), row])
+    summary = _summary(report)
     assert not summary["ok"]
     assert len(summary["unexpected"]) == 1
     assert summary["unexpected"][0].startswith(f"f: {why}")
@@ -254,25 +281,27 @@ def test_summary_flags_the_unexpected(row, why) -> None:
 def test_summary_pending_is_news_only_when_every_target_was_imported() -> None:
     report = _report(
         [
-            ("f", "k.a", "x", "applied", "wrapped"),
-            ("f", "k.b", "*", "pending", "module not imported yet"),
+            ("f", "k.a", "x", "applied", "wrapped", "wrapped"),
+            ("f", "k.b", "*", "pending", "module not imported yet", "not_imported"),
         ]
     )
-    assert _summary(report, imported={"k.a"}, all_targets=False)["ok"]
+    assert _summary(report, all_targets=False)["ok"]
 
 
 def test_summary_flags_a_family_that_applied_nothing() -> None:
     # Every row "expected", yet nothing applied in modules this Keras has.
-    rows = [("f", "k.a", "C.m", "skipped", "already patched by family g")]
-    summary = _summary(_report(rows), imported={"k.a"})
+    why = "already patched by family g"
+    rows = [("f", "k.a", "C.m", "skipped", why, "patched_by_family")]
+    summary = _summary(_report(rows))
     assert summary["unexpected"] == ["f: nothing applied although this Keras has k.a"]
 
 
 def test_summary_off_and_idle_are_not_errors() -> None:
-    pending = [("f", "k.a", "*", "pending", "keras_dtensor_fix is not active")]
+    why = "keras_dtensor_fix is not active"
+    pending = [("f", "k.a", "*", "pending", why, "not_active")]
     off = _summary(_report(pending, enabled=False))
     assert off["state"] == "off" and off["ok"]
-    gated = [("f", "k.a", "*", "skipped", "gate says so")]
+    gated = [("f", "k.a", "*", "skipped", "gate says so", "gate_closed")]
     idle = _summary(_report(gated, gate=False, backend="numpy"))
     assert idle["state"] == "idle" and idle["ok"]
     assert idle["families"]["f"]["skipped_because"] == {"gate": 1}

@@ -56,35 +56,12 @@ def status() -> dict[str, Any]:
     Keys: ``version``, ``keras`` (``version``, ``distribution``), ``torch``
     (``version``), ``backend``, ``layout``, ``enabled``, ``why``, ``gate``
     (``ok``, ``reason``), ``disabled_families``, ``targets`` (rows with
-    ``family``, ``module``, ``attribute``, ``state``, ``reason``) and
-    ``warnings``. Reading it imports neither keras nor torch.
+    ``family``, ``module``, ``attribute``, ``state``, ``cause``, ``reason``),
+    ``warnings`` and ``notes``. Reading it imports neither keras nor torch.
     """
-    from . import config, engine, targets
+    from . import report
 
-    cfg = config.load(warn=False)
-    report = engine.state()
-    keras_version, keras_dist = targets.keras_version()
-    warnings = list(cfg.warnings) + report.pop("warnings")
-    installed = targets.installed_keras()
-    if len(installed) > 1:
-        names = ", ".join(f"{name} {version}" for name, version in installed)
-        warnings.append(f"several Keras distributions are installed ({names})")
-    enabled = report.pop("active")
-    why = report.pop("why")
-    if not enabled and why == "not activated":
-        why = _bootstrap.reason if _bootstrap.reason != "not booted" else cfg.reason
-    return {
-        "version": __version__,
-        "keras": {"version": keras_version, "distribution": keras_dist},
-        "torch": {"version": targets.torch_version()},
-        "backend": targets.backend(),
-        "layout": targets.layout(),
-        "enabled": enabled,
-        "why": why,
-        **report,
-        "warnings": warnings,
-        "notes": engine.notes(),
-    }
+    return report.report()
 
 
 _bootstrap.boot()

@@ -1,4 +1,8 @@
-"""``python -m keras_dtensor_fix status [--verbose|--json] [--check]``, ``demo``."""
+"""``python -m keras_dtensor_fix status [--verbose|--json] [--check]``, ``demo``.
+
+The report and its summary are :mod:`keras_dtensor_fix.report`'s; this
+module loads Keras, prints them and parses arguments.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,11 @@ import argparse
 import importlib
 import json
 import os
-import platform
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import keras_dtensor_fix
+from keras_dtensor_fix.report import PENDING, STATES, summarize
 
 
 def _load_keras(all_targets: bool) -> list[str]:
@@ -29,7 +32,7 @@ def _load_keras(all_targets: bool) -> list[str]:
     if targets.gate().ok:
         for row in engine.rows():
             module = row["module"]
-            if row["state"] == engine.PENDING and targets.find_spec(module):
+            if row["state"] == PENDING and targets.find_spec(module):
                 try:
                     importlib.import_module(module)
                 except Exception as exc:  # noqa: BLE001
@@ -78,17 +81,7 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# -- the summary ------------------------------------------------------------------
-
-#: Why a target may be skipped on a healthy install (reason prefix -> the
-#: summary's word for it). Any other skip is unexpected.
-EXPECTED_SKIPS: dict[str, str] = {
-    "no such module in this Keras": "other layout",
-    "already patched by family": "patched by another family",
-    "nothing to patch in this Keras": "nothing to patch",
-}
-STATES = ("applied", "skipped", "pending", "disabled", "reverted")
-#: How the text summary spells each kind of skip.
+#: How the text summary spells each kind of skip (words of ``report.EXPECTED``).
 SKIP_WORDS = {
     "inherited": "inherited (its parent's patch covers it)",
     "other layout": "module of the other Keras layout",
@@ -103,121 +96,6 @@ def _plural(words: str, count: int) -> str:
     if count == 1 or first != "module":
         return words
     return f"modules {rest}"
-
-
-def _expected_skip(reason: str, gate: dict[str, Any]) -> str | None:
-    """The summary's word for an expected skip reason, or ``None``."""
-    if reason.startswith("inherited from ") and reason.endswith("covered by its patch"):
-        return "inherited"
-    for prefix, word in EXPECTED_SKIPS.items():
-        if reason.startswith(prefix):
-            return word
-    if gate["ok"] is False and reason == gate["reason"]:
-        return "gate"
-    return None
-
-
-def summarize(
-    report: dict[str, Any],
-    *,
-    imported: Callable[[str], bool] | None = None,
-    exists: Callable[[str], bool] | None = None,
-    all_targets: bool = True,
-) -> dict[str, Any]:
-    """What a person needs from ``report``: state, family counts, the unexpected.
-
-    ``imported`` and ``exists`` tell whether a module is imported in this
-    process and whether this Keras has it (defaults: ``sys.modules`` and
-    :func:`keras_dtensor_fix.targets.find_spec`); ``all_targets`` says whether
-    every existing target module was imported, so that one still pending is
-    news. Keys: ``state`` (``active``, ``off``, ``idle`` or ``waiting``),
-    ``headline``, ``python``, ``families`` (name -> ``state`` and a count per
-    row state, plus ``skipped_because``), ``unexpected`` (lines) and ``ok``
-    (no unexpected line).
-    """
-    from keras_dtensor_fix import targets
-
-    imported = imported or (lambda name: name in sys.modules)
-    exists = exists or (lambda name: targets.find_spec(name) is not None)
-    gate = report["gate"]
-    working = report["enabled"] and gate["ok"] is True
-    families: dict[str, dict[str, Any]] = {}
-    unexpected: list[str] = []
-    for row in report["targets"]:
-        family = families.setdefault(
-            row["family"],
-            {**dict.fromkeys(STATES, 0), "skipped_because": {}, "modules": set()},
-        )
-        state, module, reason = row["state"], row["module"], row["reason"]
-        if (
-            working
-            and state == "pending"
-            and row["attribute"] == "*"
-            and imported(module)
-        ):
-            # A module the family only hooks (it wraps nothing there, as the
-            # optimizers family's hook on ``keras``): not a target.
-            continue
-        family[state] = family.get(state, 0) + 1
-        if not module.startswith("keras_dtensor_fix."):
-            family["modules"].add(module)
-        target = module if row["attribute"] == "*" else f"{module}.{row['attribute']}"
-        if state == "skipped":
-            word = _expected_skip(reason, gate)
-            if word is None:
-                word = "unexpected"
-                unexpected.append(f"{row['family']}: {target} skipped: {reason}")
-            because = family["skipped_because"]
-            because[word] = because.get(word, 0) + 1
-        elif state == "pending" and working and all_targets and exists(module):
-            unexpected.append(f"{row['family']}: {target} pending: {reason}")
-    disabled = set(report["disabled_families"])
-    for name, family in families.items():
-        modules = family.pop("modules")
-        if family["applied"]:
-            family["state"] = "applied"
-        elif family["disabled"] or name in disabled or "*" in disabled:
-            family["state"] = "disabled"
-        elif family["pending"]:
-            family["state"] = "pending"
-        else:
-            family["state"] = "skipped"
-            present = sorted(m for m in modules if exists(m))
-            flagged = any(line.startswith(f"{name}: ") for line in unexpected)
-            if working and present and not flagged:
-                unexpected.append(
-                    f"{name}: nothing applied although this Keras has "
-                    f"{', '.join(present)}"
-                )
-    if report["enabled"] and report["backend"] == "torch" and gate["ok"] is False:
-        # Keras's torch backend without DTensor support: the plugin is
-        # installed for nothing, and ModelParallel cannot work.
-        unexpected.append(f"gate: {gate['reason']}")
-    applied = sum(f["applied"] for f in families.values())
-    patched = sum(1 for f in families.values() if f["applied"])
-    # The headline says what holds; the lines under it say why.
-    if not report["enabled"]:
-        state, headline = "off", "OFF: upstream Keras runs unpatched"
-    elif gate["ok"] is False:
-        state, headline = "idle", "IDLE: nothing to patch here"
-    elif gate["ok"] is None:
-        state, headline = "waiting", "WAITING: nothing patched yet"
-    else:
-        state = "active"
-        headline = f"ACTIVE: {applied} targets patched in {patched} families"
-        if not applied:
-            headline = "ACTIVE, but nothing is patched"
-        off = [n for n, f in families.items() if f["state"] == "disabled"]
-        if off:
-            headline += f" ({len(off)} disabled: {', '.join(off)})"
-    return {
-        "state": state,
-        "headline": headline,
-        "python": platform.python_version(),
-        "families": families,
-        "unexpected": unexpected,
-        "ok": not unexpected,
-    }
 
 
 def _family_table(families: dict[str, dict[str, Any]]) -> list[str]:

@@ -41,7 +41,14 @@ from keras_dtensor_fix.checkpoint_files import (
     _resolve,
 )
 
-__all__ = ["Checkpoint", "CheckpointError", "CheckpointMismatchError", "load", "save"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "PendingSave",
+    "load",
+    "save",
+]
 
 FORMAT = 1
 #: How many names a mismatch error lists per kind before "... and N more".

@@ -31,6 +31,7 @@ from typing import Any
 #: Epochs per run; the first is the warm-up (and compilation) and is not timed.
 EPOCHS = 5
 SAMPLES, BATCH = 1024, 32
+STEPS = SAMPLES // BATCH  # per epoch
 FEATURES, HIDDEN, OUTPUTS = 64, 512, 8
 #: Losses of the plugin's runs must match the one-process run to this.
 RTOL = 1e-5
@@ -103,7 +104,7 @@ def _train(jit_compile: bool, say: Any) -> dict[str, Any]:
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             times.append(time.perf_counter() - self.start)
             loss = (logs or {}).get("loss", float("nan"))
-            ms = 1000 * times[-1] / (SAMPLES // BATCH)
+            ms = 1000 * times[-1] / STEPS
             say(
                 f"  epoch {epoch + 1}/{EPOCHS}: {times[-1]:.1f} s "
                 f"({ms:.0f} ms/step), loss {loss:.6f}"
@@ -121,13 +122,12 @@ def _train(jit_compile: bool, say: Any) -> dict[str, Any]:
             verbose=0,
             callbacks=[Clock()],
         )
-    steps = SAMPLES // BATCH
     kernel = model.get_layer("hidden").kernel.value
     return {
         "losses": [float(v) for v in history.history["loss"]],
         "epoch_s": times,
         # The median of the timed epochs: other jobs on the machine add noise.
-        "ms_per_step": 1000 * statistics.median(times[1:]) / steps,
+        "ms_per_step": 1000 * statistics.median(times[1:]) / STEPS,
         # Measured, not assumed: graphs dynamo made during fit.
         "compiled": _dynamo_graphs() > graphs,
         "jit_refused": _jit_warning(caught),
@@ -137,10 +137,8 @@ def _train(jit_compile: bool, say: Any) -> dict[str, Any]:
 
 def _dynamo_graphs() -> int:
     """How many graphs torch.compile has made in this process so far."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:  # pragma: no cover - a torch without dynamo
-        return 0
+    from torch._dynamo.utils import counters
+
     return int(counters["stats"]["unique_graphs"])
 
 
@@ -203,7 +201,7 @@ def _worker(out: Path, runs: Sequence[str]) -> None:
         except Exception as exc:  # noqa: BLE001 - a probe must not stop the demo
             report["jit_probe"] = f"probe failed: {_first_line(exc)}"
     for run in runs:
-        say(f"{run}: training {EPOCHS} epochs of {SAMPLES // BATCH} steps")
+        say(f"{run}: training {EPOCHS} epochs of {STEPS} steps")
         try:
             result = _train(run == "jit", say)
         except Exception as exc:  # noqa: BLE001 - upstream's failure is a result
@@ -328,12 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs:
         parser.error(f"unrecognized arguments: {' '.join(args.runs)}")
 
-    steps = SAMPLES // BATCH
     print(
         "Why install keras-dtensor-fix: one training script, with the plugin off "
         "and on.\n"
         f"  model.fit of a {FEATURES}-{HIDDEN}-{HIDDEN}-{OUTPUTS} MLP (Adam, "
-        f"{EPOCHS} epochs of {steps} steps) under ModelParallel on 2 CPU\n"
+        f"{EPOCHS} epochs of {STEPS} steps) under ModelParallel on 2 CPU\n"
         "  processes (gloo), hidden kernels sharded column- and row-wise; then "
         "one process\n"
         "  for the reference losses. Time per step: the median of the epochs "
@@ -397,10 +394,8 @@ def report(
     if "kernel" in eager:
         print(f"hidden/kernel on rank 0 with the plugin: {eager['kernel']}")
     modes = plugin.get("dispatch_modes")
-    print(
-        "dispatch modes active during training with the plugin: "
-        f"{', '.join(modes) if modes else 'none'}"
-    )
+    listed = ", ".join(modes or ()) or "none"
+    print(f"dispatch modes active during training with the plugin: {listed}")
 
     finished = [(short, run) for short, _, run in rows if "losses" in run]
     if len(finished) > 1:

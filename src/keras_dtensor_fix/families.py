@@ -25,18 +25,23 @@ class Family:
     kinds: tuple[str, ...]
     #: Module under ``keras_dtensor_fix.patches`` that implements it.
     implementation: str
-    #: What it fixes, in one line (the README and ``status`` show it).
+    #: What it fixes, in one line (for the reader of this table).
     summary: str
     #: Applied only under Keras's torch backend with distribution support.
     gated: bool = True
+    #: Import its modules as soon as Keras is imported. Keras imports some
+    #: only when first used (a torch optimizer, when one is built): their
+    #: patches would land late, and ``status`` would not see them.
+    preload: bool = False
 
 
 FAMILIES: tuple[Family, ...] = (
     Family(
         "optimizers",
-        ("optimizers", "parallel_optimizer", "keras"),
+        ("optimizers", "parallel_optimizer"),
         "optimizers",
         "optimizer steps on aligned gradients, shard-wise",
+        preload=True,
     ),
     Family(
         "numpy",

@@ -2,38 +2,39 @@
 
 The ``numpy`` and ``ops`` families wrap the torch backend's multi-tensor
 functions with :func:`wrapper_for`. A wrapper whose arguments hold no DTensor
-calls the original at once (the fast path: a set lookup per argument).
-Otherwise:
+calls the original at once (the fast path: a set lookup per argument type,
+lists and tuples searched). Otherwise the rows of :data:`HANDLERS` that apply
+to the op (chosen once, when its wrapper is made) run in this order, each on
+the same :class:`Call`, until one returns something other than
+:data:`NOT_HANDLED`:
 
-* a *special* op (:data:`SPECIAL`: convolutions, attention, ``slice_update``)
-  runs its own handler, which knows the op's signature;
-* any other op runs the handlers of :data:`HANDLERS` that apply to it, in
-  this order, until one returns a result:
-
-  1. ``lookup`` (``take``): the table gathered on the mesh axes that split the
-     ids (:func:`~keras_dtensor_fix.dtensor.gather_axes_splitting`); under
-     torch.compile a row-split table is looked up vocab-parallel. It rewrites
-     the arguments and hands on.
-  2. ``index`` (``argmax``, ``argmin``) and ``classes`` (the cross-entropies
-     of :data:`CLASS_AXIS_LOSSES`): the operand gathered on the reduced dim or
-     the class axis (:func:`~keras_dtensor_fix.dtensor.gather_axis`, once per
-     activation: a loss and an accuracy metric on the same vocabulary-sharded
-     logits share one all-gather); hands on.
-  3. ``local`` (``einsum``, ``matmul``): operands whose placements have a local
+  1. ``convolution`` (``conv``, ``depthwise_conv``, ``conv_transpose``,
+     ``separable_conv``): per rank on its batch rows, kernels gathered.
+  2. ``attention`` (``dot_product_attention``): per rank on the query's batch
+     and head shards.
+  3. ``slice_update``: the write on local tensors in the updates' placements.
+  4. ``lookup`` (``take``): the table gathered on the mesh axes that split the
+     ids; under torch.compile a row-split table is looked up vocab-parallel.
+     Rewrites ``x`` and hands on.
+  5. ``index`` (``argmax``, ``argmin``) and 6. ``classes`` (the
+     cross-entropies of :data:`CLASS_AXIS_LOSSES`): the operand gathered on
+     the reduced dim or the class axis, once per activation (a loss and an
+     accuracy metric on the same vocabulary-sharded logits share one
+     all-gather). Rewrite the operand and hand on.
+  7. ``local`` (``einsum``, ``matmul``): operands whose placements have a local
      form run as one local einsum; a Partial result is reduced where it is made.
-  4. ``per_element`` (``one_hot``): each rank's shard mapped alone, the
-     placements kept (:func:`~keras_dtensor_fix.dtensor.per_element_call`);
-     DTensor has no rule for ``one_hot`` under torch.compile.
-  5. ``replicated``: every DTensor operand replicated and no gradient (a step
+  8. ``per_element`` (``one_hot``): each rank's shard mapped alone, the
+     placements kept; DTensor has no rule for ``one_hot`` under torch.compile.
+  9. ``replicated``: every DTensor operand replicated and no gradient (a step
      counter, a metric): the op on local tensors, the result wrapped once.
-  6. ``promote``: plain tensors next to a DTensor become Replicate DTensors (a
-     plain operand of one rank's shard size is refused in elementwise ops),
-     then the op; a contraction's Partial result, or a masked lookup's, is
-     reduced. If DTensor has no rule for the op, it runs on full values.
-     Always returns.
+  10. ``promote``: plain tensors next to a DTensor become Replicate DTensors (a
+      plain operand of one rank's shard size is refused in elementwise ops),
+      then the op; a contraction's Partial result, or a masked lookup's, is
+      reduced. If DTensor has no rule for the op, it runs on full values.
 
-Adding a handler is a function here and a row in :data:`HANDLERS` (or an entry
-in :data:`SPECIAL` for an op that needs its own signature).
+Rows 1-3 (in :mod:`keras_dtensor_fix.handlers_layout`) and 10 always return.
+Adding a handler is a function taking a :class:`Call` and one row in
+:data:`HANDLERS`, with its line in this list.
 """
 
 from __future__ import annotations
@@ -44,11 +45,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from keras_dtensor_fix.values import (
-    promote_call,
-    resolve,
-    variable_class,
-)
+from keras_dtensor_fix import handlers_layout as layout
+from keras_dtensor_fix.values import promote_call, resolve, variable_class
+
+__all__ = [
+    "HANDLERS",
+    "NOT_HANDLED",
+    "Call",
+    "Handler",
+    "Op",
+    "target_names",
+    "wrapper_for",
+]
 
 SEQUENCE_PARAMS = frozenset({"xs", "arrays", "tensors", "condlist", "choicelist"})
 # Binary ops whose operands broadcast elementwise: a plain operand of one
@@ -85,25 +93,16 @@ CONTRACTIONS = frozenset({"matmul", "dot", "inner", "tensordot", "vdot", "einsum
 INDEX_REDUCTIONS = frozenset({"argmax", "argmin"})
 
 
-# Losses reading the whole class axis (``axis``, default -1) of ``output``
-# (their second argument): the softmax over a sharded axis needs all of it.
+# Losses reading the whole class axis (``axis``, default -1) of ``output``:
+# the softmax over a sharded axis needs all of it.
 CLASS_AXIS_LOSSES = frozenset(
     {"sparse_categorical_crossentropy", "categorical_crossentropy"}
 )
 
 
-# Ops mapping each element of their first argument to new trailing dims
-# (``axis``, default -1, says where the new dim goes).
+# Ops mapping each element of ``x`` to new trailing dims (``axis``, default
+# -1, says where the new dim goes).
 PER_ELEMENT = frozenset({"one_hot"})
-
-
-# Convolutions and the names of their kernels.
-CONVOLUTIONS = {
-    "conv": ("kernel",),
-    "depthwise_conv": ("kernel",),
-    "conv_transpose": ("kernel",),
-    "separable_conv": ("depthwise_kernel", "pointwise_kernel"),
-}
 
 
 def takes_several_tensors(fn: Any) -> bool:
@@ -135,10 +134,10 @@ def target_names(module: types.ModuleType) -> list[str]:
     )
 
 
-def is_elementwise(name: str, fn: Any) -> bool:
+def is_elementwise(name: str, signature: inspect.Signature) -> bool:
     if name in NOT_ELEMENTWISE:
         return False
-    params = list(inspect.signature(fn).parameters)[:2]
+    params = list(signature.parameters)[:2]
     return params in (["x1", "x2"], ["x", "y"]) or name in ("where", "clip")
 
 
@@ -149,21 +148,64 @@ class Op:
     name: str
     elementwise: bool  # operands broadcast elementwise (per-rank shards refused)
     contraction: bool  # a product over an axis: a Partial result is reduced
+    signature: inspect.Signature | None  # binds a call's arguments by name
 
 
 #: A handler's "not mine": the next handler runs.
 NOT_HANDLED = object()
 
 
-@dataclass(frozen=True)
-class Rewritten:
-    """A handler's new arguments for the handlers after it."""
-
-    args: tuple
-    kwargs: dict
+class _Unbound(Exception):
+    """The call does not fit the op's signature: the op itself says why."""
 
 
-Handle = Callable[[Op, Callable[..., Any], tuple, dict], Any]
+class Call:
+    """One call of a wrapped op on the slow path, shared by its handlers.
+
+    :attr:`arguments` binds the call to the op's signature at first use, once
+    (handlers that need no names never pay for it). A handler that writes an
+    argument there rewrites the call for the handlers after it; :meth:`run`
+    calls the original with the call as it stands.
+    """
+
+    __slots__ = ("op", "wrapped", "_args", "_kwargs", "_bound")
+
+    def __init__(
+        self, op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> None:
+        self.op, self.wrapped = op, wrapped
+        self._args, self._kwargs = args, kwargs
+        self._bound: inspect.BoundArguments | None = None
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """The arguments by parameter name (defaults not filled in); writable."""
+        if self._bound is None:
+            if self.op.signature is None:
+                raise _Unbound(self.op.name)
+            try:
+                self._bound = self.op.signature.bind(*self._args, **self._kwargs)
+            except TypeError as exc:
+                raise _Unbound(self.op.name) from exc
+        return self._bound.arguments
+
+    @property
+    def args(self) -> tuple:
+        return self._args if self._bound is None else self._bound.args
+
+    @property
+    def kwargs(self) -> dict:
+        return self._kwargs if self._bound is None else self._bound.kwargs
+
+    def run(self, **changes: Any) -> Any:
+        """The original on this call, with ``changes`` to its arguments if any.
+
+        ``changes`` leave the call itself as it was.
+        """
+        if not changes:
+            return self.wrapped(*self.args, **self.kwargs)
+        bound = inspect.BoundArguments(self.op.signature, {**self.arguments, **changes})
+        return self.wrapped(*bound.args, **bound.kwargs)
 
 
 @dataclass(frozen=True)
@@ -171,84 +213,85 @@ class Handler:
     """One row of :data:`HANDLERS`."""
 
     name: str
-    applies: Callable[[Op], bool]
-    handle: Handle
+    applies: Callable[[Op], bool]  # asked once per op, when its wrapper is made
+    handle: Callable[[Call], Any]  # a result, or NOT_HANDLED
 
 
-def _axis(args: tuple, kwargs: dict) -> Any:
-    """The ``axis`` argument of ``take(x, indices, axis=None)``."""
-    return args[2] if len(args) > 2 else kwargs.get("axis")
-
-
-def _lookup(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _lookup(call: Call) -> Any:
     import torch
 
     from keras_dtensor_fix.dtensor import gather_axes_splitting, vocab_parallel_lookup
 
-    if len(args) < 2:
+    arguments = call.arguments
+    if "x" not in arguments or "indices" not in arguments:
         return NOT_HANDLED
-    table = gather_axes_splitting(resolve(args[0]), resolve(args[1]))
-    args = (table, *args[1:])
-    if torch.compiler.is_compiling() and _axis(args, kwargs) == 0:
+    indices = resolve(arguments["indices"])
+    table = arguments["x"] = gather_axes_splitting(resolve(arguments["x"]), indices)
+    if torch.compiler.is_compiling() and arguments.get("axis") == 0:
         # DTensor's own row-split lookup keeps state a trace cannot.
-        found = vocab_parallel_lookup(table, resolve(args[1]))
+        found = vocab_parallel_lookup(table, indices)
         if found is not None:
             return found
-    return Rewritten(args, kwargs)
+    return NOT_HANDLED
 
 
-def _index(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _gathered(call: Call, operand: str, axis: int | None) -> Any:
+    """``operand`` gathered on ``axis``, for the handlers after this one."""
     from keras_dtensor_fix.dtensor import gather_axis
 
-    if not args:
-        return NOT_HANDLED
-    axis = args[1] if len(args) > 1 else kwargs.get("axis")
+    arguments = call.arguments
+    if operand in arguments:
+        arguments[operand] = gather_axis(resolve(arguments[operand]), axis)
+    return NOT_HANDLED
+
+
+def _index(call: Call) -> Any:
+    axis = call.arguments.get("axis")
     if axis is not None and not isinstance(axis, int):
         return NOT_HANDLED
-    return Rewritten((gather_axis(resolve(args[0]), axis), *args[1:]), kwargs)
+    return _gathered(call, "x", axis)
 
 
-def _classes(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    from keras_dtensor_fix.dtensor import gather_axis
-
-    if len(args) < 2:
+def _classes(call: Call) -> Any:
+    axis = call.arguments.get("axis", -1)
+    if "target" not in call.arguments or not isinstance(axis, int):
         return NOT_HANDLED
-    axis = args[3] if len(args) > 3 else kwargs.get("axis", -1)
-    if not isinstance(axis, int):
-        return NOT_HANDLED
-    return Rewritten((args[0], gather_axis(resolve(args[1]), axis), *args[2:]), kwargs)
+    return _gathered(call, "output", axis)
 
 
-def _local(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _local(call: Call) -> Any:
     from keras_dtensor_fix.dtensor import reduce_partial
     from keras_dtensor_fix.einsum import local_einsum, local_matmul
 
-    if kwargs:
-        return NOT_HANDLED
+    arguments = call.arguments
     local = None
-    if op.name == "einsum" and args and isinstance(args[0], str):
-        local = local_einsum(args[0], [resolve(v) for v in args[1:]])
-    elif op.name == "matmul" and len(args) == 2:
-        local = local_matmul(resolve(args[0]), resolve(args[1]))
+    if call.op.name == "einsum":
+        subscripts = arguments.get("subscripts")
+        if isinstance(subscripts, str) and not arguments.get("kwargs"):
+            operands = [resolve(v) for v in arguments.get("operands", ())]
+            local = local_einsum(subscripts, operands)
+    elif "x1" in arguments and "x2" in arguments:  # matmul
+        local = local_matmul(resolve(arguments["x1"]), resolve(arguments["x2"]))
     return NOT_HANDLED if local is None else reduce_partial(local)
 
 
-def _per_element(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _per_element(call: Call) -> Any:
     from keras_dtensor_fix.dtensor import per_element_call
 
-    if not args:
+    arguments = call.arguments
+    if "x" not in arguments:
         return NOT_HANDLED
-    value = resolve(args[0])
-    axis = args[2] if len(args) > 2 else kwargs.get("axis", -1)
-    if axis not in (-1, getattr(value, "ndim", None)):
+    value = resolve(arguments["x"])
+    if arguments.get("axis", -1) not in (-1, getattr(value, "ndim", None)):
         return NOT_HANDLED
-    result = per_element_call(lambda local: wrapped(local, *args[1:], **kwargs), value)
+    result = per_element_call(lambda local: call.run(x=local), value)
     return NOT_HANDLED if result is None else result
 
 
-def _replicated(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _replicated(call: Call) -> Any:
     from keras_dtensor_fix.dtensor import replicate_result, replicated_locals
 
+    args, kwargs = call.args, call.kwargs
     resolved = [resolve(v) for v in args]
     names = list(kwargs)
     found = replicated_locals(resolved + [resolve(kwargs[k]) for k in names])
@@ -256,20 +299,28 @@ def _replicated(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) 
         return NOT_HANDLED
     mesh, local = found
     n = len(resolved)
-    result = wrapped(*local[:n], **dict(zip(names, local[n:], strict=True)))
+    result = call.wrapped(*local[:n], **dict(zip(names, local[n:], strict=True)))
     return replicate_result(result, mesh)
 
 
-def _promote(op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _promote(call: Call) -> Any:
     from keras_dtensor_fix.dtensor import reduce_masked, reduce_partial
 
-    result = promote_call(wrapped, args, kwargs, op=op.name, elementwise=op.elementwise)
+    op = call.op
+    result = promote_call(
+        call.wrapped, call.args, call.kwargs, op=op.name, elementwise=op.elementwise
+    )
     return reduce_partial(result) if op.contraction else reduce_masked(result)
 
 
-#: The handlers of a non-special op, in the order they run (see the module's
-#: docstring). ``applies`` is asked once per op, when its wrapper is made.
+#: The one registry of op handlers, in the order they run (the module's
+#: docstring says what each does).
 HANDLERS: tuple[Handler, ...] = (
+    Handler("convolution", lambda op: op.name in layout.CONVOLUTIONS, layout.conv),
+    Handler(
+        "attention", lambda op: op.name == "dot_product_attention", layout.attention
+    ),
+    Handler("slice_update", lambda op: op.name == "slice_update", layout.update),
     Handler("lookup", lambda op: op.name == "take", _lookup),
     Handler("index", lambda op: op.name in INDEX_REDUCTIONS, _index),
     Handler("classes", lambda op: op.name in CLASS_AXIS_LOSSES, _classes),
@@ -285,33 +336,27 @@ def chain_for(op: Op) -> tuple[Handler, ...]:
     return tuple(handler for handler in HANDLERS if handler.applies(op))
 
 
-def handle(
-    chain: tuple[Handler, ...],
-    op: Op,
-    wrapped: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
-) -> Any:
+def handle(chain: tuple[Handler, ...], call: Call) -> Any:
     """Run ``chain`` on one call: the first result wins."""
-    for handler in chain:
-        result = handler.handle(op, wrapped, args, kwargs)
-        if result is NOT_HANDLED:
-            continue
-        if type(result) is Rewritten:
-            args, kwargs = result.args, result.kwargs
-            continue
-        return result
-    return wrapped(*args, **kwargs)
+    args, kwargs = call.args, call.kwargs
+    try:
+        for handler in chain:
+            result = handler.handle(call)
+            if result is not NOT_HANDLED:
+                return result
+    except _Unbound:
+        # A call that does not fit the signature: the op raises its own error.
+        return call.wrapped(*args, **kwargs)
+    return call.run()
 
 
-def make_wrapper(name: str, elementwise: bool):
-    """The wrapt wrapper of one non-special op: fast path, else :func:`handle`."""
+def make_wrapper(op: Op) -> Callable[..., Any]:
+    """The wrapt wrapper of one op: the fast path, else :func:`handle`."""
     import torch
 
     from keras_dtensor_fix.dtensor import DTensor
 
     keras_variable = variable_class()
-    op = Op(name, elementwise, name in CONTRACTIONS)
     chain = chain_for(op)
 
     def distributed(value: Any) -> bool:
@@ -329,138 +374,14 @@ def make_wrapper(name: str, elementwise: bool):
     def wrapper(wrapped, instance, args, kwargs):
         for value in args:
             if type(value) not in plain and distributed(value):
-                return handle(chain, op, wrapped, args, kwargs)
+                return handle(chain, Call(op, wrapped, args, kwargs))
         if kwargs:
             for value in kwargs.values():
                 if type(value) not in plain and distributed(value):
-                    return handle(chain, op, wrapped, args, kwargs)
+                    return handle(chain, Call(op, wrapped, args, kwargs))
         return wrapped(*args, **kwargs)
 
     return wrapper
-
-
-def make_conv_wrapper(name: str, signature: inspect.Signature):
-    """A convolution on DTensors runs per rank on its batch rows, kernels gathered.
-
-    torch's DTensor convolution handles replicated and width-sharded inputs
-    only: a kernel sharded on any axis, or activations sharded on channels by
-    the sharded bias of the conv before, come out with the wrong shape or
-    values. Gathering the kernels (small next to activations) works for every
-    layout and every Keras conv layer.
-    """
-    from keras_dtensor_fix.dtensor import DTensor, batch_parallel_call
-
-    names = ("inputs", *CONVOLUTIONS[name])
-
-    def wrapper(wrapped, instance, args, kwargs):
-        bound = signature.bind(*args, **kwargs)
-        operands = [resolve(bound.arguments[k]) for k in names]
-        found = [v for v in operands if isinstance(v, DTensor)]
-        if not found:
-            return wrapped(*args, **kwargs)
-        mesh = found[0].device_mesh
-        if any(v.device_mesh != mesh for v in found):
-            return wrapped(*args, **kwargs)  # DTensor's own error names them
-
-        def local(value, *kernels):
-            for key, kernel in zip(names[1:], kernels, strict=True):
-                bound.arguments[key] = kernel
-            bound.arguments["inputs"] = value
-            return wrapped(*bound.args, **bound.kwargs)
-
-        return batch_parallel_call(local, operands[0], operands[1:], mesh)
-
-    return wrapper
-
-
-def make_update_wrapper(signature: inspect.Signature):
-    """``slice_update(inputs, start_indices, updates)`` across DTensor layouts.
-
-    keras-hub's ``generate()`` writes DTensor keys and values into a cache
-    made with ``ops.zeros`` (plain), where DTensor refuses the in-place copy
-    ("in-place operations that require placement changes are not
-    supported"). The write runs on local tensors in the updates' placements
-    (:func:`~keras_dtensor_fix.dtensor.update_in_place_of`), so a head-sharded
-    cache stays sharded from the first step on.
-    """
-    from keras_dtensor_fix.dtensor import update_in_place_of, wrap_local
-    from keras_dtensor_fix.values import full_value
-
-    def wrapper(wrapped, instance, args, kwargs):
-        bound = signature.bind(*args, **kwargs)
-        found = update_in_place_of(
-            resolve(bound.arguments["inputs"]), resolve(bound.arguments["updates"])
-        )
-        if found is None:
-            return wrapped(*args, **kwargs)
-        mesh, inputs, updates, placements = found
-        bound.arguments["inputs"], bound.arguments["updates"] = inputs, updates
-        bound.arguments["start_indices"] = full_value(bound.arguments["start_indices"])
-        return wrap_local(wrapped(*bound.args, **bound.kwargs), mesh, placements)
-
-    return wrapper
-
-
-def make_attention_wrapper(signature: inspect.Signature):
-    """``dot_product_attention`` per rank on batch- and head-sharded shards.
-
-    Keras's torch implementation moves DTensor operands to their local shards
-    with ``hasattr(key, "to_local")``, which dynamo answers False for, so the
-    compiled step mixes a local query with DTensor keys; and it takes a mask's
-    whole local tensor, whatever its placements, next to a batch-sharded
-    query. Here query, key and value keep the query's batch (dim 0) and head
-    (dim 2) shards and are gathered on anything else (attention needs every
-    key position); a mask or bias, aligned with torch's (batch, heads, query,
-    key) from the right, takes the matching shards. The result comes back as
-    a DTensor with the query's placements.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-
-    from keras_dtensor_fix.dtensor import DTensor, replicate
-
-    def kept(placement: Any) -> Any:
-        return placement if placement in (Shard(0), Shard(2)) else Replicate()
-
-    def mask_placement(placement: Any, mask: Any, query: Any) -> Any:
-        # Keras's query is (batch, seq, heads, dim); the mask broadcasts
-        # against (batch, heads, seq, seq).
-        dim = {0: mask.ndim - 4, 2: mask.ndim - 3}.get(getattr(placement, "dim", -1))
-        if dim is None or dim < 0 or mask.shape[dim] == 1:
-            return Replicate()
-        return Shard(dim)
-
-    def wrapper(wrapped, instance, args, kwargs):
-        bound = signature.bind(*args, **kwargs)
-        query = resolve(bound.arguments["query"])
-        if not isinstance(query, DTensor):
-            return wrapped(*args, **kwargs)
-        mesh = query.device_mesh
-        placements = tuple(kept(p) for p in query.placements)
-        for name in ("query", "key", "value", "bias", "mask"):
-            tensor = resolve(bound.arguments.get(name))
-            if tensor is None:
-                continue
-            if not isinstance(tensor, DTensor):
-                tensor = replicate(tensor, mesh)  # a plain operand: the full value
-            target = placements
-            if name in ("bias", "mask"):
-                target = tuple(mask_placement(p, tensor, query) for p in placements)
-            if tuple(tensor.placements) != target:
-                tensor = tensor.redistribute(mesh, target)
-            bound.arguments[name] = tensor.to_local()
-        output = wrapped(*bound.args, **bound.kwargs)
-        return DTensor.from_local(output, mesh, placements, run_check=False)
-
-    return wrapper
-
-
-#: Ops with a handler of their own (it binds the op's signature): name ->
-#: ``factory(name, signature)`` returning the wrapt wrapper.
-SPECIAL: dict[str, Callable[[str, inspect.Signature], Any]] = {
-    **{name: make_conv_wrapper for name in CONVOLUTIONS},
-    "dot_product_attention": lambda name, signature: make_attention_wrapper(signature),
-    "slice_update": lambda name, signature: make_update_wrapper(signature),
-}
 
 
 def wrapper_for(name: str, function: Any, *, elementwise: bool | None = None):
@@ -468,9 +389,10 @@ def wrapper_for(name: str, function: Any, *, elementwise: bool | None = None):
 
     ``elementwise`` defaults to what the op's name and signature say.
     """
-    factory = SPECIAL.get(name)
-    if factory is not None:
-        return factory(name, inspect.signature(function))
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        signature = None
     if elementwise is None:
-        elementwise = is_elementwise(name, function)
-    return make_wrapper(name, elementwise)
+        elementwise = signature is not None and is_elementwise(name, signature)
+    return make_wrapper(Op(name, elementwise, name in CONTRACTIONS, signature))

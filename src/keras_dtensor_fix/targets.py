@@ -21,12 +21,18 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
+#: The package whose import completes Keras: families' preloads run then.
+KERAS = "keras"
 KERAS_TORCH = "keras.src.backend.torch"
 CONFIG_MODULE = "keras.src.backend.config"
 DISTRIBUTION_LIB = f"{KERAS_TORCH}.distribution_lib"
 TRAINER = f"{KERAS_TORCH}.trainer"
 #: Keras's backend-independent distribution API (``ModelParallel`` and co).
 DISTRIBUTION_API = "keras.src.distribution.distribution_lib"
+#: Modules a family tells apart from the others of their kind (each holds
+#: another class to patch).
+COMPILE_UTILS = "keras.src.trainers.compile_utils"
+EINSUM_DENSE = "keras.src.layers.core.einsum_dense"
 
 #: Kinds of torch backend op modules :func:`torch_module` knows.
 KINDS: tuple[str, ...] = ("numpy", "core", "nn", "math", "linalg", "image")
@@ -78,17 +84,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "random": (f"{KERAS_TORCH}.random",),
     "optimizers": tuple(f"{_OPTIMIZERS}.torch_{name}" for name in OPTIMIZERS),
     "parallel_optimizer": (f"{_OPTIMIZERS}.torch_parallel_optimizer",),
-    # Keras imports its torch optimizers only when one is built; the
-    # optimizers family imports them when ``keras`` is complete.
-    "keras": ("keras",),
-    "loss_and_metrics": (
-        "keras.src.trainers.compile_utils",
-        "keras.src.metrics.reduction_metrics",
-    ),
-    "dense_layers": (
-        "keras.src.layers.core.dense",
-        "keras.src.layers.core.einsum_dense",
-    ),
+    "loss_and_metrics": (COMPILE_UTILS, "keras.src.metrics.reduction_metrics"),
+    "dense_layers": ("keras.src.layers.core.dense", EINSUM_DENSE),
     "saving": ("keras.src.saving.saving_lib",),
     "backup_and_restore": ("keras.src.callbacks.backup_and_restore",),
     "file_utils": ("keras.src.utils.file_utils",),

@@ -237,10 +237,11 @@ def _about_dtensor(err: BaseException) -> bool:
 
 
 __all__ = [
-    "DTensor",
     "DTensorMixError",
-    "keras_path",
+    "full_value",
     "local_tensors",
-    "mix_error",
     "promote_call",
+    "resolve",
+    "variable_class",
+    "walk",
 ]

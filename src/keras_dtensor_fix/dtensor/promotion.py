@@ -3,7 +3,7 @@
 A plain tensor is promoted only as the *full logical value* (a Replicate
 DTensor on the partner's mesh); a tensor that looks like one rank's shard of
 the partner is refused with :class:`PromotionError`. Also DTensor's implicit
-replication switch, ``replicated_locals`` (the one "may run locally" rule),
+replication switch, ``replicated_locals`` (when an op may run on local tensors),
 ``to_placements`` and ``describe`` for error messages.
 """
 

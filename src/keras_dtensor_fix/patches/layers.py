@@ -105,7 +105,7 @@ def _dense_call(wrapped, instance, args, kwargs):
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    name = "EinsumDense" if module.__name__.endswith("einsum_dense") else "Dense"
+    name = "EinsumDense" if module.__name__ == targets.EINSUM_DENSE else "Dense"
     if "call" not in vars(getattr(module, name, object)):
         raise LookupError(f"{name}.call not found: this Keras moved it")
     # traced: a plain function on the class, cheaper to look up than a wrapt

@@ -3,7 +3,7 @@
 Loss functions (``binary_crossentropy(target, output)``), attention,
 normalization and segment ops take several tensors too; each multi-tensor
 function gets the op-handler table's wrapper (:mod:`keras_dtensor_fix.handlers`),
-with its special handlers for convolutions and attention. From the core
+with the rows for convolutions and attention among them. From the core
 module only ``slice_update`` (one tensor written into another) is wrapped: its
 other multi-tensor functions are the numpy module's.
 """

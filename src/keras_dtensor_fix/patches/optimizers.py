@@ -6,12 +6,13 @@ gradient is reduced, a plain one promoted). In eager mode the update then runs
 on the local shards: every torch optimizer is elementwise, so shard-wise math is
 exact, and no DTensor ``_foreach_*`` op sees the fresh 0-d tensors that Keras
 builds each step (they miss PyTorch's sharding cache and leak into it). Under
-torch.compile the original runs on the aligned DTensors.
+torch.compile the original runs on the aligned DTensors. Keras imports a torch
+optimizer's module only when one is built: the family's row declares
+``preload``, so the engine imports them with Keras.
 """
 
 from __future__ import annotations
 
-import importlib
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -82,14 +83,6 @@ def _increment_accumulators(wrapped, instance, args, kwargs):
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    if targets.is_kind(module.__name__, "keras"):
-        # Keras imports its torch optimizers only when one is built; import
-        # them once Keras is complete, so that their patches land with it.
-
-        for kind in ("optimizers", "parallel_optimizer"):
-            for name in targets.modules(kind):
-                importlib.import_module(name)
-        return []
     if targets.is_kind(module.__name__, "parallel_optimizer"):
         attribute = "TorchParallelOptimizer._backend_increment_gradient_accumulators"
         return [Patch(module.__name__, attribute, _increment_accumulators, gated=True)]

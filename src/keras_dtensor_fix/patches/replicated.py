@@ -119,7 +119,7 @@ def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    if module.__name__.endswith("compile_utils"):
+    if module.__name__ == targets.COMPILE_UTILS:
         names = ("CompileLoss.__call__", "CompileMetrics.update_state")
     else:
         names = ("Mean.update_state",)

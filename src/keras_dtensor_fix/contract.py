@@ -1,0 +1,51 @@
+"""The family contract: what an implementation module exports and asks for.
+
+A family's implementation (``patches/<name>.py``) ends with
+``IMPLEMENTATION = Implementation(patches, ...)``; ``patches(module)`` returns
+:class:`Patch` records. Families import both from
+:mod:`keras_dtensor_fix.engine`. Standard library only: the engine imports it
+at interpreter start.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Implementation", "Patch"]
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One attribute to wrap."""
+
+    module: str  # module owning the attribute, e.g. targets.modules("numpy")[0]
+    attribute: str  # dotted path inside module: "add" or "Adam._parallel_update_step"
+    wrapper: Callable[[Any, Any, tuple, dict], Any]  # wrapt wrapper
+    also_in: tuple[str, ...] = ()  # modules that bound the same object by name
+    # Gated wrappers run only once sharding is on (``state.note_sharding``);
+    # until then wrapt calls the original at C speed.
+    gated: bool = False
+    # A method whose wrapper torch.compile must run too (see
+    # ``wrappers.traced_method``).
+    traced: bool = False
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """What a family's implementation module exports as ``IMPLEMENTATION``.
+
+    ``patches(module)`` lists the patches for one imported target module
+    (raising :class:`LookupError` means "this Keras has no such target": a
+    one-line warning and a status row). ``after_apply`` runs once per target
+    module after its patches, ``after_revert`` on deactivation once for each
+    ``after_apply`` that ran, and ``notes`` says what the family found about
+    this Keras build (``status``).
+    """
+
+    patches: Callable[[types.ModuleType], Iterable[Patch]]
+    after_apply: Callable[[], None] | None = None
+    after_revert: Callable[[], None] | None = None
+    notes: Callable[[], list[str]] | None = None

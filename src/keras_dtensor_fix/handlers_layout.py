@@ -1,0 +1,129 @@
+"""Op handlers that lay out the operands themselves: conv, attention, slice_update.
+
+Rows of :data:`keras_dtensor_fix.handlers.HANDLERS` (their order is written
+there). DTensor has no usable rule for these ops on the placements Keras
+models produce, so each handler picks a layout per rank, runs the original on
+local tensors and wraps the result. Each always returns: where its operands
+need nothing, it calls the original unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from keras_dtensor_fix.values import full_value, resolve
+
+if TYPE_CHECKING:
+    from keras_dtensor_fix.handlers import Call
+
+__all__ = ["CONVOLUTIONS", "attention", "conv", "update"]
+
+#: Convolutions and the names of their kernels.
+CONVOLUTIONS: dict[str, tuple[str, ...]] = {
+    "conv": ("kernel",),
+    "depthwise_conv": ("kernel",),
+    "conv_transpose": ("kernel",),
+    "separable_conv": ("depthwise_kernel", "pointwise_kernel"),
+}
+
+
+def conv(call: Call) -> Any:
+    """A convolution on DTensors runs per rank on its batch rows, kernels gathered.
+
+    torch's DTensor convolution handles replicated and width-sharded inputs
+    only: a kernel sharded on any axis, or activations sharded on channels by
+    the sharded bias of the conv before, come out with the wrong shape or
+    values. Gathering the kernels (small next to activations) works for every
+    layout and every Keras conv layer.
+    """
+    from keras_dtensor_fix.dtensor import DTensor, batch_parallel_call
+
+    names = ("inputs", *CONVOLUTIONS[call.op.name])
+    arguments = call.arguments
+    operands = [resolve(arguments[k]) for k in names]
+    found = [v for v in operands if isinstance(v, DTensor)]
+    if not found:
+        return call.run()
+    mesh = found[0].device_mesh
+    if any(v.device_mesh != mesh for v in found):
+        return call.run()  # DTensor's own error names them
+
+    def local(value: Any, *kernels: Any) -> Any:
+        return call.run(**dict(zip(names, (value, *kernels), strict=True)))
+
+    return batch_parallel_call(local, operands[0], operands[1:], mesh)
+
+
+def update(call: Call) -> Any:
+    """``slice_update(inputs, start_indices, updates)`` across DTensor layouts.
+
+    keras-hub's ``generate()`` writes DTensor keys and values into a cache
+    made with ``ops.zeros`` (plain), where DTensor refuses the in-place copy
+    ("in-place operations that require placement changes are not
+    supported"). The write runs on local tensors in the updates' placements
+    (:func:`~keras_dtensor_fix.dtensor.update_in_place_of`), so a head-sharded
+    cache stays sharded from the first step on.
+    """
+    from keras_dtensor_fix.dtensor import update_in_place_of, wrap_local
+
+    arguments = call.arguments
+    found = update_in_place_of(
+        resolve(arguments["inputs"]), resolve(arguments["updates"])
+    )
+    if found is None:
+        return call.run()
+    mesh, inputs, updates, placements = found
+    start_indices = full_value(arguments["start_indices"])
+    result = call.run(inputs=inputs, start_indices=start_indices, updates=updates)
+    return wrap_local(result, mesh, placements)
+
+
+def attention(call: Call) -> Any:
+    """``dot_product_attention`` per rank on batch- and head-sharded shards.
+
+    Keras's torch implementation moves DTensor operands to their local shards
+    with ``hasattr(key, "to_local")``, which dynamo answers False for, so the
+    compiled step mixes a local query with DTensor keys; and it takes a mask's
+    whole local tensor, whatever its placements, next to a batch-sharded
+    query. Here query, key and value keep the query's batch (dim 0) and head
+    (dim 2) shards and are gathered on anything else (attention needs every
+    key position); a mask or bias, aligned with torch's (batch, heads, query,
+    key) from the right, takes the matching shards. The result comes back as
+    a DTensor with the query's placements.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    from keras_dtensor_fix.dtensor import DTensor, replicate
+
+    def kept(placement: Any) -> Any:
+        return placement if placement in (Shard(0), Shard(2)) else Replicate()
+
+    def mask_placement(placement: Any, mask: Any) -> Any:
+        # Keras's query is (batch, seq, heads, dim); the mask broadcasts
+        # against (batch, heads, seq, seq).
+        dim = {0: mask.ndim - 4, 2: mask.ndim - 3}.get(getattr(placement, "dim", -1))
+        if dim is None or dim < 0 or mask.shape[dim] == 1:
+            return Replicate()
+        return Shard(dim)
+
+    arguments = call.arguments
+    query = resolve(arguments["query"])
+    if not isinstance(query, DTensor):
+        return call.run()
+    mesh = query.device_mesh
+    placements = tuple(kept(p) for p in query.placements)
+    local = {}
+    for name in ("query", "key", "value", "bias", "mask"):
+        tensor = resolve(arguments.get(name))
+        if tensor is None:
+            continue
+        if not isinstance(tensor, DTensor):
+            tensor = replicate(tensor, mesh)  # a plain operand: the full value
+        target = placements
+        if name in ("bias", "mask"):
+            target = tuple(mask_placement(p, tensor) for p in placements)
+        if tuple(tensor.placements) != target:
+            tensor = tensor.redistribute(mesh, target)
+        local[name] = tensor.to_local()
+    output = call.run(**local)
+    return DTensor.from_local(output, mesh, placements, run_check=False)

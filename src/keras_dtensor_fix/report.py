@@ -1,0 +1,346 @@
+"""The status report: a row per patch target, why it is in its state, the summary.
+
+The engine records a row for each (family, module, attribute) it touches,
+with a state and a structured :class:`Cause` beside the reason text;
+:func:`rows` adds a placeholder for each module it has not reached;
+:func:`report` is ``keras_dtensor_fix.status()``; :func:`summarize` judges it
+by cause for ``python -m keras_dtensor_fix status``. Standard library only:
+the engine imports it at interpreter start.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from . import config as _config
+from . import targets
+
+if TYPE_CHECKING:
+    from .loader import Family
+
+__all__ = [
+    "ANY",
+    "APPLIED",
+    "PENDING",
+    "REVERTED",
+    "SKIPPED",
+    "STATES",
+    "Cause",
+    "clear_placeholders",
+    "engine_part",
+    "forget",
+    "notes",
+    "record",
+    "report",
+    "rows",
+    "summarize",
+]
+
+APPLIED = "applied"
+SKIPPED = "skipped"
+DISABLED = "disabled"
+PENDING = "pending"
+REVERTED = "reverted"
+STATES = (APPLIED, SKIPPED, PENDING, DISABLED, REVERTED)
+#: Attribute (or module) column of a row that stands for a whole module.
+ANY = "*"
+
+
+class Cause(enum.StrEnum):
+    """Why a row is in its state (a row's ``cause``)."""
+
+    WRAPPED = "wrapped"  # applied
+    RESTORED = "restored"  # reverted
+    DISABLED = "disabled"  # by KERAS_DTENSOR_FIX_DISABLE
+    NOT_ACTIVE = "not_active"  # pending: the fix is off
+    NOT_IMPORTED = "not_imported"  # pending: the module is not imported yet
+    GATE_UNDECIDED = "gate_undecided"  # pending: Keras not far enough imported
+    # Skipped, and expected on a healthy install (see EXPECTED).
+    GATE_CLOSED = "gate_closed"  # not the torch backend, or no DTensor support
+    OTHER_LAYOUT = "other_layout"  # the module belongs to the other Keras layout
+    NOTHING_TO_PATCH = "nothing_to_patch"  # patches() returned nothing
+    INHERITED = "inherited"  # its base class's patch covers it
+    PATCHED_BY_FAMILY = "patched_by_family"  # an earlier family wrapped it
+    # Skipped, unexpected: something this Keras should have is not patched.
+    NOT_IN_THIS_KERAS = "not_in_this_keras"  # patches() raised LookupError
+    IMPORT_FAILED = "import_failed"  # the family's implementation
+    PATCHES_FAILED = "patches_failed"  # patches() raised something else
+    NOT_FOUND = "not_found"  # the attribute does not exist
+    MODULE_NOT_IMPORTED = "module_not_imported"  # a Patch names another module
+    INHERITED_UNPATCHED = "inherited_unpatched"  # its base class is not patched
+    ALREADY_WRAPPED = "already_wrapped"  # by another copy of keras_dtensor_fix
+    PATCH_FAILED = "patch_failed"  # installing the wrapper raised
+    REPLACED = "replaced"  # replaced by someone else after patching: not reverted
+
+
+#: Skips a healthy install has, and the summary's word for each.
+EXPECTED: dict[Cause, str] = {
+    Cause.INHERITED: "inherited",
+    Cause.OTHER_LAYOUT: "other layout",
+    Cause.PATCHED_BY_FAMILY: "patched by another family",
+    Cause.NOTHING_TO_PATCH: "nothing to patch",
+    Cause.GATE_CLOSED: "gate",
+}
+
+# (family, module, attribute) -> (state, cause, reason), as the engine recorded.
+_recorded: dict[tuple[str, str, str], tuple[str, Cause, str]] = {}
+
+
+def record(
+    family: str, module: str, attribute: str, state: str, cause: Cause, reason: str
+) -> None:
+    """Set the row of one target (``attribute`` :data:`ANY`: a whole module)."""
+    _recorded[(family, module, attribute)] = (state, cause, reason)
+
+
+def forget(family: str, module: str) -> None:
+    """Drop a whole-module row: the family now acts on the module itself."""
+    _recorded.pop((family, module, ANY), None)
+
+
+def clear_placeholders() -> None:
+    """Drop every whole-module row (on deactivation)."""
+    for key in [k for k in _recorded if k[2] == ANY]:
+        del _recorded[key]
+
+
+def _row(
+    family: str, module: str, attribute: str, state: str, cause: Cause, reason: str
+) -> dict[str, str]:
+    return {
+        "family": family,
+        "module": module,
+        "attribute": attribute,
+        "state": state,
+        "cause": cause,
+        "reason": reason,
+    }
+
+
+def _placeholder(
+    family: Family, module: str, cfg: _config.Config, active: bool, gate: Any
+) -> dict[str, str]:
+    """The row of a module the family has not acted on."""
+    if not cfg.family_enabled(family.name):
+        why = f"disabled by {_config.ENV_DISABLE}"
+        return _row(family.name, module, ANY, DISABLED, Cause.DISABLED, why)
+    if not active:
+        why = "keras_dtensor_fix is not active"
+        return _row(family.name, module, ANY, PENDING, Cause.NOT_ACTIVE, why)
+    if family.gated and gate.ok is False:
+        return _row(family.name, module, ANY, SKIPPED, Cause.GATE_CLOSED, gate.reason)
+    if targets.KERAS in sys.modules and targets.find_spec(module) is None:
+        why = f"no such module in this Keras (layout {targets.layout()})"
+        return _row(family.name, module, ANY, SKIPPED, Cause.OTHER_LAYOUT, why)
+    why = "module not imported yet"
+    return _row(family.name, module, ANY, PENDING, Cause.NOT_IMPORTED, why)
+
+
+def rows(
+    families: Iterable[Family], cfg: _config.Config | None, active: bool
+) -> list[dict[str, str]]:
+    """One row per (family, module, attribute), plus placeholders.
+
+    A module that is not imported yet gets one ``pending`` row with attribute
+    ``"*"``; so does a whole module that was skipped (gate, ``patches()``
+    error) or disabled. ``cfg`` is the engine's (``None``: the environment's).
+    """
+    cfg = cfg if cfg is not None else _config.load(warn=False)
+    gate = targets.gate()
+    out: list[dict[str, str]] = []
+    for family in families:
+        if family.error is not None:
+            why = family.error
+            cause = Cause.IMPORT_FAILED
+            out.append(_row(family.name, family.source, ANY, SKIPPED, cause, why))
+            continue
+        recorded = [k for k in _recorded if k[0] == family.name]
+        modules = list(family.modules)
+        modules += [m for _, m, _ in recorded if m not in modules]
+        for module in modules:
+            keys = [k for k in recorded if k[1] == module]
+            if keys:
+                out.extend(_row(*k, *_recorded[k]) for k in keys)
+            else:
+                out.append(_placeholder(family, module, cfg, active, gate))
+    return out
+
+
+def notes(families: Iterable[Family]) -> list[str]:
+    """What the imported family implementations say about this Keras build."""
+    found: list[str] = []
+    for family in families:
+        function = family.implementation and family.implementation.notes
+        if function is None:
+            continue
+        try:
+            found.extend(function())
+        except Exception as exc:  # noqa: BLE001 - a report must not fail
+            found.append(f"{family.name}: notes unavailable ({exc})")
+    return found
+
+
+def engine_part(
+    families: Iterable[Family],
+    cfg: _config.Config | None,
+    active: bool,
+    why: str,
+    warnings: Iterable[str],
+) -> dict[str, Any]:
+    """The engine's part of the report (``engine.state()``)."""
+    gate = targets.gate()
+    disabled: list[str] = []
+    if cfg is not None:
+        disabled = [_config.ALL] if cfg.disable_all else sorted(cfg.disabled)
+    return {
+        "active": active,
+        "why": why,
+        "disabled_families": disabled,
+        "gate": {"ok": gate.ok, "reason": gate.reason},
+        "targets": rows(families, cfg, active),
+        "warnings": list(warnings),
+    }
+
+
+def report() -> dict[str, Any]:
+    """``keras_dtensor_fix.status()``: see its docstring."""
+    from . import __version__, _bootstrap, engine
+
+    cfg = _config.load(warn=False)
+    part = engine.state()
+    keras_version, keras_dist = targets.keras_version()
+    warnings = list(cfg.warnings) + part.pop("warnings")
+    installed = targets.installed_keras()
+    if len(installed) > 1:
+        names = ", ".join(f"{name} {version}" for name, version in installed)
+        warnings.append(f"several Keras distributions are installed ({names})")
+    enabled = part.pop("active")
+    why = part.pop("why")
+    if not enabled and why == "not activated":
+        why = _bootstrap.reason if _bootstrap.reason != "not booted" else cfg.reason
+    return {
+        "version": __version__,
+        "keras": {"version": keras_version, "distribution": keras_dist},
+        "torch": {"version": targets.torch_version()},
+        "backend": targets.backend(),
+        "layout": targets.layout(),
+        "enabled": enabled,
+        "why": why,
+        **part,
+        "warnings": warnings,
+        "notes": engine.notes(),
+    }
+
+
+# -- the summary ------------------------------------------------------------------
+
+
+def _count(
+    families: dict[str, dict[str, Any]], name: str, state: str
+) -> dict[str, Any]:
+    family = families.setdefault(
+        name, {**dict.fromkeys(STATES, 0), "skipped_because": {}, "modules": set()}
+    )
+    family[state] = family.get(state, 0) + 1
+    return family
+
+
+def _judge(
+    families: dict[str, dict[str, Any]],
+    unexpected: list[str],
+    disabled: set[str],
+    working: bool,
+    exists: Callable[[str], bool],
+) -> None:
+    """Give each family its state; flag one that applied nothing it could."""
+    for name, family in families.items():
+        modules = family.pop("modules")
+        if family[APPLIED]:
+            family["state"] = APPLIED
+        elif family[DISABLED] or name in disabled or ANY in disabled:
+            family["state"] = DISABLED
+        elif family[PENDING]:
+            family["state"] = PENDING
+        else:
+            family["state"] = SKIPPED
+            present = sorted(m for m in modules if exists(m))
+            flagged = any(line.startswith(f"{name}: ") for line in unexpected)
+            if working and present and not flagged:
+                unexpected.append(
+                    f"{name}: nothing applied although this Keras has "
+                    f"{', '.join(present)}"
+                )
+
+
+def summarize(
+    report: dict[str, Any],
+    *,
+    exists: Callable[[str], bool] | None = None,
+    all_targets: bool = True,
+) -> dict[str, Any]:
+    """What a person needs from ``report``: state, family counts, the unexpected.
+
+    ``exists`` tells whether this Keras has a module (default:
+    :func:`keras_dtensor_fix.targets.find_spec`); ``all_targets`` says whether
+    every existing target module was imported, so that one still pending is
+    news. Keys: ``state`` (``active``, ``off``, ``idle`` or ``waiting``),
+    ``headline``, ``python``, ``families`` (name -> ``state`` and a count per
+    row state, plus ``skipped_because``: a word of :data:`EXPECTED`, or
+    ``unexpected``), ``unexpected`` (lines) and ``ok`` (no unexpected line).
+    """
+    import platform
+
+    exists = exists or (lambda name: targets.find_spec(name) is not None)
+    gate = report["gate"]
+    working = report["enabled"] and gate["ok"] is True
+    families: dict[str, dict[str, Any]] = {}
+    unexpected: list[str] = []
+    for row in report["targets"]:
+        state, module, reason = row["state"], row["module"], row["reason"]
+        family = _count(families, row["family"], state)
+        if not module.startswith("keras_dtensor_fix."):
+            family["modules"].add(module)
+        target = module if row["attribute"] == ANY else f"{module}.{row['attribute']}"
+        if state == SKIPPED:
+            word = EXPECTED.get(row["cause"])
+            if word is None:
+                word = "unexpected"
+                unexpected.append(f"{row['family']}: {target} skipped: {reason}")
+            because = family["skipped_because"]
+            because[word] = because.get(word, 0) + 1
+        elif state == PENDING and working and all_targets and exists(module):
+            unexpected.append(f"{row['family']}: {target} pending: {reason}")
+    disabled = set(report["disabled_families"])
+    _judge(families, unexpected, disabled, working, exists)
+    if report["enabled"] and report["backend"] == "torch" and gate["ok"] is False:
+        # Keras's torch backend without DTensor support: the plugin is
+        # installed for nothing, and ModelParallel cannot work.
+        unexpected.append(f"gate: {gate['reason']}")
+    applied = sum(f[APPLIED] for f in families.values())
+    patched = sum(1 for f in families.values() if f[APPLIED])
+    # The headline says what holds; the lines under it say why.
+    if not report["enabled"]:
+        state, headline = "off", "OFF: upstream Keras runs unpatched"
+    elif gate["ok"] is False:
+        state, headline = "idle", "IDLE: nothing to patch here"
+    elif gate["ok"] is None:
+        state, headline = "waiting", "WAITING: nothing patched yet"
+    else:
+        state = "active"
+        headline = f"ACTIVE: {applied} targets patched in {patched} families"
+        if not applied:
+            headline = "ACTIVE, but nothing is patched"
+        off = [n for n, f in families.items() if f["state"] == DISABLED]
+        if off:
+            headline += f" ({len(off)} disabled: {', '.join(off)})"
+    return {
+        "state": state,
+        "headline": headline,
+        "python": platform.python_version(),
+        "families": families,
+        "unexpected": unexpected,
+        "ok": not unexpected,
+    }

@@ -1,0 +1,219 @@
+"""The wrappers the engine installs, and installing or removing one by identity.
+
+:func:`install` puts a wrapper where a :class:`~.contract.Patch` points and
+returns the one record (:class:`Applied`) that :func:`restore` later reverts
+from: the original goes back only where this very wrapper still is.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import wrapt
+
+from . import state
+from .contract import Patch
+
+__all__ = [
+    "MISSING",
+    "Applied",
+    "FixWrapper",
+    "chain_length",
+    "install",
+    "is_fix_wrapper",
+    "resolve",
+    "restore",
+    "stored",
+    "wrapt_problem",
+]
+
+
+class FixWrapper(wrapt.FunctionWrapper):
+    """The type of every wrapper the engine installs."""
+
+
+class FixFunctionWrapper(FixWrapper):
+    """A module function's wrapper that torch.compile runs too.
+
+    Dynamo takes a wrapt proxy for the function it wraps and traces the
+    original's code, silently skipping the wrapper. It inlines the function an
+    object exposes as ``_torchdynamo_inline`` instead: here a plain function
+    that calls the wrapper. (Methods keep plain :class:`FixWrapper`: dynamo
+    would call that function without ``self``.)
+    """
+
+    @property
+    def _torchdynamo_inline(self) -> Callable[..., Any]:
+        try:
+            return self._self_inline
+        except AttributeError:
+            pass
+        wrapper, wrapped = self._self_wrapper, self.__wrapped__
+
+        def inline(*args: Any, **kwargs: Any) -> Any:
+            return wrapper(wrapped, None, args, kwargs)
+
+        self._self_inline = inline
+        return inline
+
+
+#: Attribute of a traced method's entry function that holds its FixWrapper.
+FIX = "__keras_dtensor_fix__"
+
+
+def traced_method(fix: FixWrapper) -> Callable[..., Any]:
+    """A plain function for the class that runs ``fix``'s wrapper.
+
+    Dynamo traces a method found on a class as a function: given a wrapt proxy
+    it traces the original's code and skips the wrapper, and it guards the
+    closure of what it inlines, which only a real function has. This entry is
+    one, so a compiled step runs the wrapper too. It honours ``enabled=``.
+    """
+    wrapper, raw, enabled = fix._self_wrapper, fix.__wrapped__, fix._self_enabled
+
+    @functools.wraps(raw)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if enabled is not None and not enabled:
+            return raw(self, *args, **kwargs)
+
+        def bound(*inner: Any, **inner_kw: Any) -> Any:
+            return raw(self, *inner, **inner_kw)
+
+        return wrapper(bound, self, args, kwargs)
+
+    setattr(method, FIX, fix)
+    return method
+
+
+def _fix_of(obj: object) -> FixWrapper | None:
+    if isinstance(obj, FixWrapper):
+        return obj
+    fix = getattr(obj, FIX, None) if isinstance(obj, types.FunctionType) else None
+    return fix if isinstance(fix, FixWrapper) else None
+
+
+def is_fix_wrapper(obj: object) -> bool:
+    """Whether ``obj`` is a wrapper installed by this engine."""
+    return _fix_of(obj) is not None
+
+
+def chain_length(obj: object) -> int:
+    """How many engine wrappers are stacked on ``obj`` (0 when unpatched)."""
+    count = 0
+    seen: set[int] = set()
+    fix = _fix_of(obj)
+    while fix is not None and id(fix) not in seen:
+        seen.add(id(fix))
+        count += 1
+        fix = _fix_of(fix.__wrapped__)
+    return count
+
+
+def resolve(module: types.ModuleType, attribute: str) -> tuple[Any, str]:
+    """The owner of dotted ``attribute`` in ``module`` and the last name."""
+    *path, name = attribute.split(".")
+    owner: Any = module
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+#: What :func:`stored` finds where there is nothing.
+MISSING = object()
+
+
+def stored(owner: Any, name: str) -> tuple[Any, type | None]:
+    """The object stored under ``name`` and, if inherited, the class owning it."""
+    if isinstance(owner, type):
+        if name in owner.__dict__:
+            return owner.__dict__[name], None
+        for klass in owner.__mro__[1:]:
+            if name in klass.__dict__:
+                return klass.__dict__[name], klass
+        return MISSING, None
+    return getattr(owner, name, MISSING), None
+
+
+@dataclass
+class Applied:
+    """One installed wrapper: everything needed to take it out again."""
+
+    family: str
+    patch: Patch
+    owner: Any
+    name: str
+    original: Any
+    wrapper: Any  # what is installed: a FixWrapper, or a traced method's entry
+    also: set[str] = field(default_factory=set)  # also_in modules rebound
+
+
+def install(family: str, patch: Patch, owner: Any, name: str, raw: Any) -> Applied:
+    """Wrap ``raw`` (``owner.name``), install it there and in ``also_in``."""
+    # A method's plain wrapper runs in eager code only: dynamo inlines the
+    # original method. ``traced`` installs a real function that dynamo runs.
+    kind = FixWrapper if isinstance(owner, type) else FixFunctionWrapper
+    wrapper = kind(raw, patch.wrapper, enabled=state.SHARDING if patch.gated else None)
+    if patch.traced and isinstance(owner, type) and isinstance(raw, types.FunctionType):
+        wrapper = traced_method(wrapper)
+    setattr(owner, name, wrapper)
+    record = Applied(family, patch, owner, name, raw, wrapper)
+    for module_name in patch.also_in:
+        other = _also_owner(record, module_name)
+        if other is not None and stored(other, name)[0] is raw:
+            setattr(other, name, wrapper)
+            record.also.add(module_name)
+    return record
+
+
+def _also_owner(record: Applied, module_name: str) -> Any:
+    module = sys.modules.get(module_name)
+    if module is None:
+        return None
+    try:
+        owner, _ = resolve(module, record.patch.attribute)
+    except AttributeError:
+        return None
+    return None if owner is record.owner else owner
+
+
+def restore(record: Applied) -> bool:
+    """Put the original back wherever ``record``'s wrapper still is.
+
+    False when the owner holds something else now (installed after us): that
+    is left alone.
+    """
+    ours = stored(record.owner, record.name)[0] is record.wrapper
+    if ours:
+        setattr(record.owner, record.name, record.original)
+    for module_name in set(record.patch.also_in) | record.also:
+        owner = _also_owner(record, module_name)
+        if owner is not None and stored(owner, record.name)[0] is record.wrapper:
+            setattr(owner, record.name, record.original)
+    return ours
+
+
+#: The wrapt these wrappers are written for; older ones lack what it uses.
+WRAPT_MAJOR = 2
+_WRAPT_NEEDS = ("register_post_import_hook",)
+
+
+def wrapt_problem() -> str | None:
+    """Why the installed wrapt cannot run the engine (one line), or ``None``."""
+    version = str(getattr(wrapt, "__version__", "unknown"))
+    missing = [name for name in _WRAPT_NEEDS if not hasattr(wrapt, name)]
+    try:
+        too_old = int(version.split(".")[0]) < WRAPT_MAJOR
+    except ValueError:
+        too_old = False
+    if not too_old and not missing:
+        return None
+    lacking = f" without {', '.join(missing)}" if missing else ""
+    return (
+        f"keras-dtensor-fix needs wrapt>={WRAPT_MAJOR} (found {version}{lacking}); "
+        "not activated"
+    )
