@@ -230,10 +230,8 @@ def compile_failure(error: BaseException) -> bool:
         return True
     # An assertion inside dynamo's own checks (DTensor outputs it expected as
     # fake tensors) is not wrapped in its exception types.
-    import traceback
-
-    frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and "torch/_dynamo/" in frames[-1].filename.replace("\\", "/")
+    files = _traceback_files(error)
+    return bool(files) and "torch/_dynamo/" in files[-1]
 
 
 def _eager_if_compile_fails(function, instance, make: str):
@@ -332,14 +330,17 @@ _COMPILED_RUNTIME = ("torch/_functorch/_aot_autograd/", "torch/_inductor/")
 
 def _in_compiled_runtime(error: BaseException) -> bool:
     """Whether ``error`` was raised inside torch's runner of a compiled graph."""
+    return any(
+        part in name for name in _traceback_files(error) for part in _COMPILED_RUNTIME
+    )
+
+
+def _traceback_files(error: BaseException) -> list[str]:
+    """The files of ``error``'s traceback, outermost first, with ``/`` separators."""
     import traceback
 
     frames = traceback.extract_tb(error.__traceback__)
-    return any(
-        part in frame.filename.replace("\\", "/")
-        for frame in frames
-        for part in _COMPILED_RUNTIME
-    )
+    return [frame.filename.replace("\\", "/") for frame in frames]
 
 
 def _build_eagerly(instance, make: str):
