@@ -949,8 +949,6 @@ def _compiled(kind: str, batch_ranks: int = 1) -> dict:
         str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
     ]
     result["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
-    inductor = torch._dynamo.utils.counters["inductor"]
-    result["fx_cache_hits"] = inductor["fxgraph_cache_hit"]
     return result
 
 
