@@ -110,6 +110,12 @@ FAMILIES: tuple[Family, ...] = (
         "Dense and EinsumDense on local shards (Megatron layouts)",
     ),
     Family(
+        "leaves",
+        ("layer_base",),
+        "leaves",
+        "layers without sharded weights (norms, rotary) on local tensors",
+    ),
+    Family(
         "rnn",
         ("rnn",),
         "rnn",

@@ -86,10 +86,21 @@ MODULES: dict[str, tuple[str, ...]] = {
     "parallel_optimizer": (f"{_OPTIMIZERS}.torch_parallel_optimizer",),
     "loss_and_metrics": (COMPILE_UTILS, "keras.src.metrics.reduction_metrics"),
     "dense_layers": ("keras.src.layers.core.dense", EINSUM_DENSE),
+    "layer_base": ("keras.src.layers.layer",),
     "saving": ("keras.src.saving.saving_lib",),
     "backup_and_restore": ("keras.src.callbacks.backup_and_restore",),
     "file_utils": ("keras.src.utils.file_utils",),
     "rnn": (f"{KERAS_TORCH}.rnn",),
+}
+
+#: Leaf layers that read across only some axes of their input, by
+#: ``(module, class)``: what the ``leaves`` family asks of each (see there).
+MIXING_LAYERS: dict[tuple[str, str], str] = {
+    ("keras.src.layers.activations.softmax", "Softmax"): "softmax",
+    ("keras_hub.src.layers.modeling.rotary_embedding", "RotaryEmbedding"): "rotary",
+    ("keras_hub.src.models.llama.llama_rotary_embedding", "LlamaRotaryEmbedding"): (
+        "rotary"
+    ),
 }
 
 #: Module kind -> modules that bind that kind's functions by name (``from
@@ -120,6 +131,7 @@ OBJECTS: dict[str, tuple[str, str]] = {
     "SeedGenerator": ("keras.src.random.seed_generator", "SeedGenerator"),
     "TensorLayout": (DISTRIBUTION_API, "TensorLayout"),
     "tree": ("keras.src", "tree"),
+    "distribution": (DISTRIBUTION_API, "distribution"),
     "global_state": ("keras.src.backend.common", "global_state"),
     "MonitorCallback": ("keras.src.callbacks.monitor_callback", "MonitorCallback"),
     "activations": ("keras.src.activations", "activations"),

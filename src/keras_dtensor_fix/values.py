@@ -92,6 +92,28 @@ def resolve(value: Any) -> Any:
     return value
 
 
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    """The leaves of a call's arguments and how to put them back.
+
+    Calls with flat arguments (the usual ``y_true, y_pred, sample_weight``)
+    skip Keras's tree functions, which cost more than the op they wrap here.
+    """
+    if not any(isinstance(v, (list, tuple, dict)) for v in (*args, *kwargs.values())):
+        return [*args, *kwargs.values()], None
+    structure = (args, kwargs)
+    return targets.keras_object("tree").flatten(structure), structure
+
+
+def unflatten_call(
+    args: tuple, kwargs: dict, structure: Any, leaves: list[Any]
+) -> tuple[tuple, dict]:
+    """:func:`flatten_call`'s leaves put back as ``(args, kwargs)``."""
+    if structure is None:
+        n = len(args)
+        return tuple(leaves[:n]), dict(zip(kwargs, leaves[n:], strict=True))
+    return targets.keras_object("tree").pack_sequence_as(structure, leaves)
+
+
 @contextlib.contextmanager
 def local_tensors(variables: Sequence[Any]) -> Iterator[None]:
     """Let each DTensor Keras variable's ``.value`` be its local tensor for a while.
@@ -238,10 +260,12 @@ def _about_dtensor(err: BaseException) -> bool:
 
 __all__ = [
     "DTensorMixError",
+    "flatten_call",
     "full_value",
     "local_tensors",
     "promote_call",
     "resolve",
+    "unflatten_call",
     "variable_class",
     "walk",
 ]

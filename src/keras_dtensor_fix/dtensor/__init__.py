@@ -17,6 +17,8 @@ setting from the package):
   ``replicated_locals``, ``to_placements``.
 - :mod:`.gather`: op-specific layouts (embedding lookups, index reductions,
   batch-only calls, per-element ops, slice updates, gathering outputs).
+- :mod:`.region`: when a whole computation (a layer) may run on local
+  tensors (``local_region``).
 
 Import the names below from the package (``from keras_dtensor_fix.dtensor
 import settle``); the modules are its layout, not its interface.
@@ -69,6 +71,7 @@ from keras_dtensor_fix.dtensor.promotion import (
     set_implicit_replication,
     to_placements,
 )
+from keras_dtensor_fix.dtensor.region import local_region, split_dims
 
 __all__ = [
     "DTensor",
@@ -85,6 +88,7 @@ __all__ = [
     "has_plain_tensor",
     "implicit_replication",
     "is_replicated",
+    "local_region",
     "per_element_call",
     "placed",
     "promote_args",
@@ -97,6 +101,7 @@ __all__ = [
     "same_mesh",
     "set_implicit_replication",
     "settle",
+    "split_dims",
     "to_placements",
     "unwrap_local",
     "update_in_place_of",

@@ -29,7 +29,7 @@ from keras_dtensor_fix.dtensor import (
 )
 from keras_dtensor_fix.engine import Implementation, Patch
 from keras_dtensor_fix.state import compiling
-from keras_dtensor_fix.values import local_tensors
+from keras_dtensor_fix.values import flatten_call, local_tensors, unflatten_call
 
 
 def local_inputs(
@@ -62,25 +62,6 @@ def local_inputs(
     return None if mesh is None else (mesh, local)
 
 
-def _flat(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
-    """The leaves of a call's arguments and how to put them back.
-
-    Calls with flat arguments (the usual ``y_true, y_pred, sample_weight``)
-    skip Keras's tree functions, which cost more than the op they wrap here.
-    """
-    if not any(isinstance(v, (list, tuple, dict)) for v in (*args, *kwargs.values())):
-        return [*args, *kwargs.values()], None
-    structure = (args, kwargs)
-    return targets.keras_object("tree").flatten(structure), structure
-
-
-def _unflat(args: tuple, kwargs: dict, structure: Any, leaves: list[Any]):
-    if structure is None:
-        n = len(args)
-        return tuple(leaves[:n]), dict(zip(kwargs, leaves[n:], strict=True))
-    return targets.keras_object("tree").pack_sequence_as(structure, leaves)
-
-
 def _run_local(wrapped, instance, args, kwargs):
     """A loss on local tensors (its result keeps the gradient path)."""
     return _call_local(wrapped, instance, args, kwargs, grad=True)
@@ -105,13 +86,13 @@ def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
                 return wrapped(*args, **kwargs)
             if mesh is None:
                 mesh = value.device_mesh
-    leaves, structure = _flat(args, kwargs)
+    leaves, structure = flatten_call(args, kwargs)
     found = local_inputs(leaves, grad=grad, mesh=mesh)
     if found is None:
         return wrapped(*args, **kwargs)
     mesh, local = found
     with local_tensors(variables):
-        args, kwargs = _unflat(args, kwargs, structure, local)
+        args, kwargs = unflatten_call(args, kwargs, structure, local)
         result = wrapped(*args, **kwargs)
     if grad or isinstance(result, DTensor) or not hasattr(result, "shape"):
         return result  # a loss stays plain (see the module's docstring)

@@ -1,0 +1,163 @@
+"""Leaf layers on local tensors: norms, rotary embeddings, softmax.
+
+Between a sharded model's row-parallel sums and its column-parallel products,
+activations are replicated, and a layer with no sublayers and replicated
+weights (a layer norm, an RMS norm, a position embedding) computes the same
+full value on every rank. Through DTensor, each of its small ops is a
+dispatched op forward and more backward, each costing more than the op. Such
+a layer runs here as one process runs it: its inputs and weights as local
+tensors (one unwrap each), its output wrapped once as a Replicate DTensor.
+Layers that read across only some axes (:data:`targets.MIXING_LAYERS`:
+softmax over its axis, a rotary embedding over sequence and features) also
+run on shards split on the other axes (the attention heads), their output
+keeping the input's placements. ``dtensor.local_region`` decides; gradients
+are the local backward of each rank's piece, exact.
+
+Anything else calls the original: a layer with sublayers, sharded weights, a
+seed generator (dropout draws its own way), a Keras mask, an activity
+regularizer, an output layout in the distribution's LayoutMap, a layer not yet
+built, a stateless scope, a nested call, a first argument that is not a
+DTensor and compiled steps. Gated.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Any
+
+import torch
+
+from keras_dtensor_fix import targets
+from keras_dtensor_fix.dtensor import DTensor, local_region, split_dims, unwrap_local
+from keras_dtensor_fix.dtensor import wrap_local as _wrap
+from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix.state import compiling
+from keras_dtensor_fix.values import flatten_call, unflatten_call
+
+#: True while a leaf runs locally: a layer it calls runs as it is.
+_ACTIVE: list[bool] = []
+#: Layer class -> its kind in :data:`targets.MIXING_LAYERS`, or None.
+_KINDS: dict[type, str | None] = {}
+#: Layers whose output the LayoutMap lays out (checked once per layer).
+_LAID_OUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _kind(layer: Any) -> str | None:
+    cls = type(layer)
+    try:
+        return _KINDS[cls]
+    except KeyError:
+        kind = targets.MIXING_LAYERS.get((cls.__module__, cls.__qualname__))
+        _KINDS[cls] = kind
+        return kind
+
+
+def mixes(layer: Any, ndim: int) -> frozenset[int] | None:
+    """The input dims ``layer`` reads across (None: unknown, all of them)."""
+    kind = _kind(layer)
+    if kind == "softmax":
+        axes = layer.axis if isinstance(layer.axis, (list, tuple)) else (layer.axis,)
+        return frozenset(a % ndim for a in axes)
+    if kind == "rotary":
+        return frozenset((layer.sequence_axis % ndim, layer.feature_axis % ndim))
+    return None
+
+
+def _laid_out(layer: Any) -> bool:
+    """Whether the distribution gives ``layer``'s output a layout of its own."""
+    try:
+        return _LAID_OUT[layer]
+    except KeyError:
+        pass
+    distribution = targets.keras_object("distribution")()
+    path = f"{getattr(layer, 'path', layer.name)}/output"
+    found = distribution is not None and bool(distribution.get_tensor_layout(path))
+    _LAID_OUT[layer] = found
+    return found
+
+
+def _plain(instance: Any) -> bool:
+    """Whether ``instance`` must run as it is (see the module's docstring).
+
+    :func:`_call` has tested the cheap ones: every layer call of a process
+    that once sharded comes there, distributed or not.
+    """
+    return bool(
+        getattr(instance, "_layers", True)
+        or getattr(instance, "_seed_generators", True)
+        or not getattr(instance, "built", False)
+        or getattr(instance, "activity_regularizer", None) is not None
+        or compiling()
+        or targets.keras_object("global_state").get_global_attribute("stateless_scope")
+        is not None
+    )
+
+
+def _call(wrapped, instance, args, kwargs):
+    """``Layer.__call__`` on local tensors where every rank's piece computes alone."""
+    if _ACTIVE or not args or not isinstance(args[0], DTensor) or _plain(instance):
+        return wrapped(*args, **kwargs)
+    variables = instance._trainable_variables + instance._non_trainable_variables
+    for variable in variables:
+        value = getattr(variable, "_value", None)
+        if isinstance(value, DTensor) and split_dims(value) != frozenset():
+            return wrapped(*args, **kwargs)
+    leaves, structure = flatten_call(args, kwargs)
+    for leaf in leaves:
+        if getattr(leaf, "_keras_mask", None) is not None:
+            return wrapped(*args, **kwargs)
+    first = args[0]
+    # A layer with weights runs locally only where everything is replicated:
+    # its weights would meet the shards whole.
+    axes = None if variables else mixes(instance, first.ndim)
+    found = local_region(leaves, axes)
+    if found is None or _laid_out(instance):
+        return wrapped(*args, **kwargs)
+    mesh, placements, local = found
+    args, kwargs = unflatten_call(args, kwargs, structure, local)
+    swapped = []
+    _ACTIVE.append(True)
+    try:
+        for variable in variables:
+            raw = getattr(variable, "_value", None)
+            if isinstance(raw, DTensor):
+                swapped.append((variable, raw))
+                # Trainable: an autograd op, so the weight gets its gradient;
+                # otherwise the local tensor itself, so writes reach the DTensor.
+                variable._value = (
+                    unwrap_local(raw) if variable.trainable else raw._local_tensor
+                )
+        result = wrapped(*args, **kwargs)
+    finally:
+        _ACTIVE.pop()
+        for variable, raw in swapped:
+            variable._value = raw
+    return _wrap_all(result, mesh, placements)
+
+
+def _wrap_all(result: Any, mesh: Any, placements: tuple) -> Any:
+    def one(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            return value
+        mask = getattr(value, "_keras_mask", None)
+        wrapped = _wrap(value, mesh, placements)
+        if mask is not None:
+            wrapped._keras_mask = one(mask)
+        return wrapped
+
+    if isinstance(result, torch.Tensor):
+        return one(result)
+    return targets.keras_object("tree").map_structure(one, result)
+
+
+def patches(module: types.ModuleType) -> list[Patch]:
+    if "__call__" not in vars(getattr(module, "Layer", object)):
+        raise LookupError("Layer.__call__ not found: this Keras moved it")
+    # traced: a plain function on the class; dynamo fails a guard on wrapt's
+    # bound proxy as ``type(layer).__call__`` (compiled, the wrapper calls the
+    # original at once).
+    return [Patch(module.__name__, "Layer.__call__", _call, gated=True, traced=True)]
+
+
+IMPLEMENTATION = Implementation(patches)
