@@ -18,6 +18,8 @@ own processes, interleaved over ``--rounds``:
   compiled    the plugin, jit_compile=True, 2 ranks (models with keras-hub
               layers run eagerly, with a warning: reported as ran-eager)
   single      one process, no distribution, plugin on; single-off: plugin off
+  eager-noleaves  eager with the ``leaves`` family off (not in the default
+              set): what layers on local tensors change, in the same run
   eager4, upstream4   4 ranks on a (2, 2) mesh (``--four``; slow on 2 cores)
 
 Every process uses one thread (torch.set_num_threads(1)), so a 2-rank step
@@ -25,9 +27,10 @@ compares with one process's one-thread step on the same global batch. Step
 times come from a Callback (time between consecutive ``on_train_batch_end``
 of one ``fit()``), the first ``--warmup`` steps (build, compile) left out.
 Prints ms/step, tokens/s, ratios paired by round with a bootstrap interval,
-collectives per step (c10d events in torch's profiler, after the timed
-steps), dynamo graphs and breaks, peak RSS per rank (VmHWM, reset per case);
-writes a JSON, a log and, with ``--plot``, ms/step against width (PNG).
+collectives and DTensor-dispatched ops per step (c10d and ``PythonSubclass``
+events in torch's profiler, after the timed steps), dynamo graphs and breaks,
+peak RSS per rank (VmHWM, reset per case); writes a JSON, a log and, with
+``--plot``, ms/step against width (PNG).
 
     python benchmarks/hub.py [--rounds 2] [--four] [--plot results/x.png]
     nox -s bench -- --models hub [hub.py arguments]
@@ -259,8 +262,10 @@ def run_case(case: str, config: str, args) -> dict:
             sum(1 for n in names if n.startswith("c10d::") and "barrier" not in n)
             / profile_steps
         )
+        # DTensor's dispatch records each op it takes as "PythonSubclass".
+        dispatched = sum(1 for n in names if n == "PythonSubclass") / profile_steps
     else:
-        per_step = 0.0
+        per_step = dispatched = 0.0
     times = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:], strict=False)]
     times = times[args.warmup - 1 :]
     counters = torch._dynamo.utils.counters
@@ -273,6 +278,7 @@ def run_case(case: str, config: str, args) -> dict:
         "ms": statistics.median(times),
         "times": times,
         "collectives": per_step,
+        "dtensor_ops": dispatched,
         "graphs": counters["stats"].get("unique_graphs", 0),
         "breaks": sum(counters["graph_break"].values()),
         "ran_eager": ran_eager,
@@ -671,6 +677,8 @@ def run_config(config: str, cases: list[str], args) -> dict:
     env["CUDA_VISIBLE_DEVICES"] = ""
     off = config.startswith(("upstream", "single-off"))
     env["KERAS_DTENSOR_FIX"] = "0" if off else "1"
+    if config == "eager-noleaves":
+        env["KERAS_DTENSOR_FIX_DISABLE"] = "leaves"
     ranks = 4 if config.endswith("4") else 1 if config.startswith("single") else 2
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "out.json")
@@ -727,6 +735,8 @@ PAIRS = (  # (numerator, denominator, label): the issue's goals
     ("eager", "upstream", "eager/upstream (goal <= 0.3)"),
     ("eager", "single", "2 ranks/1 process (goal <= 0.65)"),
     ("compiled", "eager", "compiled/eager (goal <= 0.6)"),
+    ("eager", "eager-noleaves", "eager: leaves family on/off"),
+    ("eager-noleaves", "single", "2 ranks (leaves off)/1 process"),
     ("single", "single-off", "plugin on/off, 1 process (goal <= 1.01)"),
     ("eager4", "upstream4", "4 ranks: eager/upstream"),
     ("eager4", "single", "4 ranks/1 process"),
@@ -744,7 +754,8 @@ def report(results: dict, args, log) -> None:
         say(f"{kind} hidden {hidden}: batch {args.batch} x seq {args.seq}")
         say(
             f"  {'config':11s} {'ms/step':>8s} {'tok/s':>7s} {'rounds':>22s} "
-            f"{'coll':>5s} {'graphs':>6s} {'breaks':>6s} {'peak MB/rank':>14s}  notes"
+            f"{'coll':>5s} {'dt-ops':>6s} {'graphs':>6s} {'breaks':>6s} "
+            f"{'peak MB/rank':>14s}  notes"
         )
         for config, row in configs.items():
             if "error" in row:
@@ -761,10 +772,15 @@ def report(results: dict, args, log) -> None:
                     + bench._pairs_note(row["pairs"], ratio=True)
                 )
             coll = "-" if config.startswith("single") else f"{row['collectives']:.0f}"
+            ops = (
+                "-"
+                if config.startswith("single")
+                else f"{row.get('dtensor_ops', 0):.0f}"
+            )
             say(
                 f"  {config:11s} {row['ms']:8.1f} {1e3 * tokens / row['ms']:7.0f} "
-                f"{rounds:>22s} {coll:>5s} {row['graphs']:6d} {row['breaks']:6d} "
-                f"{peak:>14s}  {note}"
+                f"{rounds:>22s} {coll:>5s} {ops:>6s} {row['graphs']:6d} "
+                f"{row['breaks']:6d} {peak:>14s}  {note}"
             )
         for num, den, label in PAIRS:
             a, b = configs.get(num), configs.get(den)

@@ -442,6 +442,36 @@ def attention_layernorm_dropout():
     return _fit_transformer()
 
 
+LEAVES = {
+    ".*cols/kernel": (None, "model"),  # features split: (8, 6, 32) sharded on dim 2
+    ".*rows/kernel": ("model", None),
+    ".*out/kernel": (None, None),
+}
+
+
+@case("layers", layout=LEAVES)
+def leaf_layers_local_and_not():
+    """Leaf layers on local tensors where a rank's piece computes alone, and
+    not where it would read across a split (``leaves`` family): a norm with
+    weights and a softmax over the split features must take DTensor's path;
+    a softmax over the sequence of a head-split activation and a norm of a
+    replicated one run locally. Equal to one process either way."""
+    inputs = layers.Input((6, 16))
+    split = layers.Dense(32, name="cols")(inputs)  # (b, 6, 32), features split
+    heads = layers.Reshape((6, 4, 8))(split)  # the split is on the 4 heads
+    heads = layers.Softmax(axis=1, name="softmax_seq")(heads)  # local shards
+    across = layers.Softmax(axis=-1, name="softmax_split")(split)  # reads across
+    h = layers.Add()([layers.Reshape((6, 32))(heads), across])
+    h = layers.LayerNormalization(name="ln_split")(h)  # weights meet a split
+    h = layers.Dense(16, name="rows")(h)
+    h = layers.LayerNormalization(name="ln_whole")(h)  # local, replicated
+    outputs = layers.Dense(4, name="out")(layers.GlobalAveragePooling1D()(h))
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(32, 6, 16)).astype("float32")
+    y = rng.normal(size=(32, 4)).astype("float32")
+    return _fit(keras.Model(inputs, outputs), x, y)
+
+
 # ---------------------------------------------------------------- custom loop
 
 
@@ -982,7 +1012,7 @@ GPT_LAYOUT = {  # Megatron: column-parallel Q/K/V and FFN in, row-parallel out
 }
 
 
-def fit_gpt(jit_compile: bool = False, batch_ranks: int = 1) -> dict:
+def tiny_gpt():
     """A GPT-style decoder from keras_hub.layers (causal self-attention)."""
     import keras_hub
 
@@ -990,7 +1020,12 @@ def fit_gpt(jit_compile: bool = False, batch_ranks: int = 1) -> dict:
     x = keras_hub.layers.TokenAndPositionEmbedding(64, 12, 32, name="embedding")(ids)
     for i in range(2):
         x = keras_hub.layers.TransformerDecoder(64, 4, name=f"decoder_{i}")(x)
-    model = keras.Model(ids, layers.Dense(64, name="lm_head")(x))
+    return keras.Model(ids, layers.Dense(64, name="lm_head")(x))
+
+
+def fit_gpt(jit_compile: bool = False, batch_ranks: int = 1) -> dict:
+    """:func:`tiny_gpt` trained for two epochs."""
+    model = tiny_gpt()
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -55,29 +55,46 @@ def dtensor_ops(step) -> int:
     return mode.count
 
 
-def hub_collectives(name: str, compiled: bool) -> float | None:
+def hub_counts(name: str, compiled: bool) -> tuple[float, int | None] | None:
     """Collectives per step of a tiny keras-hub CausalLM (2 layers),
     ``"gemma"`` or ``"llama"``, sharded by its backbone's ``get_layout_map``
-    on (1, 2), eager or with ``jit_compile=True``; None without keras-hub."""
+    on (1, 2), or of ``"gpt"``, keras_hub's TransformerDecoder blocks with a
+    Megatron LayoutMap, eager or with ``jit_compile=True``; and, eager, the
+    ops a step dispatches on DTensors. None without keras-hub."""
     if importlib.util.find_spec("keras_hub") is None:
         return None
-    from scenarios import hub_layout, tiny_causal_lm
+    from scenarios import GPT_LAYOUT, hub_layout, tiny_causal_lm, tiny_gpt
 
     mesh = keras.distribution.distribution().device_mesh
+    if name == "gpt":
+        layout_map = keras.distribution.LayoutMap(mesh)
+        for key, axes in GPT_LAYOUT.items():
+            layout_map[key] = axes
+    else:
+        layout_map = hub_layout(name)(mesh)
     dist = keras.distribution.ModelParallel(
-        layout_map=hub_layout(name)(mesh), batch_dim_name="batch"
+        layout_map=layout_map, batch_dim_name="batch"
     )
     dist.auto_shard_dataset = False
     keras.distribution.set_distribution(dist)
     keras.utils.set_random_seed(0)
-    model = tiny_causal_lm(name)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=compiled)
     ids = numpy.random.default_rng(0).integers(1, 64, size=(4, 12)).astype("int32")
-    x = {"token_ids": ids, "padding_mask": numpy.ones_like(ids)}
     y = numpy.roll(ids, -1, axis=1)
+    if name == "gpt":
+        model = tiny_gpt()
+        x = ids
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    else:
+        model = tiny_causal_lm(name)
+        x = {"token_ids": ids, "padding_mask": numpy.ones_like(ids)}
+        loss = None
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=compiled
+    )
     for _ in range(2):
         model.train_on_batch(x, y)
-    return bench.collectives(functools.partial(model.train_on_batch, x, y))
+    step = functools.partial(model.train_on_batch, x, y)
+    return bench.collectives(step), None if compiled else dtensor_ops(step)
 
 
 def main(out: Path) -> int:
@@ -99,9 +116,12 @@ def main(out: Path) -> int:
             if config == "eager":
                 results[f"{model_name}/dtensor_ops"] = dtensor_ops(step)
     results["graphs"] = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
-    for name in ("gemma", "llama"):
+    for name in ("gemma", "llama", "gpt"):
         for config in ("eager", "compiled"):
-            results[f"{name}/{config}"] = hub_collectives(name, config == "compiled")
+            counts = hub_counts(name, config == "compiled")
+            results[f"{name}/{config}"] = None if counts is None else counts[0]
+            if config == "eager":
+                results[f"{name}/dtensor_ops"] = None if counts is None else counts[1]
     results["compiles"] = compiles_model_parallel()
     if torch.distributed.get_rank() == 0:
         out.write_text(json.dumps(results))
