@@ -19,7 +19,9 @@ own processes, interleaved over ``--rounds``:
               layers run eagerly, with a warning: reported as ran-eager)
   single      one process, no distribution, plugin on; single-off: plugin off
   eager-noleaves  eager with the ``leaves`` family off (not in the default
-              set): what layers on local tensors change, in the same run
+              set): what layers on local tensors change, in the same run;
+              eager-ab: 2 ranks switching the leaves family's local path on
+              and off in alternating blocks of steps (as single-ab does)
   eager4, upstream4   4 ranks on a (2, 2) mesh (``--four``; slow on 2 cores)
 
 Every process uses one thread (torch.set_num_threads(1)), so a 2-rank step
@@ -242,8 +244,9 @@ def run_case(case: str, config: str, args) -> dict:
                 return
             stamps.append(time.perf_counter())
 
-    if config == "single-ab":
-        return _single_ab(model, x, y, per_rank, stamps, Clock(), args)
+    if config in ("single-ab", "eager-ab"):
+        switch = _switch(config)
+        return _single_ab(model, x, y, per_rank, stamps, Clock(), args, switch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.fit(
@@ -304,13 +307,31 @@ def _fit_rows(model, x: dict, y, rows: slice, batch: int, callbacks=None) -> Non
     )
 
 
-def _single_ab(model, x, y, batch, stamps, clock, args, blocks: int = 10) -> dict:
-    """One process, the plugin on and off (activate/deactivate) in alternating
-    blocks of ``fit()`` steps; per pair of neighbouring blocks the log of the
-    on/off ratio of block medians (free of the variance between processes)."""
-    import math
-
+def _switch(config: str):
+    """What ``config``'s A/B turns on and off: the plugin (``single-ab``) or
+    the leaves family's local path (``eager-ab``; while its re-entry guard is
+    set, every layer call runs Keras's own)."""
     import keras_dtensor_fix
+
+    if config == "eager-ab":
+        from keras_dtensor_fix.patches import leaves
+
+        def switch(on: bool) -> None:
+            leaves._ACTIVE[:] = [] if on else [True]
+
+        return switch
+    return lambda on: (
+        keras_dtensor_fix.activate if on else keras_dtensor_fix.deactivate
+    )()
+
+
+def _single_ab(
+    model, x, y, batch, stamps, clock, args, switch, blocks: int = 10
+) -> dict:
+    """``switch(on)`` on and off in alternating blocks of ``fit()`` steps in
+    the same processes; per pair of neighbouring blocks the log of the on/off
+    ratio of block medians (free of the variance between processes)."""
+    import math
 
     def block(steps: int) -> list[float]:
         stamps.clear()
@@ -323,12 +344,12 @@ def _single_ab(model, x, y, batch, stamps, clock, args, blocks: int = 10) -> dic
     for index in range(blocks):
         medians = {}
         for on in (True, False) if index % 2 == 0 else (False, True):
-            (keras_dtensor_fix.activate if on else keras_dtensor_fix.deactivate)()
+            switch(on)
             block_times = block(args.steps)
             times[on] += block_times
             medians[on] = statistics.median(block_times)
         pairs.append(math.log(medians[True] / medians[False]))
-    keras_dtensor_fix.activate()
+    switch(True)
     return {
         "ms": statistics.median(times[True]),
         "times": times[True],
@@ -768,7 +789,8 @@ def report(results: dict, args, log) -> None:
             note = "compiled requested, ran eager" if row.get("ran_eager") else ""
             if "pairs" in row:
                 note = (
-                    f"plugin off here {row['ms_off']:.1f} ms: on/off "
+                    f"{'leaves' if config == 'eager-ab' else 'plugin'} off here "
+                    f"{row['ms_off']:.1f} ms: on/off "
                     + bench._pairs_note(row["pairs"], ratio=True)
                 )
             coll = "-" if config.startswith("single") else f"{row['collectives']:.0f}"
