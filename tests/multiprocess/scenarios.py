@@ -455,7 +455,9 @@ def leaf_layers_local_and_not():
     not where it would read across a split (``leaves`` family): a norm with
     weights and a softmax over the split features must take DTensor's path;
     a softmax over the sequence of a head-split activation and a norm of a
-    replicated one run locally. Equal to one process either way."""
+    replicated one run locally. Equal to one process either way. Upstream
+    (``KERAS_DTENSOR_FIX=0``) trains it too, equal to one process: its
+    dispatch mode takes every op through DTensor."""
     inputs = layers.Input((6, 16))
     split = layers.Dense(32, name="cols")(inputs)  # (b, 6, 32), features split
     heads = layers.Reshape((6, 4, 8))(split)  # the split is on the 4 heads
