@@ -200,3 +200,39 @@ def test_no_module_is_long() -> None:
         if (n := len(path.read_text().splitlines())) > 450
     }
     assert long == {}
+
+
+def test_an_eager_only_method_leaves_compiled_steps_to_the_original() -> None:
+    """``Patch(eager_only=True)``: eager calls run the wrapper, dynamo traces
+    the original alone (no frame of the plugin per call: the leaves family's
+    ``Layer.__call__`` ran a deep MoE model out of recursion depth without
+    it), and the original comes back on restore."""
+    import torch
+
+    from keras_dtensor_fix import wrappers
+    from keras_dtensor_fix.contract import Patch
+
+    calls: list[bool] = []
+
+    class Toy:
+        def __call__(self, x):
+            return x + 1
+
+    raw = Toy.__call__
+
+    def wrapper(wrapped, instance, args, kwargs):
+        calls.append(bool(torch.compiler.is_compiling()))
+        return wrapped(*args, **kwargs)
+
+    patch = Patch("toy", "Toy.__call__", wrapper, eager_only=True)
+    record = wrappers.install("toy", patch, Toy, "__call__", raw)
+    try:
+        toy = Toy()
+        assert Toy.__call__._torchdynamo_inline is raw
+        assert toy(torch.ones(2)).tolist() == [2.0, 2.0] and calls == [False]
+        compiled = torch.compile(lambda x: toy(x) * 2, backend="eager", fullgraph=True)
+        assert compiled(torch.ones(2)).tolist() == [4.0, 4.0]
+        assert calls == [False]  # traced: the original only
+    finally:
+        assert wrappers.restore(record)
+    assert Toy.__call__ is raw

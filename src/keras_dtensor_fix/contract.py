@@ -31,6 +31,10 @@ class Patch:
     # A method whose wrapper torch.compile must run too (see
     # ``wrappers.traced_method``).
     traced: bool = False
+    # A method whose wrapper only eager code needs: installed as a plain
+    # function too, which points dynamo at the original, so a compiled step
+    # traces no frame of the plugin (``wrappers.traced_method``'s ``inline``).
+    eager_only: bool = False
 
 
 @dataclass(frozen=True)

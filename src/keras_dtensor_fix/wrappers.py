@@ -66,13 +66,18 @@ class FixFunctionWrapper(FixWrapper):
 FIX = "__keras_dtensor_fix__"
 
 
-def traced_method(fix: FixWrapper) -> Callable[..., Any]:
+def traced_method(fix: FixWrapper, inline: bool = False) -> Callable[..., Any]:
     """A plain function for the class that runs ``fix``'s wrapper.
 
     Dynamo traces a method found on a class as a function: given a wrapt proxy
     it traces the original's code and skips the wrapper, and it guards the
     closure of what it inlines, which only a real function has. This entry is
     one, so a compiled step runs the wrapper too. It honours ``enabled=``.
+    With ``inline``, dynamo is pointed at the original instead
+    (``_torchdynamo_inline``, which it follows for a class's ``__call__``): a
+    wrapper on ``Layer.__call__`` would add its frames at every level of a
+    model's nesting, and a deep model (an MoE block) ran dynamo out of Python
+    recursion depth.
     """
     wrapper, raw, enabled = fix._self_wrapper, fix.__wrapped__, fix._self_enabled
 
@@ -87,6 +92,8 @@ def traced_method(fix: FixWrapper) -> Callable[..., Any]:
         return wrapper(bound, self, args, kwargs)
 
     setattr(method, FIX, fix)
+    if inline:
+        method._torchdynamo_inline = raw  # type: ignore[attr-defined]
     return method
 
 
@@ -158,8 +165,12 @@ def install(family: str, patch: Patch, owner: Any, name: str, raw: Any) -> Appli
     # original method. ``traced`` installs a real function that dynamo runs.
     kind = FixWrapper if isinstance(owner, type) else FixFunctionWrapper
     wrapper = kind(raw, patch.wrapper, enabled=state.SHARDING if patch.gated else None)
-    if patch.traced and isinstance(owner, type) and isinstance(raw, types.FunctionType):
-        wrapper = traced_method(wrapper)
+    if (
+        (patch.traced or patch.eager_only)
+        and isinstance(owner, type)
+        and isinstance(raw, types.FunctionType)
+    ):
+        wrapper = traced_method(wrapper, inline=patch.eager_only)
     setattr(owner, name, wrapper)
     record = Applied(family, patch, owner, name, raw, wrapper)
     for module_name in patch.also_in:

@@ -154,10 +154,12 @@ def _wrap_all(result: Any, mesh: Any, placements: tuple) -> Any:
 def patches(module: types.ModuleType) -> list[Patch]:
     if "__call__" not in vars(getattr(module, "Layer", object)):
         raise LookupError("Layer.__call__ not found: this Keras moved it")
-    # traced: a plain function on the class; dynamo fails a guard on wrapt's
-    # bound proxy as ``type(layer).__call__`` (compiled, the wrapper calls the
-    # original at once).
-    return [Patch(module.__name__, "Layer.__call__", _call, gated=True, traced=True)]
+    # eager_only: a plain function on the class (dynamo fails a guard on
+    # wrapt's bound proxy as ``type(layer).__call__``) that sends dynamo to
+    # the original, so compiled steps trace no extra frame per layer call.
+    return [
+        Patch(module.__name__, "Layer.__call__", _call, gated=True, eager_only=True)
+    ]
 
 
 IMPLEMENTATION = Implementation(patches)
