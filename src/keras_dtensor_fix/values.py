@@ -21,6 +21,7 @@ from keras_dtensor_fix.dtensor import (
     has_plain_tensor,
     promote_args,
     replicate_result,
+    unwrap_local,
 )
 
 
@@ -115,10 +116,12 @@ def unflatten_call(
 
 
 @contextlib.contextmanager
-def local_tensors(variables: Sequence[Any]) -> Iterator[None]:
+def local_tensors(variables: Sequence[Any], *, grad: bool = False) -> Iterator[None]:
     """Let each DTensor Keras variable's ``.value`` be its local tensor for a while.
 
-    Writes go to that tensor, so the DTensor sees them.
+    Writes go to that tensor, so the DTensor sees them. With ``grad``, a
+    trainable variable shows it through an autograd op instead
+    (``unwrap_local``), so the DTensor weight gets the gradient.
     """
     swapped = []
     try:
@@ -126,7 +129,10 @@ def local_tensors(variables: Sequence[Any]) -> Iterator[None]:
             raw = getattr(variable, "_value", None)
             if isinstance(raw, DTensor):
                 swapped.append((variable, raw))
-                variable._value = raw._local_tensor
+                if grad and variable.trainable:
+                    variable._value = unwrap_local(raw)
+                else:
+                    variable._value = raw._local_tensor
         yield
     finally:
         for variable, raw in swapped:

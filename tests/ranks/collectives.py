@@ -65,18 +65,15 @@ def hub_counts(name: str, compiled: bool) -> tuple[float, int | None] | None:
         return None
     from scenarios import GPT_LAYOUT, hub_layout, tiny_causal_lm, tiny_gpt
 
-    mesh = keras.distribution.distribution().device_mesh
     if name == "gpt":
-        layout_map = keras.distribution.LayoutMap(mesh)
-        for key, axes in GPT_LAYOUT.items():
-            layout_map[key] = axes
+        set_model_parallel(GPT_LAYOUT)
     else:
-        layout_map = hub_layout(name)(mesh)
-    dist = keras.distribution.ModelParallel(
-        layout_map=layout_map, batch_dim_name="batch"
-    )
-    dist.auto_shard_dataset = False
-    keras.distribution.set_distribution(dist)
+        mesh = keras.distribution.distribution().device_mesh
+        dist = keras.distribution.ModelParallel(
+            layout_map=hub_layout(name)(mesh), batch_dim_name="batch"
+        )
+        dist.auto_shard_dataset = False
+        keras.distribution.set_distribution(dist)
     keras.utils.set_random_seed(0)
     ids = numpy.random.default_rng(0).integers(1, 64, size=(4, 12)).astype("int32")
     y = numpy.roll(ids, -1, axis=1)

@@ -38,13 +38,14 @@ def split_dims(value: DTensor) -> frozenset[int] | None:
 
 
 def local_region(
-    values: Sequence[Any], mixes: frozenset[int] | None, *, grad: bool = True
+    values: Sequence[Any], mixes: frozenset[int] | None
 ) -> tuple[Any, tuple, list[Any]] | None:
     """``(mesh, placements, locals)`` when the computation may run locally.
 
     ``values`` are the leaves of the call's arguments; ``mixes`` the dims the
     computation reads across (None: unknown, so every DTensor must be
-    replicated). ``placements`` are what a result with the operands' shape
+    replicated). The locals are ``unwrap_local``'s (an autograd op where a
+    gradient is wanted). ``placements`` are what a result with the operands' shape
     gets: the sharded operands' placements, or Replicate everywhere. None when
     there is no DTensor, two meshes, a Partial value or a split the
     computation would read across.
@@ -88,11 +89,5 @@ def local_region(
         placements = tuple(reference.placements)
     else:
         placements = (Replicate(),) * mesh.ndim
-    local = [_local(v, grad) if isinstance(v, DTensor) else v for v in values]
+    local = [unwrap_local(v) if isinstance(v, DTensor) else v for v in values]
     return mesh, placements, local
-
-
-def _local(value: DTensor, grad: bool) -> torch.Tensor:
-    if grad and value.requires_grad:
-        return unwrap_local(value)
-    return value._local_tensor

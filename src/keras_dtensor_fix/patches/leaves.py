@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from keras_dtensor_fix import targets
-from keras_dtensor_fix.dtensor import DTensor, local_region, split_dims, unwrap_local
+from keras_dtensor_fix.dtensor import DTensor, local_region, split_dims
 from keras_dtensor_fix.dtensor import wrap_local as _wrap
 from keras_dtensor_fix.engine import Implementation, Patch
 from keras_dtensor_fix.state import compiling
-from keras_dtensor_fix.values import flatten_call, unflatten_call
+from keras_dtensor_fix.values import flatten_call, local_tensors, unflatten_call
 
 #: True while a leaf runs locally: a layer it calls runs as it is.
 _ACTIVE: list[bool] = []
@@ -116,23 +116,12 @@ def _call(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     mesh, placements, local = found
     args, kwargs = unflatten_call(args, kwargs, structure, local)
-    swapped = []
     _ACTIVE.append(True)
     try:
-        for variable in variables:
-            raw = getattr(variable, "_value", None)
-            if isinstance(raw, DTensor):
-                swapped.append((variable, raw))
-                # Trainable: an autograd op, so the weight gets its gradient;
-                # otherwise the local tensor itself, so writes reach the DTensor.
-                variable._value = (
-                    unwrap_local(raw) if variable.trainable else raw._local_tensor
-                )
-        result = wrapped(*args, **kwargs)
+        with local_tensors(variables, grad=True):
+            result = wrapped(*args, **kwargs)
     finally:
         _ACTIVE.pop()
-        for variable, raw in swapped:
-            variable._value = raw
     return _wrap_all(result, mesh, placements)
 
 
