@@ -94,11 +94,13 @@ def test_save_timeout_from_the_environment(monkeypatch) -> None:
         assert config.save_seconds() == config.DEFAULT_SAVE_SECONDS
 
 
-def test_attempt_store_only_under_torchrun(monkeypatch) -> None:
+def test_attempt_prefix_only_under_torchrun(monkeypatch) -> None:
     from keras_dtensor_fix.patches import restarts
 
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    assert restarts.attempt_store() is None
+    assert restarts.attempt_prefix() is None
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
-    assert restarts.attempt_store() is None
+    assert restarts.attempt_prefix() is None
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert restarts.attempt_prefix() == "keras_dtensor_fix/attempt_1"

@@ -123,9 +123,17 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "restarts",
-        ("distribution_lib",),
+        ("rendezvous",),
         "restarts",
         "torchrun restarts: each attempt's process group its own store keys",
+        # torch's, not Keras's: a script may start its group before Keras.
+        gated=False,
+    ),
+    Family(
+        "resume",
+        ("epoch_iterator",),
+        "resume",
+        "fit resumed inside an epoch skips the batches a checkpoint holds",
     ),
     Family(
         "saving",

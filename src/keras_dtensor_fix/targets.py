@@ -91,6 +91,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     "backup_and_restore": ("keras.src.callbacks.backup_and_restore",),
     "file_utils": ("keras.src.utils.file_utils",),
     "rnn": (f"{KERAS_TORCH}.rnn",),
+    "epoch_iterator": ("keras.src.trainers.epoch_iterator",),
+    # torch's, where every env:// and tcp:// process group makes its store.
+    "rendezvous": ("torch.distributed.rendezvous",),
 }
 
 #: Leaf layers that read across only some axes of their input, by

@@ -32,17 +32,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from keras_dtensor_fix.checkpoint_files import (
+from keras_dtensor_fix.checkpoint.files import (
     INFO,
     PARTIAL,
     CheckpointError,
-    _begin,
-    _commit,
-    _resolve,
+    begin,
+    commit,
+    resolve,
+)
+from keras_dtensor_fix.checkpoint.processes import (
+    distributed,
+    from_first,
+    on_first,
+    rank,
 )
 
 __all__ = [
-    "Checkpoint",
     "CheckpointError",
     "CheckpointMismatchError",
     "PendingSave",
@@ -178,52 +183,12 @@ def _variables(model: Any, optimizer: bool, metrics: bool) -> dict[str, Any]:
     return found
 
 
-# ---------------------------------------------------------------- processes
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 @contextlib.contextmanager
 def _dcp_call():
     """Silence DCP's warning that no process group means one process: we mean it."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _from_first(value: Any) -> Any:
-    """``value`` as the first process has it (every process calls this)."""
-    if not _distributed():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _on_first(fn, *args: Any) -> Any:
-    """Run ``fn`` on the first process; all return its result or raise its error.
-
-    The other processes wait for it: a broadcast is a barrier that carries
-    the first process's failure too, so none hangs on an error.
-    """
-    result, error = None, None
-    if _rank() == 0:
-        try:
-            result = fn(*args)
-        except Exception as exc:  # noqa: BLE001 - re-raised on every process
-            error = exc
-    outcome = _from_first((result, None if error is None else repr(error)))
-    if error is not None:
-        raise error
-    if outcome[1] is not None:
-        raise CheckpointError(f"the first process failed: {outcome[1]}")
-    return outcome[0]
 
 
 # ---------------------------------------------------------------- API
@@ -237,6 +202,7 @@ def save(
     metrics: bool = False,
     keep: int = 1,
     epoch: int | None = None,
+    position: dict[str, Any] | None = None,
     background: bool = False,
     group: Any = None,
 ) -> str | PendingSave:
@@ -244,17 +210,19 @@ def save(
 
     Each process writes its own shards; nothing is gathered. ``keep`` is how
     many checkpoints stay in ``directory``; ``epoch`` (epochs completed) is
-    recorded for :func:`load` to return. Returns the new checkpoint's folder;
-    with ``background`` a :class:`PendingSave` instead: the shards are copied
-    now and written by a thread (its collectives on ``group``, a process
-    group apart from training's, e.g. ``dist.new_group(backend="gloo")``).
+    recorded for :func:`load` to return, and so is ``position`` (where
+    ``fit`` is inside an epoch: the ``Checkpoint`` callback's). Returns the
+    new checkpoint's folder; with ``background`` a :class:`PendingSave`
+    instead: the shards are copied now and written by a thread (its
+    collectives on ``group``, a process group apart from training's, e.g.
+    ``dist.new_group(backend="gloo")``).
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     directory = os.fspath(directory)
     variables = _variables(model, optimizer, metrics)
     state = {key: _tensor(v) for key, v in variables.items()}
-    name = _on_first(_begin, directory)
+    name = on_first(begin, directory)
     opt, step = getattr(model, "optimizer", None), None
     if opt is not None:  # the local value: it is replicated, no collective
         iterations = _tensor(opt.iterations)
@@ -263,9 +231,10 @@ def save(
         "format": FORMAT,
         "epoch": epoch,
         "step": step,
-        "processes": dist.get_world_size() if _distributed() else 1,
+        "processes": dist.get_world_size() if distributed() else 1,
         "optimizer": optimizer,
         "metrics": metrics,
+        **({"position": position} if position is not None else {}),
     }
     where = os.path.join(directory, PARTIAL + name)
     if background:
@@ -274,14 +243,14 @@ def save(
                 state,
                 checkpoint_id=where,
                 process_group=group,
-                no_dist=not _distributed(),
+                no_dist=not distributed(),
             )
         return PendingSave(future, directory, name, info, keep)
     with _dcp_call():
-        dcp.save(state, checkpoint_id=where, no_dist=not _distributed())
+        dcp.save(state, checkpoint_id=where, no_dist=not distributed())
     # dcp.save returns once every process's shards and the metadata are
     # written, so the first process may rename now.
-    _on_first(_commit, directory, name, info, keep)
+    on_first(commit, directory, name, info, keep)
     return os.path.join(directory, name)
 
 
@@ -299,7 +268,7 @@ class PendingSave:
         self._error: BaseException | None = None
         self._future = getattr(future, "upload_completion", future)
         self._committed = threading.Event()
-        if _rank() == 0:
+        if rank() == 0:
             self._future.add_done_callback(
                 lambda done: self._commit(done, directory, name, info, keep)
             )
@@ -309,7 +278,7 @@ class PendingSave:
     def _commit(self, done: Any, directory: str, name: str, info: dict, keep: int):
         try:
             if done.exception() is None:
-                _commit(directory, name, info, keep)
+                commit(directory, name, info, keep)
         except Exception as exc:  # noqa: BLE001 - raised by wait()
             self._error = exc
         finally:
@@ -320,7 +289,7 @@ class PendingSave:
         error = self._future.exception()
         self._committed.wait()
         failed = repr(error or self._error) if (error or self._error) else None
-        first = _from_first(failed)
+        first = from_first(failed)
         if error is not None:
             raise CheckpointError(f"background save of {self.path} failed") from error
         if first is not None:
@@ -344,7 +313,7 @@ def load(
     :class:`CheckpointMismatchError` naming what does not fit. Returns what
     :func:`save` recorded (``epoch``, ``step``, ``processes``, ``path``).
     """
-    path = _resolve(os.fspath(directory))
+    path = resolve(os.fspath(directory))
     with open(os.path.join(path, INFO)) as handle:
         info = json.load(handle)
     if optimizer and not info.get("optimizer", True):
@@ -370,9 +339,5 @@ def load(
         raise CheckpointMismatchError(path, missing, unexpected, shapes)
     state = {key: _tensor(v) for key, v in variables.items()}
     with torch.no_grad(), _dcp_call():
-        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+        dcp.load(state, checkpoint_id=path, no_dist=not distributed())
     return {**info, "path": path}
-
-
-# The callback lives in its own module; it uses save and load above.
-from keras_dtensor_fix.checkpoint_callback import Checkpoint  # noqa: E402

@@ -48,7 +48,7 @@ def _numbers(directory: str) -> Iterable[int]:
             yield int(name[len(PREFIX) :])
 
 
-def _begin(directory: str) -> str:
+def begin(directory: str) -> str:
     """Make the directory and a fresh partial folder; the new checkpoint's name."""
     os.makedirs(directory, exist_ok=True)
     name = f"{PREFIX}{max(_numbers(directory), default=0) + 1:06d}"
@@ -58,7 +58,7 @@ def _begin(directory: str) -> str:
     return name
 
 
-def _commit(directory: str, name: str, info: dict, keep: int) -> None:
+def commit(directory: str, name: str, info: dict, keep: int) -> None:
     partial = os.path.join(directory, PARTIAL + name)
     _write_file(os.path.join(partial, INFO), json.dumps(info, indent=1))
     os.rename(partial, os.path.join(directory, name))
@@ -76,7 +76,7 @@ def _commit(directory: str, name: str, info: dict, keep: int) -> None:
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
 
 
-def _resolve(directory: str) -> str:
+def resolve(directory: str) -> str:
     """The complete checkpoint ``directory`` stands for, or a clear error."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")

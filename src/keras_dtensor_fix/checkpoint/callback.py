@@ -1,0 +1,292 @@
+"""``Checkpoint``: sharded checkpoints during ``fit``, resumed at the step.
+
+The arguments and their meaning are those of Keras's own
+``keras.callbacks.OrbaxCheckpoint`` (sharded, asynchronous, multi-host, JAX
+only; on torch it gathers everything), so a script moves between them by
+name. Beyond it: ``fit`` resumes by itself at the batch after the newest
+checkpoint, and a preempted job saves the step it reached before it exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import keras
+import numpy as np
+import torch.distributed as dist
+
+from keras_dtensor_fix import targets
+from keras_dtensor_fix.checkpoint import position
+from keras_dtensor_fix.checkpoint.files import CheckpointError, resolve
+from keras_dtensor_fix.checkpoint.preemption import (
+    DEFAULT_TIMEOUT,
+    Watcher,
+    exit_code,
+    leave,
+)
+from keras_dtensor_fix.checkpoint.processes import distributed, from_first, rank
+from keras_dtensor_fix.checkpoint.sharded import PendingSave, load, save
+
+MonitorCallback = targets.keras_object("MonitorCallback")
+
+
+class Checkpoint(MonitorCallback):
+    """Save a sharded checkpoint during ``fit``; resume from it when it exists.
+
+    As ``keras.callbacks.OrbaxCheckpoint``: ``directory``, ``monitor``,
+    ``verbose``, ``save_best_only`` (with ``mode`` and
+    ``initial_value_threshold``), ``save_freq`` ("epoch" or every N
+    batches), ``max_to_keep``, ``save_on_background`` (each process's shards
+    are copied at the step and written by a thread while training goes on;
+    the save is committed when done, or at the next save or the end of
+    training).
+
+    With ``restore`` (default), ``fit`` starts from the newest checkpoint in
+    ``directory`` if there is one: weights, optimizer state, the epoch's
+    running metrics, and the batch after the one saved (earlier batches of
+    that epoch are drawn in the same order and skipped, not trained), so a
+    restarted job resumes with no bookkeeping in the script.
+
+    ``signals`` (default SIGTERM; e.g. ``[signal.SIGTERM, signal.SIGUSR1]``
+    for SLURM's ``--signal``; ``()`` to ignore them) preempt training: when
+    any process receives one, every process stops after the same step, that
+    step is saved, and each process exits with code 128 + the signal's number,
+    within ``preemption_timeout`` seconds. Every process runs the callback.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_best_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+        initial_value_threshold: float | None = None,
+        max_to_keep: int = 1,
+        save_on_background: bool = True,
+        *,
+        optimizer: bool = True,
+        metrics: bool = True,
+        restore: bool = True,
+        keep: int | None = None,
+        signals: Iterable[int] = (signal.SIGTERM,),
+        preemption_timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(monitor, mode, initial_value_threshold)
+        if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
+            raise ValueError(
+                f"save_freq must be 'epoch' or a positive int, got {save_freq!r}"
+            )
+        max_to_keep = max_to_keep if keep is None else keep
+        if not isinstance(max_to_keep, int) or max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be a positive int, got {max_to_keep!r}")
+        if not preemption_timeout > 0:
+            raise ValueError(
+                f"preemption_timeout must be a positive number of seconds, got "
+                f"{preemption_timeout!r}"
+            )
+        self.directory, self.save_freq = os.fspath(directory), save_freq
+        self.verbose, self.save_best_only = verbose, save_best_only
+        self.max_to_keep, self.save_on_background = max_to_keep, save_on_background
+        self.optimizer, self.metrics, self.restore = optimizer, metrics, restore
+        self._watcher = Watcher(signals, preemption_timeout)
+        self._epoch, self._batch, self._batches, self._restored = 0, 0, 0, False
+        self._saved_at: int | None = None  # self._batches at the newest save
+        self._resume: dict[str, Any] | None = None  # the epoch to resume inside
+        self._resumed_epoch: int | None = None
+        self._begin: dict[str, Any] = {}  # what ordered this epoch's data
+        self._pending: PendingSave | None = None
+        self._group: Any = None
+
+    # ------------------------------------------------------------ fit's events
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if self.restore and not self._restored:
+            self._restored = True  # once: a second fit() goes on from where it is
+            if from_first(_complete(self.directory)):
+                self._load()
+        if self.save_on_background and distributed() and self._group is None:
+            # DCP's background thread runs collectives: on a group of its own,
+            # never interleaved with the training step's.
+            self._group = dist.new_group(backend="gloo")
+        self._watcher.start()
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch, self._batch = epoch, 0
+        resume, self._resume = self._resume, None
+        if resume is not None and resume["epoch"] == epoch:
+            if resume.get("random") is not None:
+                position.restore_random(resume["random"])
+            position.plan(resume["batch"], resume.get("adapter_epoch"))
+            for variable, value in zip(
+                self.model.metrics_variables, resume["metrics"], strict=False
+            ):
+                variable.assign(value)
+            self._resumed_epoch = epoch
+        self._begin = {"random": position.random_state()}
+        position.capture()
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if not position.consumed():
+            raise CheckpointError(
+                "Checkpoint cannot resume inside an epoch here: fit()'s data "
+                "iterator was not reached (the plugin is off or its 'resume' "
+                "family is disabled). Turn it on, or save with save_freq='epoch'"
+            )
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._batch, self._batches = batch + 1, self._batches + 1
+        if self.save_freq != "epoch" and self._batches % self.save_freq == 0:
+            self._maybe_save(logs, at_epoch_end=False)
+        signum = self._watcher.poll()
+        if signum is not None:
+            self._preempted(signum)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self._resumed_epoch == epoch and logs is not None:
+            # Every batch was in the checkpoint: Keras logged none of them.
+            for name, value in self.model.get_metrics_result().items():
+                logs.setdefault(name, value)
+        self._resumed_epoch = None
+        if self.save_freq == "epoch":
+            self._maybe_save(logs, at_epoch_end=True)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._finish()
+        signum = self._watcher.stop()
+        if signum is not None:
+            self._preempted(signum)
+
+    # ------------------------------------------------------------ saving
+
+    def _position(self, at_epoch_end: bool) -> dict[str, Any]:
+        """Where fit is: batches done in the epoch, what orders its data."""
+        if at_epoch_end:  # the next epoch starts from here
+            return {
+                "batch": 0,
+                "batches": self._batches,
+                "adapter_epoch": position.adapter_epoch(at_epoch_begin=False),
+                "random": position.random_state(),
+            }
+        return {
+            "batch": self._batch,
+            "batches": self._batches,
+            "adapter_epoch": position.adapter_epoch(at_epoch_begin=True),
+            **self._begin,
+        }
+
+    def _maybe_save(self, logs: dict | None, at_epoch_end: bool) -> None:
+        if self.save_best_only:
+            if self.monitor_op is None:
+                self._set_monitor_op()
+            current = (logs or {}).get(self.monitor)
+            if current is None:
+                warnings.warn(
+                    f"Checkpoint: save_best_only needs {self.monitor!r} in the "
+                    f"logs (it has {sorted(logs or {})}); not saving.",
+                    stacklevel=2,
+                )
+                return
+            if not self._is_improvement(current, self.best):
+                return
+            self.best = current
+        self._save(at_epoch_end, background=self.save_on_background)
+
+    def _save(self, at_epoch_end: bool, background: bool) -> str | None:
+        self._finish()
+        saved = save(
+            self.model,
+            self.directory,
+            optimizer=self.optimizer,
+            metrics=self.metrics,
+            keep=self.max_to_keep,
+            epoch=self._epoch + at_epoch_end,  # epochs completed
+            position=self._position(at_epoch_end),
+            background=background,
+            group=self._group,
+        )
+        self._saved_at = self._batches
+        if isinstance(saved, PendingSave):
+            self._pending = saved
+            return None
+        self._watcher.where = saved
+        if self.verbose:
+            print(f"Checkpoint: saved {saved}")
+        return saved
+
+    def _finish(self) -> None:
+        """Wait for the background save, if any (every process)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            path = pending.wait()
+            self._watcher.where = path
+            if self.verbose:
+                print(f"Checkpoint: saved {path}")
+
+    def _preempted(self, signum: int) -> None:
+        """Every process: save this step (unless just saved), then exit."""
+        if self._saved_at == self._batches:
+            self._finish()
+            path = self._watcher.where
+        else:
+            path = self._save(at_epoch_end=False, background=False)
+        name = signal.Signals(signum).name
+        leave(
+            exit_code(signum),
+            f"keras_dtensor_fix: {name}: process {rank()} stopped after step "
+            f"{self._batches} (epoch {self._epoch + 1}, batch {self._batch}); "
+            f"saved {path}: the next launch resumes there",
+        )
+
+    # ------------------------------------------------------------ restoring
+
+    def _load(self) -> None:
+        metrics = self.metrics and _saved_metrics(self.directory)
+        info = load(
+            self.model, self.directory, optimizer=self.optimizer, metrics=metrics
+        )
+        self._watcher.where = info["path"]
+        if info.get("epoch") is not None:
+            self.model._initial_epoch = info["epoch"]
+        where = info.get("position") or {}
+        self._batches = self._saved_at = where.get("batches", 0)
+        if info.get("epoch") is not None and where:
+            self._resume = {
+                **where,
+                "epoch": info["epoch"],
+                "metrics": [
+                    np.array(keras.ops.convert_to_numpy(v))
+                    for v in self.model.metrics_variables
+                ]
+                if metrics
+                else [],
+            }
+        if self.verbose:
+            batch = where.get("batch", 0)
+            print(
+                f"Checkpoint: resumed from {info['path']} at epoch "
+                f"{info.get('epoch', 0) + 1}, batch {batch + 1}"
+            )
+
+
+def _complete(directory: str) -> bool:
+    """Whether ``directory`` holds a complete checkpoint to resume from."""
+    try:
+        resolve(directory)
+    except (FileNotFoundError, CheckpointError):
+        return False
+    return True
+
+
+def _saved_metrics(directory: str) -> bool:
+    import json
+
+    from keras_dtensor_fix.checkpoint.files import INFO
+
+    with open(os.path.join(resolve(directory), INFO)) as handle:
+        return bool(json.load(handle).get("metrics"))

@@ -1,0 +1,94 @@
+"""Where ``fit`` is in its data: what a step's checkpoint needs to resume there.
+
+A checkpoint taken inside an epoch records the batches done and what orders
+the epoch's data: the data adapter's epoch counter (Keras seeds numpy and
+``PyDataset`` shuffles with it) and the global random states (a shuffling
+``DataLoader`` draws its seed from torch's). The ``Checkpoint`` callback arms
+:func:`capture` and :func:`plan`; the ``resume`` family calls
+:func:`entering` when ``fit`` starts iterating an epoch, which records the
+adapter and hands back how many batches to skip. Standard library only at
+import: the family imports this module.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import weakref
+from typing import Any
+
+__all__ = ["capture", "consumed", "entering", "plan", "random_state", "restore_random"]
+
+_capture = False
+_iterator: weakref.ref | None = None
+_adapter_epoch: int | None = None
+_plan: tuple[int, int | None] | None = None
+_consumed = True
+
+
+def capture() -> None:
+    """Record the next epoch iterator that starts (the training one)."""
+    global _capture, _adapter_epoch
+    _capture, _adapter_epoch = True, None
+
+
+def plan(skip: int, adapter_epoch: int | None) -> None:
+    """Have the next epoch skip ``skip`` batches, its data ordered as saved."""
+    global _plan, _consumed
+    _plan, _consumed = (skip, adapter_epoch), False
+
+
+def consumed() -> bool:
+    """Whether the last :func:`plan` reached an epoch iterator."""
+    return _consumed
+
+
+def entering(iterator: Any) -> int:
+    """``iterator`` starts an epoch: apply the plan, record; batches to skip."""
+    global _capture, _iterator, _adapter_epoch, _plan, _consumed
+    skip = 0
+    adapter = getattr(iterator, "data_adapter", None)
+    if _plan is not None:
+        (skip, epoch), _plan, _consumed = _plan, None, True
+        if epoch is not None and hasattr(adapter, "_epoch"):
+            adapter._epoch = epoch
+    if _capture:
+        _capture, _iterator = False, weakref.ref(iterator)
+        _adapter_epoch = getattr(adapter, "_epoch", None)
+    return skip
+
+
+def adapter_epoch(at_epoch_begin: bool) -> int | None:
+    """The training adapter's epoch counter, at this epoch's begin or now."""
+    if at_epoch_begin:
+        return _adapter_epoch
+    iterator = _iterator() if _iterator is not None else None
+    return getattr(getattr(iterator, "data_adapter", None), "_epoch", None)
+
+
+def random_state() -> dict[str, Any]:
+    """Python's, numpy's and torch's global random states, JSON-able."""
+    import numpy as np
+    import torch
+
+    kind, keys, pos, gauss, cached = np.random.get_state()
+    return {
+        "python": [list(s) if isinstance(s, tuple) else s for s in random.getstate()],
+        "numpy": [kind, keys.tolist(), pos, gauss, cached],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+
+
+def restore_random(state: dict[str, Any]) -> None:
+    """Put back what :func:`random_state` recorded."""
+    import numpy as np
+    import torch
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state(
+        (kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
+    )
+    raw = base64.b64decode(state["torch"])
+    torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))

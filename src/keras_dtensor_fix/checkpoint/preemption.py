@@ -1,0 +1,140 @@
+"""Preemption: a signal, then every process stops at the same step.
+
+A scheduler sends SIGTERM (SLURM with ``--signal``: another one the user
+names) and kills the job after a grace period; torchrun forwards it to every
+worker, or only one process may get it. The handler only notes the signal
+and starts a deadline. At each step's end every process offers what it has
+seen to an all-reduce (MAX) on a gloo group of its own, started without
+waiting and read at the next step's end: so every process learns of a
+signal at the same step, whichever got it, at the cost of launching one tiny
+collective a step. When the deadline passes first (a save that will not end,
+a process that does not come), the process exits on its own, naming the
+checkpoint it leaves.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: Seconds from the signal to the process's exit, save included: well inside
+#: the 30 s torchrun (and most schedulers) wait before SIGKILL.
+DEFAULT_TIMEOUT = 20.0
+
+
+def exit_code(signum: int) -> int:
+    """What a shell reports for a process killed by ``signum``."""
+    return 128 + signum
+
+
+def leave(code: int, message: str) -> None:
+    """Print ``message`` and end the process now (no interpreter teardown).
+
+    Teardown right after gloo collectives can abort the process (a worker
+    thread releasing tensors while the interpreter finalizes), which would
+    turn a clean preemption into SIGABRT.
+    """
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+class Watcher:
+    """Notes ``signals`` during ``fit``; :meth:`poll` agrees on a stop."""
+
+    def __init__(self, signals: Iterable[int], timeout: float) -> None:
+        self.signals = tuple(signal.Signals(s) for s in signals)
+        self.timeout = timeout
+        self.received: int | None = None  # this process's signal
+        self.where = "no checkpoint yet"  # what a deadline exit names
+        self._previous: dict[int, Any] = {}
+        self._group: Any = None
+        self._work: Any = None
+        self._flag = torch.zeros(1, dtype=torch.int64)
+        self._timer: threading.Timer | None = None
+
+    def start(self) -> None:
+        """Install the handlers (main thread only) and, if any, the group."""
+        if not self.signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            import warnings
+
+            warnings.warn(
+                "Checkpoint: fit() runs outside the main thread, where Python "
+                "cannot handle signals: preemption is not watched",
+                stacklevel=3,
+            )
+            self.signals = ()
+            return
+        for signum in self.signals:
+            if signum not in self._previous:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        if dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo")  # every process, in step
+
+    def stop(self) -> int | None:
+        """At ``fit``'s end, every process: put the previous handlers back.
+
+        Returns a signal that arrived after the last step's poll on any
+        process (one blocking all-reduce), or None.
+        """
+        if not self.signals:
+            return None
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+        if self._group is None:
+            return self.received
+        self._flag.fill_(self.received or 0)
+        dist.all_reduce(self._flag, dist.ReduceOp.MAX, group=self._group)
+        return int(self._flag.item()) or None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            return
+        self.received = signum
+        self._timer = threading.Timer(self.timeout, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        name = signal.Signals(self.received).name
+        leave(
+            exit_code(self.received),
+            f"keras_dtensor_fix: {name} received, and no step was saved within "
+            f"{self.timeout:g} s (Checkpoint's preemption_timeout): exiting; "
+            f"the newest complete checkpoint is {self.where}",
+        )
+
+    def poll(self) -> int | None:
+        """At a step's end, every process at once: the signal to stop on, or None.
+
+        Every process must call it at every step (it launches a collective).
+        """
+        if not self.signals:
+            return None
+        if self._group is None:
+            return self.received
+        agreed = None
+        if self._work is not None:
+            self._work.wait()
+            agreed = int(self._flag.item()) or None
+        if agreed is None:
+            self._flag.fill_(self.received or 0)
+            self._work = dist.all_reduce(
+                self._flag, dist.ReduceOp.MAX, group=self._group, async_op=True
+            )
+        else:
+            self._work = None
+        return agreed

@@ -1,0 +1,55 @@
+"""``fit`` resumed inside an epoch skips the batches a checkpoint already holds.
+
+Keras starts a resumed ``fit`` at an epoch (``initial_epoch``); the
+``Checkpoint`` callback can resume at a step. Its plan
+(:mod:`keras_dtensor_fix.checkpoint.position`) reaches the epoch iterator
+here: the adapter's epoch counter is set back (the same shuffle as the
+uninterrupted run) and the first batches are drawn and dropped, never
+trained, keeping Keras's step numbers. Without a plan the generator is
+Keras's own.
+"""
+
+from __future__ import annotations
+
+import types
+
+from keras_dtensor_fix.checkpoint import position
+from keras_dtensor_fix.contract import Implementation, Patch
+
+
+def _skipping(batches, skip: int):
+    for begin, end, iterator in batches:
+        if begin < skip:
+            try:
+                for _ in range(end - begin + 1):
+                    next(iterator)  # drawn, not trained
+            except StopIteration:
+                return
+            continue
+        yield begin, end, iterator
+
+
+def _enumerate(wrapped, instance, args, kwargs):
+    skip = position.entering(instance)
+    batches = wrapped(*args, **kwargs)
+    if not skip:
+        return batches
+    if instance.steps_per_epoch:
+        from keras_dtensor_fix.checkpoint.files import CheckpointError
+
+        raise CheckpointError(
+            f"cannot resume inside an epoch (batch {skip}) when fit() is given "
+            "steps_per_epoch: its iterator runs across epochs. Save with "
+            "save_freq='epoch', or leave steps_per_epoch out"
+        )
+    return _skipping(batches, skip)
+
+
+def patches(module: types.ModuleType) -> list[Patch]:
+    cls = getattr(module, "EpochIterator", None)
+    if not callable(getattr(cls, "_enumerate_iterator", None)):
+        raise LookupError("EpochIterator._enumerate_iterator")
+    return [Patch(module.__name__, "EpochIterator._enumerate_iterator", _enumerate)]
+
+
+IMPLEMENTATION = Implementation(patches)
