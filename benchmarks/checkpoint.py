@@ -11,7 +11,12 @@ epoch (``fit()`` as users call it, the save's wait at the end included):
   (sharded, written by a thread while training goes on, the default);
 - ``sync``: the same with ``save_on_background=False``;
 - ``keras-h5``: ``keras.callbacks.ModelCheckpoint(path, save_weights_only=True,
-  save_freq=N)`` to one shared path (gathered, one process writes).
+  save_freq=N)`` to one shared path (gathered, one process writes);
+- ``unwatched`` and ``watched``: ``Checkpoint`` that never saves in the
+  timed epoch, with ``signals=()`` and with its default (SIGTERM watched: a
+  tiny all-reduce launched every step), for the cost of watching.
+
+``--configs`` picks some (default: all).
 
 Prints ms per step (median over rounds) and each configuration's ratio to
 ``none`` paired by round; ``--json FILE`` keeps them.
@@ -22,13 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-CONFIGS = ("none", "background", "sync", "keras-h5")
+CONFIGS = ("none", "background", "sync", "keras-h5", "unwatched", "watched")
+NEVER = 10**9  # a save_freq that saves nothing
 
 
 def parse() -> argparse.Namespace:
@@ -38,7 +45,13 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--json", default=None)
-    return parser.parse_args()
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    args = parser.parse_args()
+    args.configs = tuple(c for c in args.configs.split(",") if c)
+    unknown = set(args.configs) - set(CONFIGS)
+    if unknown or "none" not in args.configs:
+        parser.error(f"--configs: one or more of {CONFIGS}, 'none' among them")
+    return args
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -112,6 +125,9 @@ def worker(args: argparse.Namespace) -> None:
                     where, save_freq=args.every, save_on_background=False, restore=False
                 )
             ]
+        if config in ("unwatched", "watched"):
+            signals = () if config == "unwatched" else (signal.SIGTERM,)
+            return [Checkpoint(where, save_freq=NEVER, restore=False, signals=signals)]
         if config == "keras-h5":
             path = os.path.join(where, "w.weights.h5")
             return [
@@ -121,9 +137,9 @@ def worker(args: argparse.Namespace) -> None:
             ]
         return []
 
-    times: dict[str, list[float]] = {config: [] for config in CONFIGS}
+    times: dict[str, list[float]] = {config: [] for config in args.configs}
     for round_ in range(args.rounds):
-        for config in CONFIGS:
+        for config in args.configs:
             model = keras.Sequential(
                 [
                     keras.layers.Input((256,)),
@@ -165,6 +181,12 @@ def report(times: dict[str, list[float]], args: argparse.Namespace) -> None:
         result["ms_per_step"][config] = values
         result["paired_ratio_to_none"][config] = ratio
         print(f"{config:<12}{median:>10.2f}{ratio:>15.3f}x")
+    if "watched" in times and "unwatched" in times:
+        ratios = [
+            w / u for w, u in zip(times["watched"], times["unwatched"], strict=True)
+        ]
+        result["watched_over_unwatched"] = statistics.median(ratios)
+        print(f"watching SIGTERM, paired / unwatched: {statistics.median(ratios):.4f}x")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)

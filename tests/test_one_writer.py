@@ -104,3 +104,35 @@ def test_attempt_prefix_only_under_torchrun(monkeypatch) -> None:
     assert restarts.attempt_prefix() is None
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     assert restarts.attempt_prefix() == "keras_dtensor_fix/attempt_1"
+
+
+def test_a_writer_keeps_gathered_values_in_host_memory(mesh1, monkeypatch) -> None:
+    """Each gathered variable goes to host memory at once (on a GPU the writer
+    would otherwise hold the whole model on the device until the file is
+    written). Here the "device" tensor is a stand-in that records the move."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from keras_dtensor_fix import one_writer
+
+    moved = []
+
+    class OnDevice:
+        def __init__(self, value):
+            self.value = value
+
+        def cpu(self):
+            moved.append(self.value)
+            return self.value
+
+    full_tensor = DTensor.full_tensor
+    monkeypatch.setattr(
+        DTensor, "full_tensor", lambda self: OnDevice(full_tensor(self))
+    )
+    values = [
+        distribute_tensor(torch.ones(4, 2) * i, mesh1, [Shard(0)]) for i in (1, 2)
+    ]
+    cache = one_writer._gather(values, keep=True)
+    assert len(moved) == 2
+    assert all(isinstance(v, torch.Tensor) for v in cache.values()), cache
+    assert one_writer._gather(values, keep=False) == {}

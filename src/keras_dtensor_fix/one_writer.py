@@ -66,7 +66,11 @@ def gathered(value: Any) -> Any | None:
 
 
 def _gather(values: Iterable[Any], keep: bool) -> dict[int, Any]:
-    """Full values of the sharded DTensors in ``values``, by id (collective)."""
+    """Full values of the sharded DTensors in ``values``, by id, in host memory.
+
+    A collective: one variable at a time on every process; only the writer
+    (``keep``) holds on to them.
+    """
     from torch.distributed.tensor import DTensor
 
     cache: dict[int, Any] = {}
@@ -79,7 +83,11 @@ def _gather(values: Iterable[Any], keep: bool) -> dict[int, Any]:
             continue
         full = value.detach().full_tensor()
         if keep:
-            cache[id(value)] = full
+            # To host memory at once: on a GPU, device memory beyond training
+            # is then one variable, not the model (sharded because it did not
+            # fit one device).
+            cache[id(value)] = full.cpu()
+        del full
     return cache
 
 

@@ -12,7 +12,7 @@ begins:
 
 ``kill``     ``os._exit(17)``, inside the step (before its forward pass)
 ``term``     SIGTERM to itself (``agent``: to torchrun's agent, which forwards it)
-``save``     ``os._exit(17)`` inside the next synchronous checkpoint write
+``write``    ``os._exit(17)`` as the next checkpoint write starts (the others write)
 ``restore``  dies inside the first load of a checkpoint (with ``kill`` first)
 ``none``     nothing: the uninterrupted run
 
@@ -121,16 +121,14 @@ class Fault(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
         elif FAULT == "agent":
             os.kill(os.getppid(), signal.SIGTERM)
-        elif FAULT == "save":
+        elif FAULT == "write":
             import torch.distributed.checkpoint as dcp
 
-            save = dcp.save
-
             def dying(*args, **kwargs):
-                save(*args, **kwargs)  # every shard and the metadata written
-                leave(17)  # before the commit (rename, LATEST)
+                leave(17)  # the others are inside the same save
 
             dcp.save = dying
+            dcp.async_save = dying
 
 
 def data():

@@ -1,0 +1,154 @@
+"""Resuming at the step and preemption, the parts that need one process only.
+
+The jobs that die and resume (2 processes, torchrun) are in
+``tests/multiprocess/test_resume.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from support import SRC, clean_env
+
+
+def test_random_states_come_back() -> None:
+    import torch
+
+    from keras_dtensor_fix.checkpoint import position
+
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    saved = position.random_state()
+    draws = random.random(), np.random.rand(), torch.rand(1).item()
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    position.restore_random(saved)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws
+
+
+class _Adapter:
+    _epoch = 5
+
+
+class _Iterator:
+    data_adapter = _Adapter()
+    steps_per_epoch = None
+
+
+def test_plan_reaches_the_next_epoch_iterator_once() -> None:
+    from keras_dtensor_fix.checkpoint import position
+
+    iterator = _Iterator()
+    position.capture()
+    position.plan(7, 2)
+    assert not position.consumed()
+    assert position.entering(iterator) == 7
+    assert position.consumed() and iterator.data_adapter._epoch == 2
+    assert position.adapter_epoch(at_epoch_begin=True) == 2  # recorded after
+    iterator.data_adapter._epoch = 3
+    assert position.adapter_epoch(at_epoch_begin=False) == 3
+    assert position.entering(iterator) == 0  # the plan was for one epoch
+
+
+def test_skipped_batches_are_drawn_not_yielded() -> None:
+    from keras_dtensor_fix.patches.resume import _skipping
+
+    data = iter(range(100))
+    batches = ((step, step + 1, data) for step in range(0, 10, 2))  # 2 a step
+    kept = [
+        (begin, end, next(it), next(it)) for begin, end, it in _skipping(batches, 4)
+    ]
+    assert kept == [(4, 5, 4, 5), (6, 7, 6, 7), (8, 9, 8, 9)]
+
+
+def test_steps_per_epoch_refuses_a_resume_inside_an_epoch() -> None:
+    from keras_dtensor_fix.checkpoint import position
+    from keras_dtensor_fix.checkpoint.files import CheckpointError
+    from keras_dtensor_fix.patches.resume import _enumerate
+
+    iterator = _Iterator()
+    iterator.steps_per_epoch = 4
+    position.plan(2, None)
+    with pytest.raises(CheckpointError, match="steps_per_epoch"):
+        _enumerate(lambda: iter(()), iterator, (), {})
+
+
+def test_watcher_one_process_and_handlers_put_back() -> None:
+    from keras_dtensor_fix.checkpoint.preemption import Watcher
+
+    before = signal.getsignal(signal.SIGUSR1)
+    watcher = Watcher([signal.SIGUSR1], timeout=60)
+    watcher.start()
+    assert watcher.poll() is None
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert watcher.poll() == signal.SIGUSR1
+    watcher._timer.cancel()  # the deadline: tested in a process of its own
+    assert watcher.stop() == signal.SIGUSR1
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_no_signals_watches_nothing() -> None:
+    from keras_dtensor_fix.checkpoint.preemption import Watcher
+
+    before = signal.getsignal(signal.SIGTERM)
+    watcher = Watcher((), timeout=1)
+    watcher.start()
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert watcher.poll() is None and watcher.stop() is None
+
+
+DEADLINE = """
+import os, signal, time
+from keras_dtensor_fix.checkpoint.preemption import Watcher
+watcher = Watcher([signal.SIGTERM], timeout=0.5)
+watcher.start()
+watcher.where = "/somewhere/ckpt-000004"
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(30)  # a step that never ends
+"""
+
+
+def test_a_step_that_never_ends_meets_the_deadline() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(DEADLINE)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "no step was saved within 0.5 s" in proc.stderr
+    assert "/somewhere/ckpt-000004" in proc.stderr
+
+
+def test_bad_arguments_are_named() -> None:
+    from keras_dtensor_fix.checkpoint import Checkpoint
+
+    with pytest.raises(ValueError, match="preemption_timeout"):
+        Checkpoint("/tmp/x", preemption_timeout=0)
+    with pytest.raises(ValueError, match="save_freq"):
+        Checkpoint("/tmp/x", save_freq=0)
+
+
+def test_checkpoint_package_loads_lazily() -> None:
+    """The resume family imports ``position``: no DCP, no Keras with it."""
+    code = (
+        "import sys; import keras_dtensor_fix.checkpoint.position; "
+        "print(any(m.startswith(('keras', 'torch.distributed.checkpoint')) "
+        "for m in sys.modules if m != 'keras_dtensor_fix' "
+        "and not m.startswith('keras_dtensor_fix')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        env=clean_env({"PYTHONPATH": str(SRC)}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.strip() == "False", out.stderr
