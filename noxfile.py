@@ -77,6 +77,7 @@ def tests4(session: nox.Session) -> None:
         "tests/multiprocess/test_checkpoint.py",
         "tests/multiprocess/test_parity.py",
         "tests/multiprocess/test_saving.py",
+        "tests/multiprocess/test_resume.py",
         "-k",
         "four",
         *session.posargs,

@@ -87,7 +87,10 @@ def test_watcher_one_process_and_handlers_put_back() -> None:
     watcher.start()
     assert watcher.poll() is None
     os.kill(os.getpid(), signal.SIGUSR1)
-    assert watcher.poll() == signal.SIGUSR1
+    # With a process group (another test's, of one process) a poll reads the
+    # previous step's all-reduce: the signal shows at the second step's end.
+    seen = [watcher.poll() for _ in range(2)]
+    assert signal.SIGUSR1 in seen, seen
     watcher._timer.cancel()  # the deadline: tested in a process of its own
     assert watcher.stop() == signal.SIGUSR1
     assert signal.getsignal(signal.SIGUSR1) is before

@@ -12,6 +12,12 @@ every rank reports to the others through the launcher's store, and a rank
 whose peers do not report within ``SCENARIO_PEER_WAIT`` seconds (default 120)
 says which case and exits, which makes torchrun stop them all.
 
+Compiled cases run torch.compile's ``aot_eager`` backend (dynamo, AOT
+autograd and the plugin's traced paths, no code generation) unless registered
+with ``inductor=True``: the cases where inductor is the point (one per model
+family, the MoE and warm-cache ones), or when ``SCENARIO_COMPILE_BACKEND``
+names another backend for every case.
+
 Environment: ``SCENARIO_CASES`` (comma list) limits the cases run;
 ``SCENARIO_EXIT_PROMOTION=1`` exits Keras's promotion mode after
 ``set_distribution`` (to show what fails without the plugin);
@@ -21,6 +27,7 @@ off after it (to show what the plugin's switch fixes).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -539,7 +546,7 @@ def save_load_weights():
 # ---------------------------------------------------------------- compiled
 
 
-@case("compiled", layout=MEGATRON)
+@case("compiled", layout=MEGATRON, inductor=True)
 def compiled_mlp():
     return fit_mlp(keras.optimizers.Adam(1e-2), jit_compile=True)
 
@@ -559,7 +566,7 @@ def compiled_batch_axis():
     return fit_rank_rows(jit_compile=True)
 
 
-@case("compiled4", mesh=(2, 2), layout=MEGATRON, per_rank=True)
+@case("compiled4", mesh=(2, 2), layout=MEGATRON, per_rank=True, inductor=True)
 def compiled_mlp_2x2():
     """(2, 2), compiled: each mesh axis splits the 4 processes into 2 groups."""
     return fit_rank_rows(batch_ranks=2 if WORLD > 1 else 1, jit_compile=True)
@@ -769,7 +776,7 @@ def _plugin_warnings(fn, *args, **kwargs) -> dict:
     return result
 
 
-@case("dropin_compiled", layout=KERNELS)
+@case("dropin_compiled", layout=KERNELS, inductor=True)
 def lstm_compiled():
     """Compiled for real: its sharded kernels gathered once per call."""
     return _plugin_warnings(_recurrent, layers.LSTM, jit_compile=True)
@@ -984,22 +991,25 @@ def _compiled(kind: str, batch_ranks: int = 1) -> dict:
     return result
 
 
-def _compiled_case(group: str, kind: str, mesh: tuple[int, int]) -> None:
+def _compiled_case(
+    group: str, kind: str, mesh: tuple[int, int], inductor: bool = False
+) -> None:
     def run():
         return _compiled(kind, batch_ranks=mesh[0] if WORLD > 1 else 1)
 
     run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}_compiled"
-    case(group, mesh=mesh, layout=hub_layout(kind), per_rank=mesh[0] > 1)(run)
+    options = {"layout": hub_layout(kind), "per_rank": mesh[0] > 1}
+    case(group, mesh=mesh, inductor=inductor, **options)(run)
 
 
 for _kind in ("gemma", "llama", "qwen"):
-    _compiled_case("hub_compiled", _kind, (1, 2))
+    _compiled_case("hub_compiled", _kind, (1, 2), inductor=_kind == "gemma")
 for _kind in ("gemma", "llama"):
     _compiled_case("hub_compiled", _kind, (2, 1))
 for _kind in ("gemma", "llama", "qwen"):
     _compiled_case("hub4_compiled", _kind, (2, 2))
 for _kind in ("qwen_moe", "qwen3_moe"):
-    _compiled_case("moe_compiled", _kind, (1, 2))
+    _compiled_case("moe_compiled", _kind, (1, 2), inductor=True)
 
 
 GPT_LAYOUT = {  # Megatron: column-parallel Q/K/V and FFN in, row-parallel out
@@ -1049,7 +1059,7 @@ def _fit_history(model, x, y, *, batch_size: int) -> dict:
     return {"losses": history.history["loss"], "weights": weights(model)}
 
 
-@case("hub_compiled", layout=GPT_LAYOUT)
+@case("hub_compiled", layout=GPT_LAYOUT, inductor=True)
 def gpt_1x2_compiled():
     return _compiled("gpt")
 
@@ -1076,6 +1086,22 @@ def one_rank_fails():
 # ---------------------------------------------------------------- runner
 
 
+@contextlib.contextmanager
+def compile_backend(backend: str):
+    """``torch.compile`` (Keras's trainer calls it bare) defaults to ``backend``."""
+    original = torch.compile
+
+    def compile_with(*args, **kwargs):
+        kwargs.setdefault("backend", backend)
+        return original(*args, **kwargs)
+
+    torch.compile = compile_with
+    try:
+        yield
+    finally:
+        torch.compile = original
+
+
 def run_case(name: str) -> dict:
     spec = CASES[name]
     # Each case starts as a fresh script would: the trainer's step code is
@@ -1085,8 +1111,12 @@ def run_case(name: str) -> dict:
     keras.utils.set_random_seed(SEED)
     distribute(spec["mesh"], spec.get("layout"))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    backend = os.environ.get("SCENARIO_COMPILE_BACKEND") or (
+        "inductor" if spec.get("inductor") else "aot_eager"
+    )
     try:
-        result = spec["fn"]()
+        with compile_backend(backend):
+            result = spec["fn"]()
         # How many dynamo graphs the case compiled (0: it ran eagerly).
         result["dynamo_graphs"] = (
             torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs

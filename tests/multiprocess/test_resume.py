@@ -26,6 +26,7 @@ Keras's own ``BackupAndRestore`` restarts the epoch, by its design.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +157,31 @@ def test_sigterm_to_the_agent_then_a_new_launch(tmp_path, references) -> None:
     assert second.returncode == 0, (second.stdout + second.stderr)[-6000:]
     for r in range(2):
         check(references["loader"], read(tmp_path, r, 1, 0), [0, 14])
+
+
+@pytest.mark.skipif(
+    os.environ.get("KERAS_DTENSOR_FIX_FOUR_RANKS") != "1",
+    reason="4 processes: KERAS_DTENSOR_FIX_FOUR_RANKS=1 (nox -s tests4)",
+)
+@pytest.mark.parametrize("fault", ["kill", "term"])
+def test_four_processes(tmp_path, references, fault: str) -> None:
+    """Mesh (1, 4); process 2 is killed, or alone gets SIGTERM; restarted."""
+    env = {"RESUME_INIT": "torch", "RESUME_FAULT": fault, "RESUME_KILL_RANK": "2"}
+    proc = run_ranks(
+        SCRIPT,
+        str(tmp_path),
+        env=env,
+        nproc=4,
+        timeout=TIMEOUT,
+        launcher=("--max-restarts=1",),
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
+    for r in range(4):
+        check(
+            references["numpy"],
+            read(tmp_path, r, 0, 1),
+            [0, 14] if fault == "term" else None,
+        )
 
 
 def test_two_agents(tmp_path, references) -> None:

@@ -12,6 +12,7 @@ begins:
 
 ``kill``     ``os._exit(17)``, inside the step (before its forward pass)
 ``term``     SIGTERM to itself (``agent``: to torchrun's agent, which forwards it)
+``lose``     SIGKILL to its torchrun agent, then ``os._exit(17)``: a node lost
 ``write``    ``os._exit(17)`` as the next checkpoint write starts (the others write)
 ``restore``  dies inside the first load of a checkpoint (with ``kill`` first)
 ``none``     nothing: the uninterrupted run
@@ -121,6 +122,9 @@ class Fault(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
         elif FAULT == "agent":
             os.kill(os.getppid(), signal.SIGTERM)
+        elif FAULT == "lose":  # this machine is gone: its agent and itself
+            os.kill(os.getppid(), signal.SIGKILL)
+            leave(17)
         elif FAULT == "write":
             import torch.distributed.checkpoint as dcp
 

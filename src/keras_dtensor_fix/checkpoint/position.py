@@ -17,7 +17,15 @@ import random
 import weakref
 from typing import Any
 
-__all__ = ["capture", "consumed", "entering", "plan", "random_state", "restore_random"]
+__all__ = [
+    "adapter_epoch",
+    "capture",
+    "consumed",
+    "entering",
+    "plan",
+    "random_state",
+    "restore_random",
+]
 
 _capture = False
 _iterator: weakref.ref | None = None
