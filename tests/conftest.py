@@ -134,7 +134,7 @@ from fake_target import add, sub
 """
 
 FAKE_FAMILY = """
-from keras_dtensor_fix.engine import Patch
+from keras_dtensor_fix.contract import Patch
 
 FAMILY = {family!r}
 MODULES = ("fake_target", "fake_late")

@@ -234,7 +234,7 @@ print(json.dumps({"off": off, "on": chains(), "active": kdf.is_active()}))
 
 
 BROKEN = """
-from keras_dtensor_fix.engine import Patch
+from keras_dtensor_fix.contract import Patch
 FAMILY = "data"
 MODULES = ({module!r},)
 def patches(module):
@@ -244,7 +244,7 @@ def after_apply():
 """
 
 BROKEN_AFTER = """
-from keras_dtensor_fix.engine import Patch
+from keras_dtensor_fix.contract import Patch
 FAMILY = "compile"
 MODULES = ({module!r},)
 def keep(wrapped, instance, args, kwargs):
@@ -379,7 +379,7 @@ class Model:
 """
 
 TRACED_FAMILY = """
-from keras_dtensor_fix.engine import Patch
+from keras_dtensor_fix.contract import Patch
 
 FAMILY = "data"
 MODULES = ("fake_model",)

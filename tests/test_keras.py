@@ -9,7 +9,7 @@ from support import FAKE_DATA_FAMILY, last_json
 # A gated fake family that counts calls through torch numpy add/subtract,
 # and one that wraps distribute_data_input (also bound in the trainer).
 COUNTING = """
-from keras_dtensor_fix.engine import Patch
+from keras_dtensor_fix.contract import Patch
 from keras_dtensor_fix.targets import torch_module
 FAMILY = "fakeops"
 MODULES = torch_module("numpy")

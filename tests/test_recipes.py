@@ -20,7 +20,7 @@ def test_a_new_op_handler_is_a_function_and_a_row(mesh1, monkeypatch) -> None:
     import torch
     from torch.distributed.tensor import DTensor, Replicate
 
-    from keras_dtensor_fix import handlers
+    from keras_dtensor_fix.ops import handlers
 
     seen = []
 
@@ -56,7 +56,7 @@ def double(x):
 
 TOY_FAMILY = '''"""A toy family: what ``double`` returns, tagged."""
 
-from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix.contract import Implementation, Patch
 
 
 def tagged(wrapped, instance, args, kwargs):
@@ -113,8 +113,8 @@ def test_a_new_family_is_a_module_and_a_row(run_py, tmp_path) -> None:
 
 
 def test_the_handler_order_is_written_once() -> None:
-    """handlers.py's docstring numbers every row of HANDLERS, in table order."""
-    from keras_dtensor_fix import handlers
+    """ops/handlers.py's docstring numbers every row of HANDLERS, in table order."""
+    from keras_dtensor_fix.ops import handlers
 
     listed = re.findall(r"(\d+)\. ``(\w+)``", handlers.__doc__)
     names = [row.name for row in handlers.HANDLERS]

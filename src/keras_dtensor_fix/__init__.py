@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from . import _bootstrap
+from ._version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["__version__", "activate", "deactivate", "is_active", "status"]
 
 
@@ -59,9 +59,9 @@ def status() -> dict[str, Any]:
     ``family``, ``module``, ``attribute``, ``state``, ``cause``, ``reason``),
     ``warnings`` and ``notes``. Reading it imports neither keras nor torch.
     """
-    from . import report
+    from . import status as _status
 
-    return report.report()
+    return _status.report()
 
 
 _bootstrap.boot()

@@ -14,7 +14,8 @@ import sys
 from typing import Any
 
 import keras_dtensor_fix
-from keras_dtensor_fix.report import PENDING, STATES, summarize
+from keras_dtensor_fix.ledger import PENDING, STATES
+from keras_dtensor_fix.status import summarize
 
 
 def _load_keras(all_targets: bool) -> list[str]:
@@ -81,7 +82,7 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-#: How the text summary spells each kind of skip (words of ``report.EXPECTED``).
+#: How the text summary spells each kind of skip (words of ``ledger.EXPECTED``).
 SKIP_WORDS = {
     "inherited": "inherited (its parent's patch covers it)",
     "other layout": "module of the other Keras layout",

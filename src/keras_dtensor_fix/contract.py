@@ -2,9 +2,9 @@
 
 A family's implementation (``patches/<name>.py``) ends with
 ``IMPLEMENTATION = Implementation(patches, ...)``; ``patches(module)`` returns
-:class:`Patch` records. Families import both from
-:mod:`keras_dtensor_fix.engine`. Standard library only: the engine imports it
-at interpreter start.
+:class:`Patch` records. Families import both from here, never from the
+engine that loads them. Standard library only: the engine imports it at
+interpreter start.
 """
 
 from __future__ import annotations

@@ -25,10 +25,10 @@ from typing import Any
 
 from . import config as _config
 from . import hooks, loader, targets, wrappers
-from . import report as _report
+from . import ledger as _report
 from . import state as _state
 from .contract import Implementation, Patch
-from .report import ANY, APPLIED, PENDING, REVERTED, SKIPPED, Cause
+from .ledger import ANY, APPLIED, PENDING, REVERTED, SKIPPED, Cause
 from .wrappers import chain_length, is_fix_wrapper, wrapt_problem
 
 __all__ = [

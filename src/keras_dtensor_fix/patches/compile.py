@@ -11,7 +11,7 @@ import sys
 import types
 
 from keras_dtensor_fix import state, targets
-from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.state import model_parallel
 
 

@@ -12,6 +12,8 @@ graphs, and DTensor gradients across those breaks fail to compile.
 
 from __future__ import annotations
 
+import inspect
+import sys
 import types
 from typing import Any
 
@@ -20,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor_fix import one_writer, targets
-from keras_dtensor_fix.engine import Implementation, Patch, original
+from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.values import variable_class, walk
 
 
@@ -96,8 +98,11 @@ def patches(module: types.ModuleType) -> list[Patch]:
 def notes() -> list[str]:
     """Whether this nightly's own ``convert_to_numpy`` returns local shards."""
     for core in targets.modules("core"):
-        function = original(core, "convert_to_numpy")
-        if function is not None and not targets.convert_to_numpy_gathers(function):
+        patched = getattr(sys.modules.get(core), "convert_to_numpy", None)
+        if not hasattr(patched, "__wrapped__"):
+            continue  # not patched here
+        function = inspect.unwrap(patched)
+        if not targets.convert_to_numpy_gathers(function):
             return [
                 "this keras-nightly's get_weights() and predict() return each "
                 "process's local shard on their own; the convert family gathers "

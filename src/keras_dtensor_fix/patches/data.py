@@ -18,8 +18,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from keras_dtensor_fix import targets
+from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import gather_non_batch_axes, same_mesh, wrap_local
-from keras_dtensor_fix.engine import Implementation, Patch
 from keras_dtensor_fix.state import COMPILED_STEPS, model_parallel, note_sharding
 from keras_dtensor_fix.values import walk
 

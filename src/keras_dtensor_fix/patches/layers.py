@@ -18,9 +18,9 @@ import types
 from typing import Any
 
 from keras_dtensor_fix import targets
+from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import DTensor
 from keras_dtensor_fix.einsum import linear_equation, local_dense
-from keras_dtensor_fix.engine import Implementation, Patch
 from keras_dtensor_fix.state import compiling
 from keras_dtensor_fix.values import resolve
 

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from keras_dtensor_fix import targets
+from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import DTensor, local_region, split_dims
 from keras_dtensor_fix.dtensor import wrap_local as _wrap
-from keras_dtensor_fix.engine import Implementation, Patch
 from keras_dtensor_fix.state import compiling
 from keras_dtensor_fix.values import flatten_call, local_tensors, unflatten_call
 

@@ -16,8 +16,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor_fix import targets
+from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import all_reduce_sums
-from keras_dtensor_fix.engine import Implementation, Patch
 from keras_dtensor_fix.state import model_parallel
 from keras_dtensor_fix.values import local_tensors
 

@@ -3,15 +3,16 @@
 Targets are found systematically: every public function of the backend numpy
 module that can take two or more tensors (two or more positional parameters,
 ``*args``, or a sequence of tensors). What a wrapper does with DTensor
-operands is the op-handler table's business (:mod:`keras_dtensor_fix.handlers`).
+operands is the op-handler table's business (:mod:`keras_dtensor_fix.ops.handlers`).
 """
 
 from __future__ import annotations
 
 import types
 
-from keras_dtensor_fix import handlers, targets
-from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix import targets
+from keras_dtensor_fix.contract import Implementation, Patch
+from keras_dtensor_fix.ops import handlers
 
 
 def patches(module: types.ModuleType) -> list[Patch]:

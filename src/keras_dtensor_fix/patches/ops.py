@@ -2,7 +2,7 @@
 
 Loss functions (``binary_crossentropy(target, output)``), attention,
 normalization and segment ops take several tensors too; each multi-tensor
-function gets the op-handler table's wrapper (:mod:`keras_dtensor_fix.handlers`),
+function gets the op-handler table's wrapper (:mod:`keras_dtensor_fix.ops.handlers`),
 with the rows for convolutions and attention among them. From the core
 module only ``slice_update`` (one tensor written into another) is wrapped: its
 other multi-tensor functions are the numpy module's.
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import types
 
-from keras_dtensor_fix import handlers, targets
-from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix import targets
+from keras_dtensor_fix.contract import Implementation, Patch
+from keras_dtensor_fix.ops import handlers
 
 #: The core module's own functions that write one tensor into another.
 CORE = ("slice_update",)

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from keras_dtensor_fix import targets
+from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import DTensor, to_placements
-from keras_dtensor_fix.engine import Implementation, Patch
 from keras_dtensor_fix.state import compiling
 from keras_dtensor_fix.values import local_tensors
 

@@ -19,6 +19,7 @@ import types
 from typing import Any
 
 from keras_dtensor_fix import targets
+from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import (
     DTensor,
     is_replicated,
@@ -27,7 +28,6 @@ from keras_dtensor_fix.dtensor import (
     same_mesh,
     unwrap_local,
 )
-from keras_dtensor_fix.engine import Implementation, Patch
 from keras_dtensor_fix.state import compiling
 from keras_dtensor_fix.values import flatten_call, local_tensors, unflatten_call
 

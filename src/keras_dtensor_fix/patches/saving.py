@@ -20,7 +20,7 @@ import types
 from typing import Any
 
 from keras_dtensor_fix import one_writer, targets
-from keras_dtensor_fix.engine import Implementation, Patch
+from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.state import model_parallel
 
 #: saving_lib function -> its name in messages.

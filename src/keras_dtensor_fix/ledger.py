@@ -1,18 +1,18 @@
-"""The status report: a row per patch target, why it is in its state, the summary.
+"""The ledger of patch targets: a row per target, its state and why.
 
 The engine records a row for each (family, module, attribute) it touches,
 with a state and a structured :class:`Cause` beside the reason text;
 :func:`rows` adds a placeholder for each module it has not reached;
-:func:`report` is ``keras_dtensor_fix.status()``; :func:`summarize` judges it
-by cause for ``python -m keras_dtensor_fix status``. Standard library only:
-the engine imports it at interpreter start.
+:func:`engine_part` is what the engine tells the status report
+(:mod:`keras_dtensor_fix.status`). Standard library only: the engine
+imports it at interpreter start.
 """
 
 from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from . import config as _config
@@ -30,13 +30,12 @@ __all__ = [
     "STATES",
     "Cause",
     "clear_placeholders",
+    "EXPECTED",
     "engine_part",
     "forget",
     "notes",
     "record",
-    "report",
     "rows",
-    "summarize",
 ]
 
 APPLIED = "applied"
@@ -202,145 +201,4 @@ def engine_part(
         "gate": {"ok": gate.ok, "reason": gate.reason},
         "targets": rows(families, cfg, active),
         "warnings": list(warnings),
-    }
-
-
-def report() -> dict[str, Any]:
-    """``keras_dtensor_fix.status()``: see its docstring."""
-    from . import __version__, _bootstrap, engine
-
-    cfg = _config.load(warn=False)
-    part = engine.state()
-    keras_version, keras_dist = targets.keras_version()
-    warnings = list(cfg.warnings) + part.pop("warnings")
-    installed = targets.installed_keras()
-    if len(installed) > 1:
-        names = ", ".join(f"{name} {version}" for name, version in installed)
-        warnings.append(f"several Keras distributions are installed ({names})")
-    enabled = part.pop("active")
-    why = part.pop("why")
-    if not enabled and why == "not activated":
-        why = _bootstrap.reason if _bootstrap.reason != "not booted" else cfg.reason
-    return {
-        "version": __version__,
-        "keras": {"version": keras_version, "distribution": keras_dist},
-        "torch": {"version": targets.torch_version()},
-        "backend": targets.backend(),
-        "layout": targets.layout(),
-        "enabled": enabled,
-        "why": why,
-        **part,
-        "warnings": warnings,
-        "notes": engine.notes(),
-    }
-
-
-# -- the summary ------------------------------------------------------------------
-
-
-def _count(
-    families: dict[str, dict[str, Any]], name: str, state: str
-) -> dict[str, Any]:
-    family = families.setdefault(
-        name, {**dict.fromkeys(STATES, 0), "skipped_because": {}, "modules": set()}
-    )
-    family[state] = family.get(state, 0) + 1
-    return family
-
-
-def _judge(
-    families: dict[str, dict[str, Any]],
-    unexpected: list[str],
-    disabled: set[str],
-    working: bool,
-    exists: Callable[[str], bool],
-) -> None:
-    """Give each family its state; flag one that applied nothing it could."""
-    for name, family in families.items():
-        modules = family.pop("modules")
-        if family[APPLIED]:
-            family["state"] = APPLIED
-        elif family[DISABLED] or name in disabled or ANY in disabled:
-            family["state"] = DISABLED
-        elif family[PENDING]:
-            family["state"] = PENDING
-        else:
-            family["state"] = SKIPPED
-            present = sorted(m for m in modules if exists(m))
-            flagged = any(line.startswith(f"{name}: ") for line in unexpected)
-            if working and present and not flagged:
-                unexpected.append(
-                    f"{name}: nothing applied although this Keras has "
-                    f"{', '.join(present)}"
-                )
-
-
-def summarize(
-    report: dict[str, Any],
-    *,
-    exists: Callable[[str], bool] | None = None,
-    all_targets: bool = True,
-) -> dict[str, Any]:
-    """What a person needs from ``report``: state, family counts, the unexpected.
-
-    ``exists`` tells whether this Keras has a module (default:
-    :func:`keras_dtensor_fix.targets.find_spec`); ``all_targets`` says whether
-    every existing target module was imported, so that one still pending is
-    news. Keys: ``state`` (``active``, ``off``, ``idle`` or ``waiting``),
-    ``headline``, ``python``, ``families`` (name -> ``state`` and a count per
-    row state, plus ``skipped_because``: a word of :data:`EXPECTED`, or
-    ``unexpected``), ``unexpected`` (lines) and ``ok`` (no unexpected line).
-    """
-    import platform
-
-    exists = exists or (lambda name: targets.find_spec(name) is not None)
-    gate = report["gate"]
-    working = report["enabled"] and gate["ok"] is True
-    families: dict[str, dict[str, Any]] = {}
-    unexpected: list[str] = []
-    for row in report["targets"]:
-        state, module, reason = row["state"], row["module"], row["reason"]
-        family = _count(families, row["family"], state)
-        if not module.startswith("keras_dtensor_fix."):
-            family["modules"].add(module)
-        target = module if row["attribute"] == ANY else f"{module}.{row['attribute']}"
-        if state == SKIPPED:
-            word = EXPECTED.get(row["cause"])
-            if word is None:
-                word = "unexpected"
-                unexpected.append(f"{row['family']}: {target} skipped: {reason}")
-            because = family["skipped_because"]
-            because[word] = because.get(word, 0) + 1
-        elif state == PENDING and working and all_targets and exists(module):
-            unexpected.append(f"{row['family']}: {target} pending: {reason}")
-    disabled = set(report["disabled_families"])
-    _judge(families, unexpected, disabled, working, exists)
-    if report["enabled"] and report["backend"] == "torch" and gate["ok"] is False:
-        # Keras's torch backend without DTensor support: the plugin is
-        # installed for nothing, and ModelParallel cannot work.
-        unexpected.append(f"gate: {gate['reason']}")
-    applied = sum(f[APPLIED] for f in families.values())
-    patched = sum(1 for f in families.values() if f[APPLIED])
-    # The headline says what holds; the lines under it say why.
-    if not report["enabled"]:
-        state, headline = "off", "OFF: upstream Keras runs unpatched"
-    elif gate["ok"] is False:
-        state, headline = "idle", "IDLE: nothing to patch here"
-    elif gate["ok"] is None:
-        state, headline = "waiting", "WAITING: nothing patched yet"
-    else:
-        state = "active"
-        headline = f"ACTIVE: {applied} targets patched in {patched} families"
-        if not applied:
-            headline = "ACTIVE, but nothing is patched"
-        off = [n for n, f in families.items() if f["state"] == DISABLED]
-        if off:
-            headline += f" ({len(off)} disabled: {', '.join(off)})"
-    return {
-        "state": state,
-        "headline": headline,
-        "python": platform.python_version(),
-        "families": families,
-        "unexpected": unexpected,
-        "ok": not unexpected,
     }

@@ -32,7 +32,7 @@ the same :class:`Call`, until one returns something other than
       then the op; a contraction's Partial result, or a masked lookup's, is
       reduced. If DTensor has no rule for the op, it runs on full values.
 
-Rows 1-3 (in :mod:`keras_dtensor_fix.handlers_layout`) and 10 always return.
+Rows 1-3 (in :mod:`keras_dtensor_fix.ops.layout`) and 10 always return.
 Adding a handler is a function taking a :class:`Call` and one row in
 :data:`HANDLERS`, with its line in this list.
 """
@@ -45,7 +45,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from keras_dtensor_fix import handlers_layout as layout
+from keras_dtensor_fix.ops import layout
+from keras_dtensor_fix.ops.call import NOT_HANDLED, Call, Op, Unbound
 from keras_dtensor_fix.values import promote_call, resolve, variable_class
 
 __all__ = [
@@ -139,73 +140,6 @@ def is_elementwise(name: str, signature: inspect.Signature) -> bool:
         return False
     params = list(signature.parameters)[:2]
     return params in (["x1", "x2"], ["x", "y"]) or name in ("where", "clip")
-
-
-@dataclass(frozen=True)
-class Op:
-    """What the handlers know about the op they handle."""
-
-    name: str
-    elementwise: bool  # operands broadcast elementwise (per-rank shards refused)
-    contraction: bool  # a product over an axis: a Partial result is reduced
-    signature: inspect.Signature | None  # binds a call's arguments by name
-
-
-#: A handler's "not mine": the next handler runs.
-NOT_HANDLED = object()
-
-
-class _Unbound(Exception):
-    """The call does not fit the op's signature: the op itself says why."""
-
-
-class Call:
-    """One call of a wrapped op on the slow path, shared by its handlers.
-
-    :attr:`arguments` binds the call to the op's signature at first use, once
-    (handlers that need no names never pay for it). A handler that writes an
-    argument there rewrites the call for the handlers after it; :meth:`run`
-    calls the original with the call as it stands.
-    """
-
-    __slots__ = ("op", "wrapped", "_args", "_kwargs", "_bound")
-
-    def __init__(
-        self, op: Op, wrapped: Callable[..., Any], args: tuple, kwargs: dict
-    ) -> None:
-        self.op, self.wrapped = op, wrapped
-        self._args, self._kwargs = args, kwargs
-        self._bound: inspect.BoundArguments | None = None
-
-    @property
-    def arguments(self) -> dict[str, Any]:
-        """The arguments by parameter name (defaults not filled in); writable."""
-        if self._bound is None:
-            if self.op.signature is None:
-                raise _Unbound(self.op.name)
-            try:
-                self._bound = self.op.signature.bind(*self._args, **self._kwargs)
-            except TypeError as exc:
-                raise _Unbound(self.op.name) from exc
-        return self._bound.arguments
-
-    @property
-    def args(self) -> tuple:
-        return self._args if self._bound is None else self._bound.args
-
-    @property
-    def kwargs(self) -> dict:
-        return self._kwargs if self._bound is None else self._bound.kwargs
-
-    def run(self, **changes: Any) -> Any:
-        """The original on this call, with ``changes`` to its arguments if any.
-
-        ``changes`` leave the call itself as it was.
-        """
-        if not changes:
-            return self.wrapped(*self.args, **self.kwargs)
-        bound = inspect.BoundArguments(self.op.signature, {**self.arguments, **changes})
-        return self.wrapped(*bound.args, **bound.kwargs)
 
 
 @dataclass(frozen=True)
@@ -344,7 +278,7 @@ def handle(chain: tuple[Handler, ...], call: Call) -> Any:
             result = handler.handle(call)
             if result is not NOT_HANDLED:
                 return result
-    except _Unbound:
+    except Unbound:
         # A call that does not fit the signature: the op raises its own error.
         return call.wrapped(*args, **kwargs)
     return call.run()

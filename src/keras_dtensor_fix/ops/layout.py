@@ -1,6 +1,6 @@
 """Op handlers that lay out the operands themselves: conv, attention, slice_update.
 
-Rows of :data:`keras_dtensor_fix.handlers.HANDLERS` (their order is written
+Rows of :data:`keras_dtensor_fix.ops.handlers.HANDLERS` (their order is written
 there). DTensor has no usable rule for these ops on the placements Keras
 models produce, so each handler picks a layout per rank, runs the original on
 local tensors and wraps the result. Each always returns: where its operands
@@ -9,12 +9,10 @@ need nothing, it calls the original unchanged.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from keras_dtensor_fix.ops.call import Call
 from keras_dtensor_fix.values import full_value, resolve
-
-if TYPE_CHECKING:
-    from keras_dtensor_fix.handlers import Call
 
 __all__ = ["CONVOLUTIONS", "attention", "conv", "update"]
 

@@ -1,0 +1,7 @@
+"""The op-handler table and what its rows share.
+
+``handlers`` (the table, its order, the wrappers the ``numpy`` and ``ops``
+families install), ``call`` (:class:`~keras_dtensor_fix.ops.call.Call`, what
+a row receives), ``layout`` (rows that place their own results:
+convolutions, attention, ``slice_update``).
+"""

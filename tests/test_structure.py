@@ -1,0 +1,89 @@
+"""The package's import graph has no circle, imports inside functions included.
+
+An edge is a module naming another of the package in an ``import`` or
+``from ... import`` anywhere in its source (a name imported from a package
+counts as its submodule when there is one). A circle means two modules each
+need the other to be read: the layers no longer stand one above the other.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from support import SRC
+
+PACKAGE = "keras_dtensor_fix"
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def edges(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        found.update(t for t in targets if t in known and t != name)
+    return found
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if state.get(other) == "open":
+                found.append(stack[stack.index(other) :] + [other])
+            elif other not in state:
+                visit(other)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_no_import_circle() -> None:
+    known = modules()
+    graph = {name: edges(name, path, known) for name, path in known.items()}
+    assert graph[f"{PACKAGE}.status"] >= {f"{PACKAGE}.engine"}  # the walk sees imports
+    assert circles(graph) == []
+
+
+def test_a_circle_is_found() -> None:
+    """Control: the search reports a circle when there is one."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c", "a"]]
+
+
+def test_families_import_the_contract_not_the_engine() -> None:
+    """Families stand below the engine that loads them."""
+    known = modules()
+    for name, path in known.items():
+        if name.startswith(f"{PACKAGE}.patches."):
+            assert f"{PACKAGE}.engine" not in edges(name, path, known), name
