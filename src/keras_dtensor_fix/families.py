@@ -86,6 +86,12 @@ FAMILIES: tuple[Family, ...] = (
         "jit_compile=True compiles ModelParallel steps (or says why not)",
     ),
     Family(
+        "compile_cache",
+        ("dynamo_utils",),
+        "compile_cache",
+        "warm compile caches for steps that trace a numpy operator (Gemma)",
+    ),
+    Family(
         "ops",
         ("ops",),
         "ops",

@@ -125,9 +125,9 @@ def writer(what: str, path: str) -> bool:
 
     The lowest rank that passed the same path on the same host.
     """
-    import torch.distributed as dist
+    from keras_dtensor_fix.dtensor.world import rank as own_rank
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = own_rank()
     place = f"{socket.gethostname()}\0{os.path.abspath(path)}"
     places = handshake.exchange(what, place, HINT)
     return places.index(place) == rank

@@ -94,6 +94,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "epoch_iterator": ("keras.src.trainers.epoch_iterator",),
     # torch's, where every env:// and tcp:// process group makes its store.
     "rendezvous": ("torch.distributed.rendezvous",),
+    # torch's, where the compile caches key the numpy functions a step traces.
+    "dynamo_utils": ("torch._dynamo.utils",),
 }
 
 #: Leaf layers that read across only some axes of their input, by
@@ -121,6 +123,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     )
     + (*LAYOUTS.values(), KERAS_TORCH, "keras.src.backend"),
     "trainer": (TRAINER,),
+    "dynamo_utils": ("torch._functorch._aot_autograd.autograd_cache",),
 }
 
 #: Keras objects the patches use, by name: ``(module, attribute)``.

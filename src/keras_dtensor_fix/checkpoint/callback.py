@@ -28,8 +28,9 @@ from keras_dtensor_fix.checkpoint.preemption import (
     exit_code,
     leave,
 )
-from keras_dtensor_fix.checkpoint.processes import distributed, from_first, rank
+from keras_dtensor_fix.checkpoint.processes import from_first
 from keras_dtensor_fix.checkpoint.sharded import PendingSave, load, save
+from keras_dtensor_fix.dtensor.world import distributed, rank
 
 MonitorCallback = targets.keras_object("MonitorCallback")
 
@@ -122,7 +123,9 @@ class Checkpoint(MonitorCallback):
         if resume is not None and resume["epoch"] == epoch:
             if resume.get("random") is not None:
                 position.restore_random(resume["random"])
-            position.plan(resume["batch"], resume.get("adapter_epoch"))
+            position.plan(
+                resume["batch"], resume.get("adapter_epoch"), resume.get("random_now")
+            )
             for variable, value in zip(
                 self.model.metrics_variables, resume["metrics"], strict=False
             ):
@@ -178,6 +181,7 @@ class Checkpoint(MonitorCallback):
             "batches": self._batches,
             "adapter_epoch": position.adapter_epoch(at_epoch_begin=True),
             **self._begin,
+            "random_now": position.random_state(),  # for the batches after
         }
 
     def _maybe_save(self, logs: dict | None, at_epoch_end: bool) -> None:

@@ -3,10 +3,12 @@
 A checkpoint taken inside an epoch records the batches done and what orders
 the epoch's data: the data adapter's epoch counter (Keras seeds numpy and
 ``PyDataset`` shuffles with it) and the global random states (a shuffling
-``DataLoader`` draws its seed from torch's). The ``Checkpoint`` callback arms
-:func:`capture` and :func:`plan`; the ``resume`` family calls
+``DataLoader`` draws its seed from torch's), and the random states at the
+step itself (an unseeded ``Dropout`` draws from torch's). The ``Checkpoint``
+callback arms :func:`capture` and :func:`plan`; the ``resume`` family calls
 :func:`entering` when ``fit`` starts iterating an epoch, which records the
-adapter and hands back how many batches to skip. Standard library only at
+adapter and hands back how many batches to skip, and :func:`skipped` once
+they are drawn, which puts back the step's random states. Standard library only at
 import: the family imports this module.
 """
 
@@ -25,6 +27,7 @@ __all__ = [
     "plan",
     "random_state",
     "restore_random",
+    "skipped",
 ]
 
 _capture = False
@@ -32,6 +35,7 @@ _iterator: weakref.ref | None = None
 _adapter_epoch: int | None = None
 _plan: tuple[int, int | None] | None = None
 _consumed = True
+_after: dict[str, Any] | None = None  # random states once the skip is done
 
 
 def capture() -> None:
@@ -40,10 +44,13 @@ def capture() -> None:
     _capture, _adapter_epoch = True, None
 
 
-def plan(skip: int, adapter_epoch: int | None) -> None:
-    """Have the next epoch skip ``skip`` batches, its data ordered as saved."""
-    global _plan, _consumed
-    _plan, _consumed = (skip, adapter_epoch), False
+def plan(
+    skip: int, adapter_epoch: int | None, after: dict[str, Any] | None = None
+) -> None:
+    """Have the next epoch skip ``skip`` batches, its data ordered as saved;
+    ``after``: the random states to put back once they are skipped."""
+    global _plan, _consumed, _after
+    _plan, _consumed, _after = (skip, adapter_epoch), False, after
 
 
 def consumed() -> bool:
@@ -64,6 +71,14 @@ def entering(iterator: Any) -> int:
         _capture, _iterator = False, weakref.ref(iterator)
         _adapter_epoch = getattr(adapter, "_epoch", None)
     return skip
+
+
+def skipped() -> None:
+    """The planned batches are drawn: the random states as at the save."""
+    global _after
+    after, _after = _after, None
+    if after is not None:
+        restore_random(after)
 
 
 def adapter_epoch(at_epoch_begin: bool) -> int | None:

@@ -10,18 +10,9 @@ from typing import Any
 import torch.distributed as dist
 
 from keras_dtensor_fix.checkpoint.files import CheckpointError
+from keras_dtensor_fix.dtensor.world import distributed, rank
 
 __all__ = ["distributed", "from_first", "on_first", "rank"]
-
-
-def distributed() -> bool:
-    """Whether a default process group is up."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank() -> int:
-    """This process's rank in the default group (0 with none)."""
-    return dist.get_rank() if distributed() else 0
 
 
 def from_first(value: Any) -> Any:

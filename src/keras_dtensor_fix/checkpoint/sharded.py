@@ -29,7 +29,6 @@ from typing import Any
 
 import keras
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from keras_dtensor_fix.checkpoint.files import (
@@ -40,12 +39,8 @@ from keras_dtensor_fix.checkpoint.files import (
     commit,
     resolve,
 )
-from keras_dtensor_fix.checkpoint.processes import (
-    distributed,
-    from_first,
-    on_first,
-    rank,
-)
+from keras_dtensor_fix.checkpoint.processes import from_first, on_first
+from keras_dtensor_fix.dtensor.world import distributed, rank, world
 
 __all__ = [
     "CheckpointError",
@@ -231,7 +226,7 @@ def save(
         "format": FORMAT,
         "epoch": epoch,
         "step": step,
-        "processes": dist.get_world_size() if distributed() else 1,
+        "processes": world(),
         "optimizer": optimizer,
         "metrics": metrics,
         **({"position": position} if position is not None else {}),

@@ -19,6 +19,8 @@ setting from the package):
   batch-only calls, per-element ops, slice updates, gathering outputs).
 - :mod:`.region`: when a whole computation (a layer) may run on local
   tensors (``local_region``).
+- :mod:`.world`: this process's rank and the group's size, the one lookup
+  (imported as a module: it is about processes, not tensors).
 
 Import the names below from the package (``from keras_dtensor_fix.dtensor
 import settle``); the modules are its layout, not its interface.

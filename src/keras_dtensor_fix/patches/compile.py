@@ -183,11 +183,10 @@ def cache_key_tag(dist, user_tag: str = "") -> str:
     (2, 2) mesh: "Could not resolve the process group registered under the
     name 3"). The tag keeps the user's own ``cache_key_tag`` in front.
     """
-    import torch.distributed as dist_
+    from keras_dtensor_fix.dtensor import world as place
 
     mesh = dist.device_mesh
-    rank = dist_.get_rank() if dist_.is_initialized() else 0
-    world = dist_.get_world_size() if dist_.is_initialized() else 1
+    rank, world = place.rank(), place.world()
     groups = ""
     backend_mesh = getattr(mesh, "backend_mesh", None)
     if backend_mesh is not None and world > 1:

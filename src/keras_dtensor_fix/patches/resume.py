@@ -18,15 +18,21 @@ from keras_dtensor_fix.contract import Implementation, Patch
 
 
 def _skipping(batches, skip: int):
+    done = False
     for begin, end, iterator in batches:
         if begin < skip:
             try:
                 for _ in range(end - begin + 1):
                     next(iterator)  # drawn, not trained
             except StopIteration:
-                return
+                break
             continue
+        if not done:
+            done = True
+            position.skipped()
         yield begin, end, iterator
+    if not done:
+        position.skipped()
 
 
 def _enumerate(wrapped, instance, args, kwargs):

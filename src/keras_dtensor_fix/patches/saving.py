@@ -31,11 +31,9 @@ ENTRIES = {
 
 
 def _processes() -> int:
-    import torch.distributed as dist
+    from keras_dtensor_fix.dtensor.world import world
 
-    if not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size()
+    return world()
 
 
 def _local_path(filepath: Any) -> str | None:
