@@ -76,9 +76,9 @@ def test_moe_compiled_cold_then_warm(runs, tmp_path_factory) -> None:
     """The compiled QwenMoe case launched twice on one compile cache, each
     launch equal to one process. The cache is shared by a machine's processes
     and by every launch, so what one launch or rank put there must never make
-    another wrong. (Today this model's graph misses inductor's FX graph cache
-    on the second launch, as Gemma's does: benchmarks/README.md, "Time to the
-    first compiled step"; the GPT decoder's hits.)"""
+    another wrong. (This model's graph missed inductor's FX graph cache on
+    the second launch: benchmarks/results/2026-11-26-start.md; Gemma's miss
+    was torch's numpy-operator key, which the compile_cache family fixes.)"""
     name = "qwen_moe_1x2_compiled"
     cache = str(tmp_path_factory.mktemp("compile-cache"))
     single = runs.get("moe_compiled", world=1)[0]
