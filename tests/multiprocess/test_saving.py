@@ -238,7 +238,8 @@ def test_upstream_fails(tmp_path, distribution: str) -> None:
     """Upstream: one shared path crashes the job at the first save.
 
     ModelParallel and DataParallel alike (observed: h5py's ``unable to lock
-    file`` on one process).
+    file`` on one process; in some runs ``FileExistsError`` as both processes
+    create a backup directory).
     """
     proc = run_ranks(
         SCRIPT,
@@ -250,6 +251,7 @@ def test_upstream_fails(tmp_path, distribution: str) -> None:
     )
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
-    assert "unable to lock file" in output or "Connection closed" in output, output[
-        -4000:
-    ]
+    # Which process fails first, and how, is a race: the HDF5 lock, the peer
+    # lost in the gather, or both creating BackupAndRestore's directory.
+    crashes = ("unable to lock file", "Connection closed", "FileExistsError")
+    assert any(crash in output for crash in crashes), output[-4000:]

@@ -126,11 +126,12 @@ class Checkpoint(MonitorCallback):
             position.plan(
                 resume["batch"], resume.get("adapter_epoch"), resume.get("random_now")
             )
-            for variable, value in zip(
-                self.model.metrics_variables, resume["metrics"], strict=False
-            ):
-                variable.assign(value)
-            self._resumed_epoch = epoch
+            if resume["batch"]:  # inside the epoch: its running metrics so far
+                for variable, value in zip(
+                    self.model.metrics_variables, resume["metrics"], strict=False
+                ):
+                    variable.assign(value)
+                self._resumed_epoch = epoch
         self._begin = {"random": position.random_state()}
         position.capture()
 
