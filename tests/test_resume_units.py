@@ -106,6 +106,25 @@ def test_no_signals_watches_nothing() -> None:
     assert watcher.poll() is None and watcher.stop() is None
 
 
+def test_polls_spread_over_short_steps_only(monkeypatch) -> None:
+    """A poll's cost stays under SHARE of the steps it covers, polls at most
+    LATENCY apart: one a step for long steps, several steps apart for short."""
+    from keras_dtensor_fix.checkpoint import preemption
+
+    watcher = preemption.Watcher([signal.SIGUSR1], timeout=60)
+    watcher._last, watcher._spent = 0.0, 0.0003  # polls cost 0.3 ms
+    assert watcher._proposal(now=2.0, steps=1) == 1  # 2 s steps
+    watcher._last, watcher._spent = 0.0, 0.0003
+    wanted = watcher._proposal(now=0.010, steps=1)  # 10 ms steps
+    assert wanted == 15 and wanted * 0.010 <= preemption.LATENCY
+    watcher._last, watcher._spent = 0.0, 0.0003
+    monkeypatch.setattr(preemption, "LATENCY", 0.05)
+    assert watcher._proposal(now=0.010, steps=1) == 5  # at most 50 ms apart
+    monkeypatch.setattr(preemption, "LATENCY", 0.0)
+    watcher._last, watcher._spent = 0.0, 0.0003
+    assert watcher._proposal(now=0.010, steps=1) == 1
+
+
 DEADLINE = """
 import os, signal, time
 from keras_dtensor_fix.checkpoint.preemption import Watcher

@@ -2,7 +2,8 @@
 
 An edge is a module naming another of the package in an ``import`` or
 ``from ... import`` anywhere in its source (a name imported from a package
-counts as its submodule when there is one). A circle means two modules each
+counts as its submodule when there is one; a module reading its own
+package's ``__init__`` is not an edge). A circle means two modules each
 need the other to be read: the layers no longer stand one above the other.
 """
 
@@ -44,7 +45,13 @@ def edges(name: str, path: Path, known: dict[str, Path]) -> set[str]:
             ]
         else:
             continue
-        found.update(t for t in targets if t in known and t != name)
+        # A module reading its own package (a setting kept on the package)
+        # is the package's interface, not an arrow back up.
+        found.update(
+            t
+            for t in targets
+            if t in known and t != name and not name.startswith(t + ".")
+        )
     return found
 
 
@@ -71,7 +78,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_circle() -> None:
     known = modules()
     graph = {name: edges(name, path, known) for name, path in known.items()}
-    assert graph[f"{PACKAGE}.status"] >= {f"{PACKAGE}.engine"}  # the walk sees imports
+    assert graph[f"{PACKAGE}.report"] >= {f"{PACKAGE}.engine"}  # the walk sees imports
     assert circles(graph) == []
 
 

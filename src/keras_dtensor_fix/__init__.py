@@ -59,9 +59,9 @@ def status() -> dict[str, Any]:
     ``family``, ``module``, ``attribute``, ``state``, ``cause``, ``reason``),
     ``warnings`` and ``notes``. Reading it imports neither keras nor torch.
     """
-    from . import status as _status
+    from . import report
 
-    return _status.report()
+    return report.report()
 
 
 _bootstrap.boot()

@@ -15,7 +15,7 @@ from typing import Any
 
 import keras_dtensor_fix
 from keras_dtensor_fix.ledger import PENDING, STATES
-from keras_dtensor_fix.status import summarize
+from keras_dtensor_fix.report import summarize
 
 
 def _load_keras(all_targets: bool) -> list[str]:

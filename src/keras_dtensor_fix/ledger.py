@@ -4,7 +4,7 @@ The engine records a row for each (family, module, attribute) it touches,
 with a state and a structured :class:`Cause` beside the reason text;
 :func:`rows` adds a placeholder for each module it has not reached;
 :func:`engine_part` is what the engine tells the status report
-(:mod:`keras_dtensor_fix.status`). Standard library only: the engine
+(:mod:`keras_dtensor_fix.report`). Standard library only: the engine
 imports it at interpreter start.
 """
 

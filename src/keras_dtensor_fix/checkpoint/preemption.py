@@ -3,21 +3,25 @@
 A scheduler sends SIGTERM (SLURM with ``--signal``: another one the user
 names) and kills the job after a grace period; torchrun forwards it to every
 worker, or only one process may get it. The handler only notes the signal
-and starts a deadline. At each step's end every process offers what it has
+and starts a deadline. At a step's end every process offers what it has
 seen to an all-reduce (MAX) on a gloo group of its own, started without
-waiting and read at the next step's end: so every process learns of a
-signal at the same step, whichever got it, at the cost of launching one tiny
-collective a step. When the deadline passes first (a save that will not end,
+waiting and read at the next poll: so every process learns of a signal at
+the same step, whichever got it. Short steps are polled every few steps
+(the processes agree on how many in the same all-reduce), so that watching
+costs at most :data:`SHARE` of the time and a signal is seen within about
+:data:`LATENCY` seconds. When the deadline passes first (a save that will not end,
 a process that does not come), the process exits on its own, naming the
 checkpoint it leaves.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,6 +31,11 @@ import torch.distributed as dist
 #: Seconds from the signal to the process's exit, save included: well inside
 #: the 30 s torchrun (and most schedulers) wait before SIGKILL.
 DEFAULT_TIMEOUT = 20.0
+#: At most this share of a step's time goes to watching...
+SHARE = 0.002
+#: ...and polls are at most this many seconds of steps apart (then a signal
+#: stops training within about this long, plus a step).
+LATENCY = 1.0
 
 
 def exit_code(signum: int) -> int:
@@ -57,7 +66,10 @@ class Watcher:
         self._previous: dict[int, Any] = {}
         self._group: Any = None
         self._work: Any = None
-        self._flag = torch.zeros(1, dtype=torch.int64)
+        self._flag = torch.zeros(2, dtype=torch.int64)  # signal, interval
+        self._countdown = 0  # steps until the next poll
+        self._last: float | None = None  # when the last poll launched
+        self._spent = 0.0  # seconds the polls took on this thread since
         self._timer: threading.Timer | None = None
 
     def start(self) -> None:
@@ -96,9 +108,9 @@ class Watcher:
         self._previous.clear()
         if self._group is None:
             return self.received
-        self._flag.fill_(self.received or 0)
+        self._flag.copy_(torch.tensor([self.received or 0, 1]))
         dist.all_reduce(self._flag, dist.ReduceOp.MAX, group=self._group)
-        return int(self._flag.item()) or None
+        return int(self._flag[0]) or None
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is not None:
@@ -120,21 +132,46 @@ class Watcher:
     def poll(self) -> int | None:
         """At a step's end, every process at once: the signal to stop on, or None.
 
-        Every process must call it at every step (it launches a collective).
+        Every process must call it at every step. The all-reduce is launched
+        every ``interval`` steps, which the processes agree on in the same
+        all-reduce: the smallest that keeps a poll under :data:`SHARE` of the
+        steps' time, and at most :data:`LATENCY` seconds of steps apart.
         """
         if not self.signals:
             return None
         if self._group is None:
             return self.received
-        agreed = None
+        if self._countdown > 0:
+            self._countdown -= 1
+            return None
+        now = time.perf_counter()
+        agreed, interval = None, 1
         if self._work is not None:
+            began = time.perf_counter()
             self._work.wait()
-            agreed = int(self._flag.item()) or None
-        if agreed is None:
-            self._flag.fill_(self.received or 0)
-            self._work = dist.all_reduce(
-                self._flag, dist.ReduceOp.MAX, group=self._group, async_op=True
-            )
-        else:
+            signum, interval = (int(v) for v in self._flag.tolist())
+            agreed = signum or None
+            self._spent += time.perf_counter() - began
+        if agreed is not None:
             self._work = None
-        return agreed
+            return agreed
+        self._countdown = interval - 1
+        proposal = self._proposal(now, interval)
+        self._flag.copy_(torch.tensor([self.received or 0, proposal]))
+        began = time.perf_counter()
+        self._work = dist.all_reduce(
+            self._flag, dist.ReduceOp.MAX, group=self._group, async_op=True
+        )
+        self._spent += time.perf_counter() - began
+        return None
+
+    def _proposal(self, now: float, steps: int) -> int:
+        """Steps between polls that this process would like next."""
+        last, self._last = self._last, now
+        spent, self._spent = self._spent, 0.0
+        if last is None or steps < 1:
+            return 1
+        step = max((now - last) / steps, 1e-6)
+        cost = max(spent, 1e-6)  # this poll's own time on this thread
+        wanted = math.ceil(cost / (SHARE * step))
+        return max(1, min(wanted, int(LATENCY / step) or 1))
