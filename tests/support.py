@@ -103,6 +103,52 @@ def run_ranks(
     )
 
 
+def run_agents(
+    script: os.PathLike | str,
+    *argv: str,
+    env: Mapping[str, str | None] | None = None,
+    launcher: tuple[str, ...] = (),
+    timeout: float = 300,
+) -> list[tuple[int, str]]:
+    """Run ``script`` under two torchrun agents (``--nnodes=2``, c10d
+    rendezvous on a free local port, one process each), as on two machines.
+
+    Returns each agent's exit code and output (stdout and stderr).
+    """
+    import socket
+
+    full = clean_env({"OMP_NUM_THREADS": "1", **(env or {})})
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        full.pop(key, None)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{port}",
+        *launcher,
+        str(script),
+        *argv,
+    ]
+    agents = [
+        subprocess.Popen(
+            command,
+            env=full,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+    return [(a.returncode, o) for a, o in zip(agents, outputs, strict=True)]
+
+
 # A fake "data" family that wraps distribute_data_input with a pass-through.
 FAKE_DATA_FAMILY = """
 from keras_dtensor_fix.contract import Patch

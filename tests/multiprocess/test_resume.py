@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support import ROOT, clean_env, run_ranks
+from support import ROOT, clean_env, run_agents, run_ranks
 
 SCRIPT = ROOT / "tests" / "ranks" / "resume.py"
 TIMEOUT = 300
@@ -186,39 +186,12 @@ def test_four_processes(tmp_path, references, fault: str) -> None:
 
 def test_two_agents(tmp_path, references) -> None:
     """Two torchrun agents (c10d rendezvous), one process each; one is killed."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = clean_env({"OMP_NUM_THREADS": "1", "RESUME_INIT": "torch"})
-    env.update({"RESUME_FAULT": "kill", "RESUME_KILL_RANK": "1"})
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=2",
-        "--nproc_per_node=1",
-        "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{port}",
-        "--rdzv_id=two_agents",
-        "--max-restarts=1",
-        str(SCRIPT),
-        str(tmp_path),
-    ]
-    agents = [
-        subprocess.Popen(
-            command,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    logs = [agent.communicate(timeout=TIMEOUT)[0] for agent in agents]
-    assert [agent.returncode for agent in agents] == [0, 0], (
-        logs[0][-4000:] + logs[1][-4000:]
+    env = {"RESUME_INIT": "torch", "RESUME_FAULT": "kill", "RESUME_KILL_RANK": "1"}
+    agents = run_agents(
+        SCRIPT, str(tmp_path), env=env, launcher=("--max-restarts=1",), timeout=TIMEOUT
+    )
+    assert [code for code, _ in agents] == [0, 0], (
+        agents[0][1][-4000:] + agents[1][1][-4000:]
     )
     for r in range(2):
         check(references["numpy"], read(tmp_path, r, 0, 1))

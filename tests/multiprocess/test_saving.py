@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support import ROOT, clean_env, run_ranks
+from support import ROOT, clean_env, run_agents, run_ranks
 
 SCRIPT = ROOT / "tests" / "ranks" / "saving.py"
 TIMEOUT = 400
@@ -66,44 +65,11 @@ def ranks(out: Path, mode: str, *args: str, world: int = 2, env=None) -> list[di
     ]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def two_agents(out: Path, mode: str) -> list[dict]:
     """Two torchrun agents (``--nnodes=2``, one process each) on one directory."""
     out.mkdir(parents=True, exist_ok=True)
-    env = clean_env({"OMP_NUM_THREADS": "1"})
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=2",
-        "--nproc_per_node=1",
-        "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{port}",
-        str(SCRIPT),
-        mode,
-        str(out),
-    ]
-    agents = [
-        subprocess.Popen(
-            command,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    outputs = [agent.communicate(timeout=TIMEOUT)[0] for agent in agents]
-    for agent, output in zip(agents, outputs, strict=True):
-        assert agent.returncode == 0, output[-6000:]
+    for code, output in run_agents(SCRIPT, mode, str(out), timeout=TIMEOUT):
+        assert code == 0, output[-6000:]
     return [json.loads((out / f"{mode}.rank{r}.json").read_text()) for r in range(2)]
 
 
