@@ -184,6 +184,26 @@ def test_four_processes(tmp_path, references, fault: str) -> None:
         )
 
 
+@pytest.mark.parametrize("fault", ["kill", "term"])
+def test_one_process_then_a_new_launch(tmp_path, references, fault: str) -> None:
+    """No process group: killed, or SIGTERM (saved at once, exit 143); the
+    next launch resumes at the step, bit for bit."""
+    command = [sys.executable, str(SCRIPT), str(tmp_path)]
+    env = {"OMP_NUM_THREADS": "1", "RESUME_FAULT": fault, "RESUME_KILL_RANK": "0"}
+    for launch, code in (("0", 17 if fault == "kill" else 143), ("1", 0)):
+        proc = subprocess.run(
+            command,
+            env=clean_env({**env, "RESUME_LAUNCH": launch}),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+        assert proc.returncode == code, (proc.stdout + proc.stderr)[-4000:]
+    final = read(tmp_path, 0, 1, 0)
+    check(references["numpy"], final, [0, 13] if fault == "term" else None)
+    assert final["weights"] == references["numpy"]["weights"]
+
+
 def test_two_agents(tmp_path, references) -> None:
     """Two torchrun agents (c10d rendezvous), one process each; one is killed."""
     env = {"RESUME_INIT": "torch", "RESUME_FAULT": "kill", "RESUME_KILL_RANK": "1"}
