@@ -54,6 +54,9 @@ def test_plan_reaches_the_next_epoch_iterator_once() -> None:
     iterator.data_adapter._epoch = 3
     assert position.adapter_epoch(at_epoch_begin=False) == 3
     assert position.entering(iterator) == 0  # the plan was for one epoch
+    position.plan(0, 3)  # an epoch's start: nothing to skip, nothing owed
+    assert position.consumed()
+    assert position.entering(iterator) == 0 and iterator.data_adapter._epoch == 3
 
 
 def test_skipped_batches_are_drawn_not_yielded() -> None:

@@ -50,11 +50,13 @@ def plan(
     """Have the next epoch skip ``skip`` batches, its data ordered as saved;
     ``after``: the random states to put back once they are skipped."""
     global _plan, _consumed, _after
-    _plan, _consumed, _after = (skip, adapter_epoch), False, after
+    # Nothing to skip (an epoch's start): nothing is lost if no iterator
+    # takes the plan (the plugin off), only the data order Keras gives.
+    _plan, _consumed, _after = (skip, adapter_epoch), skip == 0, after
 
 
 def consumed() -> bool:
-    """Whether the last :func:`plan` reached an epoch iterator."""
+    """Whether the last :func:`plan` left no batches to skip untaken."""
     return _consumed
 
 
