@@ -54,9 +54,10 @@ class Checkpoint(MonitorCallback):
 
     ``signals`` (default SIGTERM; e.g. ``[signal.SIGTERM, signal.SIGUSR1]``
     for SLURM's ``--signal``; ``()`` to ignore them) preempt training: when
-    any process receives one, every process stops after the same step, that
-    step is saved, and each process exits with code 128 + the signal's number,
-    within ``preemption_timeout`` seconds. Every process runs the callback.
+    any process receives one, every process stops after the same step (the
+    next, or within about a second of short steps), that step is saved, and
+    each process exits with code 128 + the signal's number, within
+    ``preemption_timeout`` seconds. Every process runs the callback.
     """
 
     def __init__(
