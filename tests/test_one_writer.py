@@ -103,7 +103,10 @@ def test_attempt_prefix_only_under_torchrun(monkeypatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
     assert restarts.attempt_prefix() is None
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
     assert restarts.attempt_prefix() == "keras_dtensor_fix/attempt_1"
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")  # two agents: counts differ
+    assert restarts.attempt_prefix() is None
 
 
 def test_a_writer_keeps_gathered_values_in_host_memory(mesh1, monkeypatch) -> None:

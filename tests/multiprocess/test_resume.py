@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support import ROOT, clean_env, run_agents, run_ranks
+from support import ROOT, clean_env, run_ranks
 
 SCRIPT = ROOT / "tests" / "ranks" / "resume.py"
 TIMEOUT = 300
@@ -202,19 +202,6 @@ def test_one_process_then_a_new_launch(tmp_path, references, fault: str) -> None
     final = read(tmp_path, 0, 1, 0)
     check(references["numpy"], final, [0, 13] if fault == "term" else None)
     assert final["weights"] == references["numpy"]["weights"]
-
-
-def test_two_agents(tmp_path, references) -> None:
-    """Two torchrun agents (c10d rendezvous), one process each; one is killed."""
-    env = {"RESUME_INIT": "torch", "RESUME_FAULT": "kill", "RESUME_KILL_RANK": "1"}
-    agents = run_agents(
-        SCRIPT, str(tmp_path), env=env, launcher=("--max-restarts=1",), timeout=TIMEOUT
-    )
-    assert [code for code, _ in agents] == [0, 0], (
-        agents[0][1][-4000:] + agents[1][1][-4000:]
-    )
-    for r in range(2):
-        check(references["numpy"], read(tmp_path, r, 0, 1))
 
 
 def test_upstream_refuses_to_resume_inside_an_epoch(tmp_path) -> None:

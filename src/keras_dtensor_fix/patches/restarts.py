@@ -10,7 +10,8 @@ however the group is started, since every ``env://`` and ``tcp://`` start
 (``init_process_group`` with or without arguments, Keras's ``initialize``,
 ``init_device_mesh``) makes its store in ``_create_c10d_store``: there, the
 agent's store gets the prefix ``keras_dtensor_fix/attempt_<N>``
-(``TORCHELASTIC_RESTART_COUNT``). Outside torchrun the store is untouched.
+(``TORCHELASTIC_RESTART_COUNT``). Outside torchrun, and with several
+torchrun agents (whose restart counts can differ), the store is untouched.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ def attempt_prefix() -> str | None:
     """This attempt's key prefix under torchrun's agent store; else ``None``."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    # With several agents the count is each agent's own: one that restarts
+    # for a peer's new rendezvous round, not a failure of its own, keeps its
+    # count, so the agents' processes would disagree on the prefix.
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
         return None
     return f"keras_dtensor_fix/attempt_{attempt}"
 
