@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ANY",
     "APPLIED",
+    "DISABLED",
     "PENDING",
     "REVERTED",
     "SKIPPED",
