@@ -12,7 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from support import ROOT, RunPy, clean_env
+from support import LAUNCHES, ROOT, RunPy, clean_env
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The slowest process launches (pytest's --durations counts a shared
+    launch against the first test that asked for it)."""
+    if not LAUNCHES:
+        return
+    total = sum(seconds for seconds, _ in LAUNCHES)
+    terminalreporter.section(f"{len(LAUNCHES)} launches, {total:.0f} s")
+    for seconds, what in sorted(LAUNCHES, reverse=True)[:25]:
+        terminalreporter.write_line(f"{seconds:7.1f} s  {what[:150]}")
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NoReturn
@@ -15,6 +16,19 @@ SRC = ROOT / "src"
 PATCHES = SRC / "keras_dtensor_fix" / "patches"
 
 RunPy = Callable[..., subprocess.CompletedProcess]
+
+#: (seconds, what) of every process launch this pytest session timed: the
+#: terminal summary lists the longest (where the suite's time goes).
+LAUNCHES: list[tuple[float, str]] = []
+
+
+def timed_run(command: list[str], what: str, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, **kwargs)``, its wall time noted in LAUNCHES."""
+    start = time.perf_counter()
+    try:
+        return subprocess.run(command, **kwargs)
+    finally:
+        LAUNCHES.append((time.perf_counter() - start, what))
 
 
 def compiles_model_parallel() -> bool:
@@ -98,8 +112,9 @@ def run_ranks(
         str(script),
         *argv,
     ]
-    return subprocess.run(
-        command, env=full, capture_output=True, text=True, timeout=timeout
+    what = f"{Path(script).name} {' '.join(argv)} x{nproc} {dict(env or {})}"
+    return timed_run(
+        command, what, env=full, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -109,11 +124,16 @@ def run_agents(
     env: Mapping[str, str | None] | None = None,
     launcher: tuple[str, ...] = (),
     timeout: float = 300,
+    nnodes: str = "2",
+    each: tuple[Mapping[str, str], Mapping[str, str]] = ({}, {}),
+    stagger: float = 0.0,
 ) -> list[tuple[int, str]]:
     """Run ``script`` under two torchrun agents (``--nnodes=2``, c10d
     rendezvous on a free local port, one process each), as on two machines.
 
-    Returns each agent's exit code and output (stdout and stderr).
+    ``each`` adds each agent's own environment; ``stagger`` seconds pass
+    between the two starts (the first hosts the rendezvous store). Returns
+    each agent's exit code and output (stdout and stderr).
     """
     import socket
 
@@ -127,7 +147,7 @@ def run_agents(
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nnodes=2",
+        f"--nnodes={nnodes}",
         "--nproc_per_node=1",
         "--rdzv_backend=c10d",
         f"--rdzv_endpoint=127.0.0.1:{port}",
@@ -135,17 +155,27 @@ def run_agents(
         str(script),
         *argv,
     ]
-    agents = [
-        subprocess.Popen(
-            command,
-            env=full,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+    start = time.perf_counter()
+    agents = []
+    for own in each:
+        if agents and stagger:
+            time.sleep(stagger)
+        agents.append(
+            subprocess.Popen(
+                command,
+                env={**full, **own},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
         )
-        for _ in range(2)
-    ]
-    outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+    try:
+        outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+        what = f"{Path(script).name} {' '.join(argv)} 2 agents {dict(env or {})}"
+        LAUNCHES.append((time.perf_counter() - start, what))
     return [(a.returncode, o) for a, o in zip(agents, outputs, strict=True)]
 
 

@@ -107,6 +107,32 @@ def test_attempt_prefix_only_under_torchrun(monkeypatch) -> None:
     assert restarts.attempt_prefix() == "keras_dtensor_fix/attempt_1"
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")  # two agents: counts differ
     assert restarts.attempt_prefix() is None
+    # The round from the agent's wrapper is the same on every agent.
+    monkeypatch.setenv(restarts.ROUND, "3")
+    assert restarts.attempt_prefix() == "keras_dtensor_fix/round_3"
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert restarts.attempt_prefix() is None
+
+
+def test_agent_hands_its_workers_the_rendezvous_round(monkeypatch) -> None:
+    """The agent's wrapper reads the round from torch's dynamic rendezvous
+    and sets it only while the workers start."""
+    from types import SimpleNamespace as NS
+
+    from keras_dtensor_fix.patches import restarts
+
+    monkeypatch.delenv(restarts.ROUND, raising=False)
+    state = NS(round=4)
+    group = NS(spec=NS(rdzv_handler=NS(_state_holder=NS(state=state))))
+    seen = []
+
+    def start(worker_group):
+        seen.append(os.environ.get(restarts.ROUND))
+
+    restarts._start_workers(start, None, (group,), {})
+    assert seen == ["4"] and restarts.ROUND not in os.environ
+    restarts._start_workers(start, None, (NS(spec=NS(rdzv_handler=None)),), {})
+    assert seen == ["4", None]  # a static rendezvous has no round
 
 
 def test_a_writer_keeps_gathered_values_in_host_memory(mesh1, monkeypatch) -> None:

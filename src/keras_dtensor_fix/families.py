@@ -129,7 +129,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "restarts",
-        ("rendezvous",),
+        ("rendezvous", "elastic_agent"),
         "restarts",
         "torchrun restarts: each attempt's process group its own store keys",
         # torch's, not Keras's: a script may start its group before Keras.

@@ -94,6 +94,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "epoch_iterator": ("keras.src.trainers.epoch_iterator",),
     # torch's, where every env:// and tcp:// process group makes its store.
     "rendezvous": ("torch.distributed.rendezvous",),
+    # torch's, where torchrun's agent starts its workers (the rendezvous round).
+    "elastic_agent": ("torch.distributed.elastic.agent.server.local_elastic_agent",),
     # torch's, where the compile caches key the numpy functions a step traces.
     "dynamo_utils": ("torch._dynamo.utils",),
 }

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from support import timed_run
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
@@ -41,8 +42,13 @@ def launch(
         ]
     else:
         command = [sys.executable, *script]
-    proc = subprocess.run(
-        command, env=full_env, capture_output=True, text=True, timeout=TIMEOUT
+    proc = timed_run(
+        command,
+        f"scenarios {group} x{world} {env or {}}",
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
     )
     if proc.returncode != 0:
         raise AssertionError(

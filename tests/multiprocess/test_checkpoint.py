@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from support import ROOT, clean_env, run_ranks
+from support import ROOT, clean_env, run_ranks, timed_run
 
 SCRIPT = ROOT / "tests" / "ranks" / "checkpoint.py"
 TIMEOUT = 300
@@ -64,8 +63,9 @@ def launch(out: Path, *args: str, world: int, env: dict | None = None) -> list[d
     if world > 1:
         proc = run_ranks(SCRIPT, str(out), *args, nproc=world, env=env, timeout=TIMEOUT)
     else:
-        proc = subprocess.run(
+        proc = timed_run(
             [sys.executable, str(SCRIPT), str(out), *args],
+            f"checkpoint.py x1 {args} {env}",
             env=clean_env({"OMP_NUM_THREADS": "1", **(env or {})}),
             capture_output=True,
             text=True,

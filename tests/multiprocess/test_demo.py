@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 from conftest import SRC
+from support import timed_run
 
 
 def test_demo_passes() -> None:
@@ -19,8 +19,9 @@ def test_demo_passes() -> None:
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(SRC), env.get("PYTHONPATH")) if p
     )
-    proc = subprocess.run(
+    proc = timed_run(
         [sys.executable, "-m", "keras_dtensor_fix", "demo"],
+        "demo",
         env=env,
         capture_output=True,
         text=True,

@@ -63,34 +63,43 @@ def test_hub_compiled(runs, name: str) -> None:
     check_compiled(name, ranks, runs.get("hub_compiled", world=1)[0])
 
 
+@pytest.fixture(scope="session")
+def moe_cache(tmp_path_factory) -> str:
+    """A compile cache that only the MoE launches fill: the first is cold."""
+    return str(tmp_path_factory.mktemp("compile-cache"))
+
+
 @pytest.mark.parametrize("name", cases("moe_compiled"))
-def test_moe_compiled(runs, name: str) -> None:
+def test_moe_compiled(runs, moe_cache: str, name: str) -> None:
     """QwenMoe and Qwen3Moe (experts routed with top_k and one_hot, a
     balancing loss through add_loss) compile to graphs with no break on 2
     ranks and equal one eager process. See test_upstream_moe for upstream."""
-    ranks = runs.get("moe_compiled", world=2)
+    ranks = runs.get("moe_compiled", world=2, TORCHINDUCTOR_CACHE_DIR=moe_cache)
     check_compiled(name, ranks, runs.get("moe_compiled", world=1)[0])
 
 
-def test_moe_compiled_cold_then_warm(runs, tmp_path_factory) -> None:
-    """The compiled QwenMoe case launched twice on one compile cache, each
-    launch equal to one process. The cache is shared by a machine's processes
-    and by every launch, so what one launch or rank put there must never make
+def test_moe_compiled_cold_then_warm(runs, moe_cache: str) -> None:
+    """The compiled QwenMoe case launched again on the compile cache that
+    test_moe_compiled's launch filled (one launch serves both), each launch
+    equal to one process. The cache is shared by a machine's processes and
+    by every launch, so what one launch or rank put there must never make
     another wrong. (This model's graph missed inductor's FX graph cache on
     the second launch: benchmarks/results/2026-11-26-start.md; Gemma's miss
     was torch's numpy-operator key, which the compile_cache family fixes.)"""
     name = "qwen_moe_1x2_compiled"
-    cache = str(tmp_path_factory.mktemp("compile-cache"))
     single = runs.get("moe_compiled", world=1)[0]
-    for launch in ("cold", "warm"):
-        ranks = runs.get(
-            "moe_compiled",
-            world=2,
-            SCENARIO_CASES=name,
-            TORCHINDUCTOR_CACHE_DIR=cache,
-            LAUNCH=launch,
-        )
+    cold = runs.get("moe_compiled", world=2, TORCHINDUCTOR_CACHE_DIR=moe_cache)
+    warm = runs.get(
+        "moe_compiled",
+        world=2,
+        SCENARIO_CASES=name,
+        TORCHINDUCTOR_CACHE_DIR=moe_cache,
+        LAUNCH="warm",
+    )
+    for ranks in (cold, warm):
         check_compiled(name, ranks, single)
+    print("compile cache, cold:", cold[0][name]["compile_cache"])
+    print("compile cache, warm:", warm[0][name]["compile_cache"])
 
 
 def test_upstream_moe(runs) -> None:

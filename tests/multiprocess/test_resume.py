@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from support import ROOT, clean_env, run_ranks
+from support import ROOT, clean_env, run_agents, run_ranks, timed_run
 
 SCRIPT = ROOT / "tests" / "ranks" / "resume.py"
 TIMEOUT = 300
@@ -51,8 +50,9 @@ def read(out: Path, rank: int, launch: int, attempt: int) -> dict:
 def uninterrupted(out: Path, data: str, world: int) -> dict:
     env = {"RESUME_DATA": data, "RESUME_SAVE_FREQ": "1000"}
     if world == 1:
-        proc = subprocess.run(
+        proc = timed_run(
             [sys.executable, str(SCRIPT), str(out)],
+            f"resume.py x1 {env}",
             env=clean_env({"OMP_NUM_THREADS": "1", **env}),
             capture_output=True,
             text=True,
@@ -191,8 +191,9 @@ def test_one_process_then_a_new_launch(tmp_path, references, fault: str) -> None
     command = [sys.executable, str(SCRIPT), str(tmp_path)]
     env = {"OMP_NUM_THREADS": "1", "RESUME_FAULT": fault, "RESUME_KILL_RANK": "0"}
     for launch, code in (("0", 17 if fault == "kill" else 143), ("1", 0)):
-        proc = subprocess.run(
+        proc = timed_run(
             command,
+            f"resume.py x1 {fault} launch {launch}",
             env=clean_env({**env, "RESUME_LAUNCH": launch}),
             capture_output=True,
             text=True,
@@ -202,6 +203,49 @@ def test_one_process_then_a_new_launch(tmp_path, references, fault: str) -> None
     final = read(tmp_path, 0, 1, 0)
     check(references["numpy"], final, [0, 13] if fault == "term" else None)
     assert final["weights"] == references["numpy"]["weights"]
+
+
+def test_two_agents(tmp_path, references) -> None:
+    """Two torchrun agents (c10d rendezvous), one process each, as on two
+    machines; one process is killed and both agents restart theirs. Each
+    agent counts its own restarts (one restarting for its peer's new round
+    keeps 0), so the attempt in the store keys is the rendezvous round, which
+    the agents share."""
+    env = {"RESUME_INIT": "torch", "RESUME_FAULT": "kill", "RESUME_KILL_RANK": "1"}
+    agents = run_agents(
+        SCRIPT, str(tmp_path), env=env, launcher=("--max-restarts=1",), timeout=TIMEOUT
+    )
+    assert [code for code, _ in agents] == [0, 0], (
+        agents[0][1][-4000:] + agents[1][1][-4000:]
+    )
+    for r in range(2):
+        final = max(tmp_path.glob(f"rank{r}.launch0.attempt*.json"))
+        check(references["numpy"], json.loads(final.read_text()))
+
+
+def test_elastic_a_machine_lost(tmp_path, references) -> None:
+    """``--nnodes=1:2``: the second machine is lost (its agent and process
+    SIGKILLed as batch 13 begins). The first agent's next rendezvous round
+    has one process; the script's mesh, built from ``list_devices()``, is
+    (1, 1), and ``Checkpoint`` reshards the 2-process checkpoint onto it and
+    resumes at the step. (The first agent hosts the rendezvous store: a job
+    whose store host is lost cannot go on, in torch's design.)"""
+    env = {"RESUME_INIT": "torch", "RESUME_FAULT": "lose"}
+    agents = run_agents(
+        SCRIPT,
+        str(tmp_path),
+        env=env,
+        launcher=("--max-restarts=1",),
+        timeout=TIMEOUT,
+        nnodes="1:2",
+        each=({"RESUME_KILL_RANK": "none"}, {"RESUME_KILL_RANK": "all"}),
+        stagger=3.0,
+    )
+    survivor, lost = agents
+    assert survivor[0] == 0 and lost[0] != 0, survivor[1][-4000:] + lost[1][-2000:]
+    final = read(tmp_path, 0, 0, 1)
+    assert final["world"] == 1, final.get("world")
+    check(references["numpy"], final)
 
 
 def test_upstream_refuses_to_resume_inside_an_epoch(tmp_path) -> None:

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from support import ROOT, clean_env, run_agents, run_ranks
+from support import ROOT, clean_env, run_agents, run_ranks, timed_run
 
 SCRIPT = ROOT / "tests" / "ranks" / "saving.py"
 TIMEOUT = 400
@@ -43,8 +42,9 @@ FOUR = os.environ.get("KERAS_DTENSOR_FIX_FOUR_RANKS") == "1"
 
 def one_process(out: Path, mode: str, *args: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
+    proc = timed_run(
         [sys.executable, str(SCRIPT), mode, str(out), *args],
+        f"saving.py {mode} x1 {args}",
         env=clean_env({"OMP_NUM_THREADS": "1"}),
         capture_output=True,
         text=True,

@@ -5,6 +5,10 @@ the benchmark's MLP and transformer block (Megatron layouts) eagerly and with
 ``jit_compile=True`` and writes, from rank 0, collectives per step (counted with
 torch's profiler, as the benchmark does), dynamo's graph count, and the ops
 that an eager step dispatches on DTensors (each costs DTensor's dispatch).
+
+Compiled steps run torch.compile's ``aot_eager`` backend (the graph dynamo
+and AOT autograd make, with the plugin's collectives in it, run without code
+generation), or ``COLLECTIVES_COMPILE_BACKEND`` (e.g. ``inductor``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -95,6 +100,20 @@ def hub_counts(name: str, compiled: bool) -> tuple[float, int | None] | None:
 
 
 def main(out: Path) -> int:
+    from scenarios import compile_backend
+
+    backend = os.environ.get("COLLECTIVES_COMPILE_BACKEND", "aot_eager")
+    with compile_backend(backend):
+        results = counts()
+    if torch.distributed.get_rank() == 0:
+        out.write_text(json.dumps(results))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+def counts() -> dict:
+    """Every model's collectives (and eager DTensor ops) per step."""
     results = {}
     for model_name in ("mlp", "transformer"):
         set_model_parallel(bench.LAYOUTS[model_name])
@@ -120,11 +139,7 @@ def main(out: Path) -> int:
             if config == "eager":
                 results[f"{name}/dtensor_ops"] = None if counts is None else counts[1]
     results["compiles"] = compiles_model_parallel()
-    if torch.distributed.get_rank() == 0:
-        out.write_text(json.dumps(results))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ way (``RESUME_INIT``), builds a Megatron MLP on a mesh made from
 ``list_devices()`` and calls ``fit`` with ``keras_dtensor_fix.checkpoint.
 Checkpoint(OUT/ckpt, save_freq=RESUME_SAVE_FREQ)``. Once in ``OUT`` (a
 marker file per process), process ``RESUME_KILL_RANK`` (``all``: every
-process) meets ``RESUME_FAULT`` as global batch ``RESUME_AT`` (1-based)
+process; ``none``: none) meets ``RESUME_FAULT`` as global batch ``RESUME_AT`` (1-based)
 begins:
 
 ``kill``     ``os._exit(17)``, inside the step (before its forward pass)
@@ -94,7 +94,9 @@ def once(what: str) -> bool:
 
 
 def mine() -> bool:
-    return KILL_RANK == "all" or int(KILL_RANK) == int(ENV("RANK", "0"))
+    if KILL_RANK in ("all", "none"):
+        return KILL_RANK == "all"
+    return int(KILL_RANK) == int(ENV("RANK", "0"))
 
 
 class Fault(keras.callbacks.Callback):
@@ -160,7 +162,14 @@ def dump(fault: Fault, result: dict | None) -> None:
     rank = int(ENV("RANK", "0"))
     path = OUT / f"rank{rank}.launch{LAUNCH}.attempt{ATTEMPT}.json"
     path.write_text(
-        json.dumps({"attempt": ATTEMPT, "trained": fault.trained, **(result or {})})
+        json.dumps(
+            {
+                "attempt": ATTEMPT,
+                "world": int(ENV("WORLD_SIZE", "1")),
+                "trained": fault.trained,
+                **(result or {}),
+            }
+        )
     )
 
 

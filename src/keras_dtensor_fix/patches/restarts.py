@@ -9,9 +9,15 @@ connectFullMesh failed ... Connection refused") or wait for it. It happens
 however the group is started, since every ``env://`` and ``tcp://`` start
 (``init_process_group`` with or without arguments, Keras's ``initialize``,
 ``init_device_mesh``) makes its store in ``_create_c10d_store``: there, the
-agent's store gets the prefix ``keras_dtensor_fix/attempt_<N>``
-(``TORCHELASTIC_RESTART_COUNT``). Outside torchrun, and with several
-torchrun agents (whose restart counts can differ), the store is untouched.
+agent's store gets a prefix naming the attempt.
+
+The attempt is the rendezvous round, the same on every agent of a job: the
+agent (where the plugin starts with the interpreter, as a ``pip install``
+makes it) hands its workers the round it started them in (:data:`ROUND`).
+Without it, ``TORCHELASTIC_RESTART_COUNT`` names the attempt under one agent;
+several agents count their restarts each for itself (one that restarts for a
+peer's new round keeps its count), so their processes could disagree: there
+the store is left as torch makes it. Outside torchrun nothing changes.
 """
 
 from __future__ import annotations
@@ -19,18 +25,22 @@ from __future__ import annotations
 import os
 import types
 
+from keras_dtensor_fix import targets
 from keras_dtensor_fix.contract import Implementation, Patch
+
+#: The rendezvous round an agent started its workers in, set by its wrapper.
+ROUND = "KERAS_DTENSOR_FIX_RDZV_ROUND"
 
 
 def attempt_prefix() -> str | None:
     """This attempt's key prefix under torchrun's agent store; else ``None``."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    # With several agents the count is each agent's own: one that restarts
-    # for a peer's new rendezvous round, not a failure of its own, keeps its
-    # count, so the agents' processes would disagree on the prefix.
-    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+    round_ = os.environ.get(ROUND)
+    if round_ is not None:
+        return f"keras_dtensor_fix/round_{round_}"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
         return None
     return f"keras_dtensor_fix/attempt_{attempt}"
 
@@ -45,10 +55,43 @@ def _create_store(wrapped, instance, args, kwargs):
     return dist.PrefixStore(prefix, store)
 
 
+def rendezvous_round(worker_group: object) -> int | None:
+    """The round of the rendezvous that made ``worker_group`` (torch's dynamic
+    rendezvous keeps it in private state: ``None`` where it is not there)."""
+    handler = getattr(getattr(worker_group, "spec", None), "rdzv_handler", None)
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    round_ = getattr(state, "round", None)
+    return round_ if isinstance(round_, int) else None
+
+
+def _start_workers(wrapped, instance, args, kwargs):
+    group = args[0] if args else kwargs.get("worker_group")
+    round_ = rendezvous_round(group)
+    if round_ is None:
+        return wrapped(*args, **kwargs)
+    # The workers inherit the agent's environment (torch's subprocess
+    # handler copies it); set only while they start.
+    saved = os.environ.get(ROUND)
+    os.environ[ROUND] = str(round_)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        if saved is None:
+            os.environ.pop(ROUND, None)
+        else:
+            os.environ[ROUND] = saved
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
+    name = module.__name__
+    if targets.is_kind(name, "elastic_agent"):
+        agent = getattr(module, "LocalElasticAgent", None)
+        if not callable(getattr(agent, "_start_workers", None)):
+            raise LookupError("LocalElasticAgent._start_workers")
+        return [Patch(name, "LocalElasticAgent._start_workers", _start_workers)]
     if not callable(getattr(module, "_create_c10d_store", None)):
         raise LookupError("_create_c10d_store")
-    return [Patch(module.__name__, "_create_c10d_store", _create_store)]
+    return [Patch(name, "_create_c10d_store", _create_store)]
 
 
 IMPLEMENTATION = Implementation(patches)
