@@ -97,7 +97,7 @@ def mesh1(tmp_path_factory: pytest.TempPathFactory):
     from torch.distributed.device_mesh import init_device_mesh
 
     import keras_dtensor_fix
-    from keras_dtensor_fix import state
+    from keras_dtensor_fix.engine import state
 
     was_active, was_open = keras_dtensor_fix.is_active(), state.sharding()
     keras_dtensor_fix.activate()
@@ -145,7 +145,7 @@ from fake_target import add, sub
 """
 
 FAKE_FAMILY = """
-from keras_dtensor_fix.contract import Patch
+from keras_dtensor_fix.engine.contract import Patch
 
 FAMILY = {family!r}
 MODULES = ("fake_target", "fake_late")

@@ -181,7 +181,7 @@ def run_agents(
 
 # A fake "data" family that wraps distribute_data_input with a pass-through.
 FAKE_DATA_FAMILY = """
-from keras_dtensor_fix.contract import Patch
+from keras_dtensor_fix.engine.contract import Patch
 FAMILY = "data"
 MODULES = ("keras.src.backend.torch.distribution_lib",)
 def keep(wrapped, instance, args, kwargs):

@@ -19,14 +19,14 @@ STATUS = """
 import importlib, json
 import keras
 import keras_dtensor_fix as kdf
-from keras_dtensor_fix import engine, targets
+from keras_dtensor_fix.engine import patcher, targets
 tnp = importlib.import_module(
     next(m for m in targets.torch_module("numpy") if targets.find_spec(m)))
 s = kdf.status()
 print(json.dumps({
     "active": s["enabled"], "why": s["why"],
     "disabled": s["disabled_families"], "warnings": s["warnings"],
-    "add": engine.chain_length(tnp.add),
+    "add": patcher.chain_length(tnp.add),
     "numpy": sorted({r["state"] for r in s["targets"] if r["family"] == "numpy"}),
     "applied": sorted({r["family"] for r in s["targets"] if r["state"] == "applied"}),
 }))
@@ -72,7 +72,7 @@ def test_environment_values(run_py, enable, disable, disabled, warned) -> None:
 MOVED = """
 import importlib, json
 import keras
-from keras_dtensor_fix import targets
+from keras_dtensor_fix.engine import targets
 trainer_class = targets.trainer_class
 def backend_module(kind):
     return importlib.import_module(
@@ -90,7 +90,7 @@ if "_use_torch_compile" in vars(cls):
     del cls._use_torch_compile
 
 import keras_dtensor_fix as kdf
-from keras_dtensor_fix import engine
+from keras_dtensor_fix.engine import patcher
 kdf.activate()
 s = kdf.status()
 x = keras.ops.ones((2, 3))
@@ -99,7 +99,7 @@ out = {
     "warnings": s["warnings"],
     "rows": s["targets"],
     "numpy": tnp.__name__, "core": core.__name__, "trainer": cls.__name__,
-    "subtract": engine.chain_length(tnp.subtract),
+    "subtract": patcher.chain_length(tnp.subtract),
     "value": float(keras.ops.sum(keras.ops.subtract(x, 1.0))),
 }
 kdf.deactivate()
@@ -287,13 +287,13 @@ _bootstrap.boot()                      # what the .pth file runs
 import keras_dtensor_fix as kdf
 kdf.activate()                         # an explicit call: same answer
 import importlib, keras
-from keras_dtensor_fix import engine, targets
+from keras_dtensor_fix.engine import patcher, targets
 tnp = importlib.import_module(
     next(m for m in targets.torch_module("numpy") if targets.find_spec(m)))
 s = kdf.status()
 print(json.dumps({"active": kdf.is_active(), "enabled": s["enabled"],
     "why": s["why"], "warnings": s["warnings"],
-    "add": engine.chain_length(tnp.add),
+    "add": patcher.chain_length(tnp.add),
     "applied": [r for r in s["targets"] if r["state"] == "applied"]}))
 """
 

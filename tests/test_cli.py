@@ -7,7 +7,7 @@ import json
 import pytest
 
 from keras_dtensor_fix.__main__ import format_summary, summarize
-from keras_dtensor_fix.config import FAMILIES
+from keras_dtensor_fix.engine.config import FAMILIES
 
 KEYS = {
     "version",

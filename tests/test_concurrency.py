@@ -19,7 +19,7 @@ from support import last_json
 COMMON = """
 import importlib, json, sys, threading
 import keras_dtensor_fix as kdf
-from keras_dtensor_fix import engine, targets
+from keras_dtensor_fix.engine import patcher, targets
 
 def backend_module(kind):  # "keras.src.backend.torch[.ops].<kind>", either layout
     return importlib.import_module(
@@ -41,20 +41,20 @@ def snapshot():
 def wrapped():
     found = {}
     for (owner, key), value in snapshot().items():
-        if engine.is_fix_wrapper(value):
-            found[f"{owner}.{key}"] = engine.chain_length(value)
+        if patcher.is_fix_wrapper(value):
+            found[f"{owner}.{key}"] = patcher.chain_length(value)
     return found
 
 def applied():
     return sorted(f"{r['family']}|{r['module']}|{r['attribute']}"
-                  for r in engine.rows() if r["state"] == "applied")
+                  for r in patcher.rows() if r["state"] == "applied")
 
 def report(**extra):
     tnp = backend_module("numpy")
-    on = {"active": kdf.is_active(), "add": engine.chain_length(tnp.add),
-          "applied": applied(), "wrapped": wrapped(), "warnings": engine._warnings}
+    on = {"active": kdf.is_active(), "add": patcher.chain_length(tnp.add),
+          "applied": applied(), "wrapped": wrapped(), "warnings": patcher._warnings}
     kdf.deactivate()
-    off = {"add": engine.chain_length(tnp.add), "wrapped": wrapped()}
+    off = {"add": patcher.chain_length(tnp.add), "wrapped": wrapped()}
     return {"on": on, "off": off, **extra}
 """
 
@@ -105,7 +105,7 @@ def toggle(first, second):
     try:
         for _ in range(40):
             first(); second()
-            lengths.add(engine.chain_length(tnp.add))
+            lengths.add(patcher.chain_length(tnp.add))
     except Exception as exc:
         errors.append(repr(exc))
 

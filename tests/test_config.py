@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from keras_dtensor_fix import config
+from keras_dtensor_fix.engine import config
 from support import last_json
 
 OFF = ["0", "false", "off", "no", "FALSE", "Off", " no ", "\tNO\n", " 0"]
@@ -116,12 +116,12 @@ STATE = """
 import importlib, json
 import keras
 import keras_dtensor_fix as k
-from keras_dtensor_fix import engine, targets
+from keras_dtensor_fix.engine import patcher, targets
 name = next(m for m in targets.torch_module("numpy") if targets.find_spec(m))
 tnp = importlib.import_module(name)
 s = k.status()
 print(json.dumps({"active": k.is_active(), "why": s["why"],
-    "wrapped": engine.chain_length(tnp.add),
+    "wrapped": patcher.chain_length(tnp.add),
     "applied": [r for r in s["targets"] if r["state"] == "applied"],
     "disabled": [r["family"] for r in s["targets"] if r["state"] == "disabled"],
     "warnings": s["warnings"]}))

@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 
 from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: E402
 
-from keras_dtensor_fix.einsum import _grad_equations, plan  # noqa: E402
+from keras_dtensor_fix.dtensor.einsum import _grad_equations, plan  # noqa: E402
 from ranks.einsum import CASES, LINEAR_CASES  # noqa: E402
 from support import ROOT, run_ranks  # noqa: E402
 

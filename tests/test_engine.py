@@ -25,7 +25,7 @@ PRELUDE = """
 import json, sys, threading
 import fake_target, fake_user
 import keras_dtensor_fix as kdf
-from keras_dtensor_fix import engine
+from keras_dtensor_fix.engine import patcher
 import fake_family
 
 RAW = {n: fake_target.Base.__dict__[n] for n in ("step", "s", "c")}
@@ -34,7 +34,7 @@ SUB = fake_target.sub
 
 def rows(family="numpy"):
     return {r["attribute"]: [r["state"], r["reason"]]
-            for r in engine.rows() if r["family"] == family and
+            for r in patcher.rows() if r["family"] == family and
             r["module"].startswith("fake")}
 
 def restored():
@@ -45,9 +45,9 @@ def restored():
 def chains():
     objs = [fake_target.add, fake_user.add]
     objs += [fake_target.Base.__dict__[n] for n in RAW]
-    return [engine.chain_length(o) for o in objs]
+    return [patcher.chain_length(o) for o in objs]
 
-engine.register_family(fake_family)
+patcher.register_family(fake_family)
 """
 
 
@@ -65,7 +65,7 @@ print(json.dumps({
               fake_target.Child.c(5), fake_target.Child().step(6),
               fake_target.sub(3, 1)],
     "static": type(fake_target.Base.__dict__["s"].__wrapped__).__name__,
-    "original_add": engine.original("fake_target", "add") is ADD,
+    "original_add": patcher.original("fake_target", "add") is ADD,
     "rows": rows(),
     "after": fake_family.CALLS,
 }))
@@ -108,14 +108,14 @@ kdf.deactivate()
 first = {"restored": restored(), "chains": chains(), "active": kdf.is_active(),
          "rows": rows(), "after": list(fake_family.CALLS)}
 import fake_late
-late_after_deactivate = engine.chain_length(fake_late.late)
+late_after_deactivate = patcher.chain_length(fake_late.late)
 kdf.activate()
-second = {"chains": chains(), "late": engine.chain_length(fake_late.late),
+second = {"chains": chains(), "late": patcher.chain_length(fake_late.late),
           "call": fake_late.late()}
 kdf.deactivate(); kdf.deactivate()
 print(json.dumps({"first": first, "late_off": late_after_deactivate,
                   "second": second, "restored": restored(),
-                  "late_restored": engine.chain_length(fake_late.late),
+                  "late_restored": patcher.chain_length(fake_late.late),
                   "after": fake_family.CALLS}))
 """
     )
@@ -134,12 +134,12 @@ def test_hook_fires_on_later_import(run_py, fakes) -> None:
     code = """
 import json
 import keras_dtensor_fix
-from keras_dtensor_fix import engine
+from keras_dtensor_fix.engine import patcher
 import fake_family
-engine.register_family(fake_family)
-before = [r["state"] for r in engine.rows() if r["module"] == "fake_target"]
+patcher.register_family(fake_family)
+before = [r["state"] for r in patcher.rows() if r["module"] == "fake_target"]
 import fake_target, fake_user
-print(json.dumps({"before": before, "add": engine.chain_length(fake_target.add),
+print(json.dumps({"before": before, "add": patcher.chain_length(fake_target.add),
                   "user": fake_user.add is fake_target.add}))
 """
     out = last_json(run_py(code, path=[fakes]))
@@ -153,8 +153,8 @@ def test_activate_is_idempotent(run_py, fakes) -> None:
 before = rows()
 for _ in range(3):
     kdf.activate()
-    engine.register_family(fake_family)
-    engine.activate()
+    patcher.register_family(fake_family)
+    patcher.activate()
 print(json.dumps({"chains": chains(), "same_rows": rows() == before,
                   "after": fake_family.CALLS}))
 """
@@ -168,7 +168,7 @@ def test_two_families_on_one_target(run_py, fakes) -> None:
         PRELUDE
         + """
 import fake_family_data
-engine.register_family(fake_family_data)
+patcher.register_family(fake_family_data)
 print(json.dumps({"chains": chains(), "data_rows": rows("data")}))
 """
     )
@@ -234,7 +234,7 @@ print(json.dumps({"off": off, "on": chains(), "active": kdf.is_active()}))
 
 
 BROKEN = """
-from keras_dtensor_fix.contract import Patch
+from keras_dtensor_fix.engine.contract import Patch
 FAMILY = "data"
 MODULES = ({module!r},)
 def patches(module):
@@ -244,7 +244,7 @@ def after_apply():
 """
 
 BROKEN_AFTER = """
-from keras_dtensor_fix.contract import Patch
+from keras_dtensor_fix.engine.contract import Patch
 FAMILY = "compile"
 MODULES = ({module!r},)
 def keep(wrapped, instance, args, kwargs):
@@ -263,14 +263,14 @@ def test_raising_family_does_not_break_import_keras(run_py, tmp_path) -> None:
     (tmp_path / "broken_after.py").write_text(BROKEN_AFTER.format(module=module))
     code = """
 import json
-from keras_dtensor_fix import engine
+from keras_dtensor_fix.engine import patcher
 import broken_family, broken_after
-engine.register_family(broken_family)
-engine.register_family(broken_after)
+patcher.register_family(broken_family)
+patcher.register_family(broken_after)
 import keras
 import keras.src.backend.torch.distribution_lib as dl
 x = keras.ops.add(keras.ops.ones((2,)), 1.0)
-rows = [r for r in engine.rows() if r["family"] in ("data", "compile")
+rows = [r for r in patcher.rows() if r["family"] in ("data", "compile")
         and r["module"] != "keras_dtensor_fix.patches.data"]
 print(json.dumps({"sum": float(keras.ops.sum(x)), "rows": rows}))
 """
@@ -294,7 +294,7 @@ print(json.dumps({"sum": float(keras.ops.sum(x)), "rows": rows}))
 def test_broken_gate_does_not_break_import_keras(run_py, fakes) -> None:
     code = """
 import json
-from keras_dtensor_fix import engine, targets
+from keras_dtensor_fix.engine import patcher, targets
 def gate():
     raise RuntimeError("gate exploded")
 targets.gate = gate
@@ -309,9 +309,9 @@ print(json.dumps(float(keras.ops.sum(keras.ops.ones((3,))))))
 def test_register_family_rejects_incomplete_modules(run_py) -> None:
     code = """
 import json, types
-from keras_dtensor_fix import engine
+from keras_dtensor_fix.engine import patcher
 try:
-    engine.register_family(types.ModuleType("empty"))
+    patcher.register_family(types.ModuleType("empty"))
 except TypeError as exc:
     print(json.dumps(str(exc)))
 """
@@ -323,14 +323,14 @@ def test_family_table_is_the_registry(run_py) -> None:
     """Every row's implementation exports an Implementation; none loads early."""
     code = """
 import importlib, json, sys
-from keras_dtensor_fix import config, engine, families
+from keras_dtensor_fix.engine import config, patcher, families
 early = sorted(m for m in sys.modules if m.startswith("keras_dtensor_fix.patches."))
 found = {}
 for row in families.FAMILIES:
     module = importlib.import_module("keras_dtensor_fix.patches." + row.implementation)
-    found[row.name] = isinstance(module.IMPLEMENTATION, engine.Implementation)
+    found[row.name] = isinstance(module.IMPLEMENTATION, patcher.Implementation)
 print(json.dumps({"early": early, "found": found, "config": list(config.FAMILIES),
-                  "engine": engine.families()}))
+                  "engine": patcher.families()}))
 """
     out = last_json(run_py(code))
     assert out["early"] == []  # implementations load with their Keras modules
@@ -348,7 +348,7 @@ def test_structure_keras_names_families_and_docs() -> None:
     import ast
     import re
 
-    from keras_dtensor_fix import families
+    from keras_dtensor_fix.engine import families
 
     spelled = [
         path.name
@@ -379,7 +379,7 @@ class Model:
 """
 
 TRACED_FAMILY = """
-from keras_dtensor_fix.contract import Patch
+from keras_dtensor_fix.engine.contract import Patch
 
 FAMILY = "data"
 MODULES = ("fake_model",)
@@ -402,10 +402,10 @@ def test_traced_method_wrapper_runs_under_torch_compile(run_py, tmp_path) -> Non
     code = """
 import json, torch, fake_model, fake_traced
 import keras_dtensor_fix as kdf
-from keras_dtensor_fix import engine
+from keras_dtensor_fix.engine import patcher
 
 raw = fake_model.Model.__dict__["scale"]
-engine.register_family(fake_traced)
+patcher.register_family(fake_traced)
 kdf.activate()
 entry = fake_model.Model.__dict__["scale"]
 model = fake_model.Model()
@@ -413,7 +413,7 @@ step = lambda x: model.scale(x)
 compiled = torch.compile(step, backend="eager", fullgraph=True)
 x = torch.ones(2)
 out = {"eager": step(x).tolist(), "compiled": compiled(x).tolist(),
-       "fix": engine.is_fix_wrapper(entry), "chain": engine.chain_length(entry),
+       "fix": patcher.is_fix_wrapper(entry), "chain": patcher.chain_length(entry),
        "name": entry.__name__, "wrapped": entry.__wrapped__ is raw}
 kdf.deactivate()
 out["restored"] = fake_model.Model.__dict__["scale"] is raw
@@ -428,13 +428,13 @@ print(json.dumps(out))
 
 STRICT = """
 import json
-from keras_dtensor_fix import engine
+from keras_dtensor_fix.engine import patcher
 import fake_family
-engine.register_family(fake_family)
+patcher.register_family(fake_family)
 try:
     import fake_target
     print(json.dumps({"raised": None}))
-except engine.PatchError as exc:
+except patcher.PatchError as exc:
     print(json.dumps({"raised": str(exc)}))
 """
 

@@ -52,7 +52,7 @@ def test_shapes_that_fit_no_placement(sharded, op, plain_shape, plain_first) -> 
     import keras
     import torch
 
-    from keras_dtensor_fix.values import DTensorMixError
+    from keras_dtensor_fix.ops.values import DTensorMixError
 
     plain = torch.ones(plain_shape)
     args = (plain, sharded) if plain_first else (sharded, plain)
@@ -78,7 +78,7 @@ def test_op_without_rule_whose_fallback_fails(mesh1) -> None:
     import torch
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from keras_dtensor_fix.values import DTensorMixError
+    from keras_dtensor_fix.ops.values import DTensorMixError
 
     dids = distribute_tensor(torch.tensor([0, 1, 1, 3, 2, 1]), mesh1, [Shard(0)])
     # It runs on full values (gathered, with a warning) when the inputs fit ...
@@ -107,7 +107,7 @@ def test_plain_only_errors_are_left_alone(mesh1) -> None:
     import keras
     import torch
 
-    from keras_dtensor_fix.values import DTensorMixError
+    from keras_dtensor_fix.ops.values import DTensorMixError
 
     with pytest.raises(RuntimeError) as info:
         keras.ops.add(torch.ones(3, 5), torch.ones(4, 8))
@@ -143,7 +143,7 @@ def test_mix_inside_nested_keras_layers(mesh1, filtering) -> None:
     import keras
     import torch
 
-    from keras_dtensor_fix.values import DTensorMixError
+    from keras_dtensor_fix.ops.values import DTensorMixError
 
     namespace = {"keras": keras}
     exec(LAYER_CODE, namespace)  # noqa: S102 - layer classes local to this test

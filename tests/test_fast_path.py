@@ -21,7 +21,7 @@ import numpy as np
 import keras
 from torch.utils._python_dispatch import TorchDispatchMode
 import keras_dtensor_fix
-from keras_dtensor_fix import state
+from keras_dtensor_fix.engine import state
 if OPEN:
     state.note_sharding()  # as after a ModelParallel run in this process
 

@@ -9,8 +9,8 @@ from support import FAKE_DATA_FAMILY, last_json
 # A gated fake family that counts calls through torch numpy add/subtract,
 # and one that wraps distribute_data_input (also bound in the trainer).
 COUNTING = """
-from keras_dtensor_fix.contract import Patch
-from keras_dtensor_fix.targets import torch_module
+from keras_dtensor_fix.engine.contract import Patch
+from keras_dtensor_fix.engine.targets import torch_module
 FAMILY = "fakeops"
 MODULES = torch_module("numpy")
 CALLS = []
@@ -34,14 +34,14 @@ def keras_fakes(tmp_path):
 def test_keras_ops_calls_the_patched_attribute(run_py, keras_fakes) -> None:
     code = """
 import json
-from keras_dtensor_fix import engine
+from keras_dtensor_fix.engine import patcher
 import counting_family
-engine.register_family(counting_family)
+patcher.register_family(counting_family)
 import keras
 a = keras.ops.ones((2,))
 keras.ops.add(a, a); keras.ops.subtract(a, a); (a + a)
 seen = list(counting_family.CALLS)
-engine.deactivate()
+patcher.deactivate()
 keras.ops.add(a, a)
 print(json.dumps({"seen": seen, "after": counting_family.CALLS}))
 """
@@ -56,21 +56,21 @@ def test_distribute_data_input_wrapped_in_module_and_trainer(
 ) -> None:
     code = """
 import json
-from keras_dtensor_fix import engine
+from keras_dtensor_fix.engine import patcher
 import fake_data_family
-engine.register_family(fake_data_family)
+patcher.register_family(fake_data_family)
 import keras
 from keras.src.backend.torch import distribution_lib as dl, trainer
 module, name = "keras.src.backend.torch.distribution_lib", "distribute_data_input"
-original = engine.original(module, name)
-state = {"chain": engine.chain_length(dl.distribute_data_input),
+original = patcher.original(module, name)
+state = {"chain": patcher.chain_length(dl.distribute_data_input),
          "trainer_same": trainer.distribute_data_input is dl.distribute_data_input,
-         "row": [r["state"] for r in engine.rows()
+         "row": [r["state"] for r in patcher.rows()
                  if r["module"] == module and r["attribute"] == name]}
-engine.deactivate()
+patcher.deactivate()
 state["restored"] = (dl.distribute_data_input is original
                      and trainer.distribute_data_input is original
-                     and engine.chain_length(original) == 0)
+                     and patcher.chain_length(original) == 0)
 print(json.dumps(state))
 """
     out = last_json(run_py(code, path=[keras_fakes]))
@@ -81,7 +81,7 @@ print(json.dumps(state))
 REAL = """
 import importlib, json, sys
 import keras
-from keras_dtensor_fix import engine
+from keras_dtensor_fix.engine import patcher
 try:
     importlib.import_module("keras.src.backend.torch.optimizers.torch_adam")
     importlib.import_module("keras.src.backend.torch.optimizers.torch_adamw")
@@ -95,22 +95,22 @@ def resolve(module, attribute):
         obj = getattr(obj, part)
     return obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)
 
-applied = [r for r in engine.rows() if r["state"] == "applied"]
-originals = {(r["module"], r["attribute"]): engine.original(r["module"], r["attribute"])
-             for r in applied}
+applied = [r for r in patcher.rows() if r["state"] == "applied"]
+originals = {(r["module"], r["attribute"]):
+             patcher.original(r["module"], r["attribute"]) for r in applied}
 also = {}
 for (module, attribute), original in originals.items():
     for other, mod in list(sys.modules.items()):
         if other.startswith("keras.") and "." not in attribute and \\
                 getattr(mod, attribute, None) is resolve(module, attribute):
             also.setdefault((module, attribute), []).append(other)
-chains = {f"{m}:{a}": engine.chain_length(resolve(m, a)) for m, a in originals}
-engine.deactivate()
+chains = {f"{m}:{a}": patcher.chain_length(resolve(m, a)) for m, a in originals}
+patcher.deactivate()
 restored = {f"{m}:{a}": resolve(m, a) is o for (m, a), o in originals.items()}
 also_restored = all(getattr(sys.modules[o], a) is originals[(m, a)]
                     for (m, a), others in also.items() for o in others)
 rows = {f"{r['family']}|{r['module']}:{r['attribute']}": r["state"]
-        for r in engine.rows()}
+        for r in patcher.rows()}
 print(json.dumps({"chains": chains, "restored": restored, "rows": rows,
                   "also_restored": also_restored, "n_also": len(also)}))
 """
@@ -142,9 +142,9 @@ def test_real_family_targets_applied_after_import_keras(run_py, family) -> None:
 
 NON_TORCH = """
 import json, sys
-from keras_dtensor_fix import engine
+from keras_dtensor_fix.engine import patcher
 import counting_family
-engine.register_family(counting_family)
+patcher.register_family(counting_family)
 import keras
 import keras_dtensor_fix as kdf
 s = kdf.status()
@@ -194,12 +194,12 @@ def test_keras_without_torch_distribution_is_not_patched(run_py, tmp_path) -> No
     (tmp_path / "counting_family.py").write_text(COUNTING)
     code = """
 import json
-from keras_dtensor_fix import engine
+from keras_dtensor_fix.engine import patcher
 import counting_family
-engine.register_family(counting_family)
+patcher.register_family(counting_family)
 import keras, keras.src.backend.torch.numpy as tnp
-s = engine.state()
-print(json.dumps({"gate": s["gate"], "chain": engine.chain_length(tnp.add),
+s = patcher.state()
+print(json.dumps({"gate": s["gate"], "chain": patcher.chain_length(tnp.add),
     "applied": [r for r in s["targets"] if r["state"] == "applied"],
     "fake": [r for r in s["targets"] if r["family"] == "fakeops"]}))
 """
@@ -214,7 +214,7 @@ UNDO = """
 import json, os, sys
 import keras, numpy as np, torch.distributed as dist
 import keras_dtensor_fix
-from keras_dtensor_fix import state
+from keras_dtensor_fix.engine import state
 from keras_dtensor_fix.patches import variables
 
 store = "file://" + sys.argv[1]

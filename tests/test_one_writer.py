@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from keras_dtensor_fix import one_writer
+from keras_dtensor_fix.saving import one_writer
 
 
 def entries(directory) -> list[str]:
@@ -85,7 +85,7 @@ def test_a_missing_directory_is_the_error(tmp_path) -> None:
 
 
 def test_save_timeout_from_the_environment(monkeypatch) -> None:
-    from keras_dtensor_fix import config
+    from keras_dtensor_fix.engine import config
 
     monkeypatch.setenv(config.ENV_SAVE_TIMEOUT, "12.5")
     assert config.save_seconds() == 12.5
@@ -142,7 +142,7 @@ def test_a_writer_keeps_gathered_values_in_host_memory(mesh1, monkeypatch) -> No
     import torch
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from keras_dtensor_fix import one_writer
+    from keras_dtensor_fix.saving import one_writer
 
     moved = []
 

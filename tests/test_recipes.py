@@ -56,7 +56,7 @@ def double(x):
 
 TOY_FAMILY = '''"""A toy family: what ``double`` returns, tagged."""
 
-from keras_dtensor_fix.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch
 
 
 def tagged(wrapped, instance, args, kwargs):
@@ -73,7 +73,8 @@ IMPLEMENTATION = Implementation(patches)
 FAMILY_RECIPE = """
 import json, sys
 import keras_dtensor_fix as kdf
-from keras_dtensor_fix import engine, families, patches, targets
+from keras_dtensor_fix.engine import patcher, families, targets
+from keras_dtensor_fix import patches
 
 patches.__path__.append(FAMILY_FOLDER)  # the file, as if in patches/
 row = families.Family("toy", ("toy",), "toy_family", "a toy", gated=False)
@@ -83,10 +84,10 @@ targets.MODULES["toy"] = ("toy_target",)
 kdf.activate()
 early = "keras_dtensor_fix.patches.toy_family" in sys.modules
 import toy_target
-raw = engine.original("toy_target", "double")
-toy_rows = lambda: [r for r in engine.rows() if r["family"] == "toy"]
+raw = patcher.original("toy_target", "double")
+toy_rows = lambda: [r for r in patcher.rows() if r["family"] == "toy"]
 out = {"early": early, "loaded": "keras_dtensor_fix.patches.toy_family" in sys.modules,
-       "call": toy_target.double(3), "names": engine.families(),
+       "call": toy_target.double(3), "names": patcher.families(),
        "rows": [[r["state"], r["cause"]] for r in toy_rows()]}
 kdf.deactivate()
 out.update(restored=toy_target.double is raw, after=toy_target.double(3),
@@ -209,8 +210,8 @@ def test_an_eager_only_method_leaves_compiled_steps_to_the_original() -> None:
     it), and the original comes back on restore."""
     import torch
 
-    from keras_dtensor_fix import wrappers
-    from keras_dtensor_fix.contract import Patch
+    from keras_dtensor_fix.engine import wrappers
+    from keras_dtensor_fix.engine.contract import Patch
 
     calls: list[bool] = []
 

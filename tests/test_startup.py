@@ -31,11 +31,11 @@ import keras
 from keras.src.backend.torch import distribution_lib as dl, trainer
 kdf = sys.modules["keras_dtensor_fix"]  # loaded by the .pth, not by us
 status = kdf.status()
-from keras_dtensor_fix import engine
+from keras_dtensor_fix.engine import patcher
 print(json.dumps({
     "file": kdf.__file__,
     "active": status["enabled"],
-    "ddi_chain": engine.chain_length(dl.distribute_data_input),
+    "ddi_chain": patcher.chain_length(dl.distribute_data_input),
     "trainer_same": trainer.distribute_data_input is dl.distribute_data_input,
     "applied": [[r["module"], r["attribute"]] for r in status["targets"]
                 if r["state"] == "applied"],
@@ -50,7 +50,7 @@ def test_wheel_contents_and_metadata(wheel) -> None:
         start = archive.read("keras_dtensor_fix.start").decode()
         (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         metadata = archive.read(metadata_name).decode()
-    assert {"keras_dtensor_fix/__init__.py", "keras_dtensor_fix/engine.py"} <= names
+    assert {"keras_dtensor_fix/__init__.py", "keras_dtensor_fix/engine/patcher.py"} <= names
     lines = [line for line in pth.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("import ")
     assert "keras_dtensor_fix._bootstrap" in lines[0] and "except" in lines[0]
@@ -85,7 +85,7 @@ def test_import_keras_alone_patches(wheel_venv, run_py) -> None:
     (site_packages,) = site.glob("python*/site-packages")
     (site_packages / "startup_family.py").write_text(STARTUP_FAMILY)
     (site_packages / "zz_startup_family.pth").write_text(
-        "import keras_dtensor_fix.engine as e, startup_family as f; "
+        "import keras_dtensor_fix.engine.patcher as e, startup_family as f; "
         "e.register_family(f)\n"
     )
     try:
@@ -130,7 +130,7 @@ def test_start_is_cheap(wheel_venv, run_py) -> None:
     assert proc.returncode == 0, proc.stderr
     imported = _imported(proc.stderr)
     assert "keras_dtensor_fix" in imported  # the .pth ran
-    assert "keras_dtensor_fix.engine" in imported  # and registered the hooks
+    assert "keras_dtensor_fix.engine.patcher" in imported  # and registered the hooks
     heavy = {
         name for name in imported if name.split(".")[0] in {"torch", "keras", "numpy"}
     }
@@ -146,7 +146,9 @@ def test_start_is_cheap_when_off(wheel_venv, run_py) -> None:
     )
     imported = _imported(proc.stderr)
     assert "keras_dtensor_fix" in imported
-    assert "keras_dtensor_fix.engine" not in imported and "wrapt" not in imported
+    assert (
+        "keras_dtensor_fix.engine.patcher" not in imported and "wrapt" not in imported
+    )
 
 
 def test_status_json_from_wheel(wheel_venv, run_py) -> None:

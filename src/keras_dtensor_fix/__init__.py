@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _bootstrap
-from ._version import __version__
+from keras_dtensor_fix import _bootstrap
+from keras_dtensor_fix._version import __version__
 
 __all__ = ["__version__", "activate", "deactivate", "is_active", "status"]
 
@@ -22,32 +22,32 @@ def activate(*, strict: bool | None = None) -> None:
     still applies. ``strict=True`` (or ``KERAS_DTENSOR_FIX_STRICT=1``) makes a
     patch that cannot apply raise instead of warn. Idempotent.
     """
-    from . import engine
+    from keras_dtensor_fix.engine import patcher
 
-    engine.activate(strict=strict)
+    patcher.activate(strict=strict)
 
 
 def deactivate() -> None:
     """Restore every patched object (the very same objects) and stop patching."""
     if _engine_loaded():
-        from . import engine
+        from keras_dtensor_fix.engine import patcher
 
-        engine.deactivate()
+        patcher.deactivate()
 
 
 def is_active() -> bool:
     """Whether the fix is active in this process."""
     if not _engine_loaded():
         return False
-    from . import engine
+    from keras_dtensor_fix.engine import patcher
 
-    return engine.is_active()
+    return patcher.is_active()
 
 
 def _engine_loaded() -> bool:
     import sys
 
-    return f"{__name__}.engine" in sys.modules
+    return f"{__name__}.engine.patcher" in sys.modules
 
 
 def status() -> dict[str, Any]:
@@ -59,7 +59,7 @@ def status() -> dict[str, Any]:
     ``family``, ``module``, ``attribute``, ``state``, ``cause``, ``reason``),
     ``warnings`` and ``notes``. Reading it imports neither keras nor torch.
     """
-    from . import report
+    from keras_dtensor_fix import report
 
     return report.report()
 

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 import keras_dtensor_fix
-from keras_dtensor_fix.ledger import PENDING, STATES
+from keras_dtensor_fix.engine.ledger import PENDING, STATES
 from keras_dtensor_fix.report import summarize
 
 
@@ -28,10 +28,10 @@ def _load_keras(all_targets: bool) -> list[str]:
         return notes
     if not all_targets:
         return notes
-    from keras_dtensor_fix import engine, targets
+    from keras_dtensor_fix.engine import patcher, targets
 
     if targets.gate().ok:
-        for row in engine.rows():
+        for row in patcher.rows():
             module = row["module"]
             if row["state"] == PENDING and targets.find_spec(module):
                 try:

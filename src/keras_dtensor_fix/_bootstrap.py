@@ -14,15 +14,15 @@ def boot() -> None:
     """Activate the engine unless ``KERAS_DTENSOR_FIX`` says off."""
     global reason
     try:
-        from . import config
+        from keras_dtensor_fix.engine import config
 
         cfg = config.load()
         reason = cfg.reason
         if not cfg.enabled:
             return
-        from . import engine
+        from keras_dtensor_fix.engine import patcher
 
-        engine.activate(cfg, why=f"activated at start-up or import ({cfg.reason})")
+        patcher.activate(cfg, why=f"activated at start-up or import ({cfg.reason})")
     except Exception:  # noqa: BLE001 - interpreter start must never fail here
         import logging
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _bootstrap, engine, targets
-from . import config as _config
-from ._version import __version__
-from .ledger import (
+from keras_dtensor_fix import _bootstrap
+from keras_dtensor_fix._version import __version__
+from keras_dtensor_fix.engine import config as _config
+from keras_dtensor_fix.engine import patcher, targets
+from keras_dtensor_fix.engine.ledger import (
     ANY,
     APPLIED,
     DISABLED,
@@ -29,7 +30,7 @@ __all__ = ["report", "summarize"]
 def report() -> dict[str, Any]:
     """``keras_dtensor_fix.status()``: see its docstring."""
     cfg = _config.load(warn=False)
-    part = engine.state()
+    part = patcher.state()
     keras_version, keras_dist = targets.keras_version()
     warnings = list(cfg.warnings) + part.pop("warnings")
     installed = targets.installed_keras()
@@ -50,7 +51,7 @@ def report() -> dict[str, Any]:
         "why": why,
         **part,
         "warnings": warnings,
-        "notes": engine.notes(),
+        "notes": patcher.notes(),
     }
 
 
@@ -103,7 +104,7 @@ def summarize(
     """What a person needs from ``report``: state, family counts, the unexpected.
 
     ``exists`` tells whether this Keras has a module (default:
-    :func:`keras_dtensor_fix.targets.find_spec`); ``all_targets`` says whether
+    :func:`keras_dtensor_fix.engine.targets.find_spec`); ``all_targets`` says whether
     every existing target module was imported, so that one still pending is
     news. Keys: ``state`` (``active``, ``off``, ``idle`` or ``waiting``),
     ``headline``, ``python``, ``families`` (name -> ``state`` and a count per

@@ -2,7 +2,7 @@
 
 Run as ``torch.distributed.run --nproc_per_node=2 einsum.py``. For each case
 (an equation, shapes, the operands' placements) it checks what
-``keras_dtensor_fix.einsum.local_einsum`` returns, and the operands'
+``keras_dtensor_fix.dtensor.einsum.local_einsum`` returns, and the operands'
 gradients after a backward through ``reduce_partial`` (as the numpy wrapper
 runs it), against ``torch.einsum`` on the full plain tensors; likewise each
 ``LINEAR_CASES`` dense layer (``local_dense``) against ``act(x @ w + b)``. It
@@ -28,7 +28,7 @@ from torch.distributed.tensor import (
 )
 
 from keras_dtensor_fix.dtensor import reduce_partial
-from keras_dtensor_fix.einsum import (
+from keras_dtensor_fix.dtensor.einsum import (
     linear_equation,
     local_dense,
     local_einsum,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from keras_dtensor_fix import state
+from keras_dtensor_fix.engine import state
 
 
 class AddOffset(keras.layers.Layer):

@@ -128,7 +128,7 @@ def main() -> int:
     from hypothesis import HealthCheck, Phase, given, settings
     from torch.distributed.device_mesh import init_device_mesh
 
-    from keras_dtensor_fix import state
+    from keras_dtensor_fix.engine import state
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()

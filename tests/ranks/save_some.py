@@ -36,9 +36,9 @@ model = keras.Sequential(
     ]
 )
 if os.environ.get("KERAS_DTENSOR_FIX", "1") != "0":
-    import keras_dtensor_fix.handshake
+    import keras_dtensor_fix.saving.handshake
 
-    keras_dtensor_fix.handshake.SECONDS = 5.0
+    keras_dtensor_fix.saving.handshake.SECONDS = 5.0
 result: dict = {}
 start = time.monotonic()
 if rank == 0:

@@ -19,7 +19,6 @@ import keras
 import numpy as np
 import torch.distributed as dist
 
-from keras_dtensor_fix import targets
 from keras_dtensor_fix.checkpoint import position
 from keras_dtensor_fix.checkpoint.files import CheckpointError, resolve
 from keras_dtensor_fix.checkpoint.preemption import (
@@ -31,6 +30,7 @@ from keras_dtensor_fix.checkpoint.preemption import (
 from keras_dtensor_fix.checkpoint.processes import from_first
 from keras_dtensor_fix.checkpoint.sharded import PendingSave, load, save
 from keras_dtensor_fix.dtensor.world import distributed, rank
+from keras_dtensor_fix.engine import targets
 
 MonitorCallback = targets.keras_object("MonitorCallback")
 

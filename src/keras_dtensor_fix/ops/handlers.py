@@ -47,7 +47,7 @@ from typing import Any
 
 from keras_dtensor_fix.ops import layout
 from keras_dtensor_fix.ops.call import NOT_HANDLED, Call, Op, Unbound
-from keras_dtensor_fix.values import promote_call, resolve, variable_class
+from keras_dtensor_fix.ops.values import promote_call, resolve, variable_class
 
 __all__ = [
     "HANDLERS",
@@ -195,7 +195,7 @@ def _classes(call: Call) -> Any:
 
 def _local(call: Call) -> Any:
     from keras_dtensor_fix.dtensor import reduce_partial
-    from keras_dtensor_fix.einsum import local_einsum, local_matmul
+    from keras_dtensor_fix.dtensor.einsum import local_einsum, local_matmul
 
     arguments = call.arguments
     local = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from keras_dtensor_fix.ops.call import Call
-from keras_dtensor_fix.values import full_value, resolve
+from keras_dtensor_fix.ops.values import full_value, resolve
 
 __all__ = ["CONVOLUTIONS", "attention", "conv", "update"]
 

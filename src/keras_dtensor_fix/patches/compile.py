@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 import types
 
-from keras_dtensor_fix import state, targets
-from keras_dtensor_fix.contract import Implementation, Patch
-from keras_dtensor_fix.state import model_parallel
+from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.state import model_parallel
 
 
 def _use_torch_compile(wrapped, instance, args, kwargs):

@@ -16,8 +16,8 @@ import operator
 import sys
 import types
 
-from keras_dtensor_fix import targets
-from keras_dtensor_fix.contract import Implementation, Patch
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
 
 
 def operator_key(obj: object) -> tuple[str, str] | None:

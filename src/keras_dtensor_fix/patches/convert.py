@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from keras_dtensor_fix import one_writer, targets
-from keras_dtensor_fix.contract import Implementation, Patch
-from keras_dtensor_fix.values import variable_class, walk
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.ops.values import variable_class, walk
+from keras_dtensor_fix.saving import one_writer
 
 
 def _convert_to_numpy(wrapped, instance, args, kwargs):

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from keras_dtensor_fix import targets
-from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import gather_non_batch_axes, same_mesh, wrap_local
-from keras_dtensor_fix.state import COMPILED_STEPS, model_parallel, note_sharding
-from keras_dtensor_fix.values import walk
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.state import COMPILED_STEPS, model_parallel, note_sharding
+from keras_dtensor_fix.ops.values import walk
 
 
 def _placements(layout: Any) -> tuple[Any, tuple]:

@@ -5,7 +5,7 @@ activation. Through DTensor each is a dispatched op forward and a few more
 backward (about 12 per layer, each costing more than the small op it runs).
 Where the kernel and bias are DTensors whose placements have a local form
 (column or row parallel, a batch-sharded input), the layer runs as
-:func:`~keras_dtensor_fix.einsum.local_dense`: plain torch ops on the local
+:func:`~keras_dtensor_fix.dtensor.einsum.local_dense`: plain torch ops on the local
 tensors between one unwrap per input and one wrap of the output. Anything else
 (LoRA, quantized kernels, a plain kernel, placements without a local form, an
 activation the output's sharding would split) calls the original ``call``, as
@@ -17,12 +17,12 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from keras_dtensor_fix import targets
-from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import DTensor
-from keras_dtensor_fix.einsum import linear_equation, local_dense
-from keras_dtensor_fix.state import compiling
-from keras_dtensor_fix.values import resolve
+from keras_dtensor_fix.dtensor.einsum import linear_equation, local_dense
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.state import compiling
+from keras_dtensor_fix.ops.values import resolve
 
 #: Keras activations (``keras.activations.<name>``) by how far they reach.
 #: Any other callable runs locally only where the output is whole everywhere.

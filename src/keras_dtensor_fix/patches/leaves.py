@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
-from keras_dtensor_fix import targets
-from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import DTensor, local_region, split_dims
 from keras_dtensor_fix.dtensor import wrap_local as _wrap
-from keras_dtensor_fix.state import compiling
-from keras_dtensor_fix.values import flatten_call, local_tensors, unflatten_call
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.state import compiling
+from keras_dtensor_fix.ops.values import flatten_call, local_tensors, unflatten_call
 
 #: True while a leaf runs locally: a layer it calls runs as it is.
 _ACTIVE: list[bool] = []

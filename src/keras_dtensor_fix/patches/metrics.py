@@ -15,11 +15,11 @@ import types
 import torch
 from torch.distributed.tensor import DTensor
 
-from keras_dtensor_fix import targets
-from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import all_reduce_sums
-from keras_dtensor_fix.state import model_parallel
-from keras_dtensor_fix.values import local_tensors
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.state import model_parallel
+from keras_dtensor_fix.ops.values import local_tensors
 
 
 def _make_metrics_result(owner_name: str):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import types
 
-from keras_dtensor_fix import targets
-from keras_dtensor_fix.contract import Implementation, Patch
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.ops import handlers
 
 #: The core module's own functions that write one tensor into another.

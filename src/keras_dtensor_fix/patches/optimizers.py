@@ -17,11 +17,11 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from keras_dtensor_fix import targets
-from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import DTensor, to_placements
-from keras_dtensor_fix.state import compiling
-from keras_dtensor_fix.values import local_tensors
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.state import compiling
+from keras_dtensor_fix.ops.values import local_tensors
 
 
 def align_gradients(grads: Sequence[Any], values: Sequence[Any]) -> list[Any]:

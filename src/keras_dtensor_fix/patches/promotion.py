@@ -19,10 +19,10 @@ import types
 
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from keras_dtensor_fix import targets
-from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import implicit_replication, set_implicit_replication
-from keras_dtensor_fix.state import (
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.state import (
     PROMOTION_MODE,
     model_parallel,
     note_sharding,

@@ -12,8 +12,8 @@ import types
 
 import torch
 
-from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import DTensor, replicate
+from keras_dtensor_fix.engine.contract import Implementation, Patch
 
 
 def _bind(inputs, rate, noise_shape=None, seed=None):

@@ -18,8 +18,6 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from keras_dtensor_fix import targets
-from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import (
     DTensor,
     is_replicated,
@@ -28,8 +26,10 @@ from keras_dtensor_fix.dtensor import (
     same_mesh,
     unwrap_local,
 )
-from keras_dtensor_fix.state import compiling
-from keras_dtensor_fix.values import flatten_call, local_tensors, unflatten_call
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.state import compiling
+from keras_dtensor_fix.ops.values import flatten_call, local_tensors, unflatten_call
 
 
 def local_inputs(

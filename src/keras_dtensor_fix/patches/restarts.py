@@ -25,8 +25,8 @@ from __future__ import annotations
 import os
 import types
 
-from keras_dtensor_fix import targets
-from keras_dtensor_fix.contract import Implementation, Patch
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
 
 #: The rendezvous round an agent started its workers in, set by its wrapper.
 ROUND = "KERAS_DTENSOR_FIX_RDZV_ROUND"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import types
 
 from keras_dtensor_fix.checkpoint import position
-from keras_dtensor_fix.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch
 
 
 def _skipping(batches, skip: int):

@@ -17,8 +17,8 @@ from __future__ import annotations
 import inspect
 import types
 
-from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import DTensor, gather_axis
+from keras_dtensor_fix.engine.contract import Implementation, Patch
 
 ENTRIES = ("lstm", "gru")
 WEIGHTS = ("kernel", "recurrent_kernel", "bias")

@@ -3,7 +3,7 @@
 Keras's saving is not multi-process aware: each process writes the path it is
 given. Under ModelParallel a save (``save_weights``, ``model.save``, and so
 ``ModelCheckpoint`` and ``BackupAndRestore``) becomes one collective step
-(:func:`keras_dtensor_fix.one_writer.save`): every process gathers, one
+(:func:`keras_dtensor_fix.saving.one_writer.save`): every process gathers, one
 writes each path atomically, all learn how it went; a save on some processes
 only is an error naming the others, not a hang. Under other distributions
 (nothing to gather) each process writes atomically, so one shared path is
@@ -19,9 +19,10 @@ import sys
 import types
 from typing import Any
 
-from keras_dtensor_fix import one_writer, targets
-from keras_dtensor_fix.contract import Implementation, Patch
-from keras_dtensor_fix.state import model_parallel
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.state import model_parallel
+from keras_dtensor_fix.saving import one_writer
 
 #: saving_lib function -> its name in messages.
 ENTRIES = {

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from keras_dtensor_fix import state, targets
-from keras_dtensor_fix.contract import Implementation, Patch
 from keras_dtensor_fix.dtensor import is_replicated, replicate, same_mesh
-from keras_dtensor_fix.state import compiling, model_parallel, note_sharding
+from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.state import compiling, model_parallel, note_sharding
 
 
 class LayoutError(ValueError):

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import wrapt
 
-from . import targets
+from keras_dtensor_fix.engine import targets
 
 __all__ = ["ensure", "fired", "forget_held", "ready"]
 

@@ -19,7 +19,7 @@ import threading
 import weakref
 from typing import Any
 
-from . import targets
+from keras_dtensor_fix.engine import targets
 
 #: Non-empty once a sharded (DTensor) distribution is in use in this process.
 #: A list, so that wrapt's C code tests it (``enabled=``) without a Python call.

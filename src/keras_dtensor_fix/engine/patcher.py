@@ -1,12 +1,12 @@
 """The one place that applies and reverts patches.
 
-The families are the rows of :mod:`keras_dtensor_fix.families`. When one of
+The families are the rows of :mod:`keras_dtensor_fix.engine.families`. When one of
 a family's target modules is imported (a wrapt post-import hook), the engine
-has :mod:`~keras_dtensor_fix.loader` import the family's implementation, asks
+has :mod:`~keras_dtensor_fix.engine.loader` import the family's implementation, asks
 its :class:`Implementation` for :class:`Patch` records, installs each wrapper
-(:mod:`~keras_dtensor_fix.wrappers`), keeps the exact original and puts it
+(:mod:`~keras_dtensor_fix.engine.wrappers`), keeps the exact original and puts it
 back on :func:`deactivate` (which also undoes what the families set on Keras
-objects, see :mod:`keras_dtensor_fix.state`). Each target gets a status row
+objects, see :mod:`keras_dtensor_fix.engine.state`). Each target gets a status row
 (:mod:`~keras_dtensor_fix.report`). Everything runs under one re-entrant lock,
 since hooks can fire inside hooks. An exception while patching is logged and
 the patch skipped: it never reaches the code that imported Keras, unless
@@ -23,13 +23,24 @@ import threading
 import types
 from typing import Any
 
-from . import config as _config
-from . import hooks, loader, targets, wrappers
-from . import ledger as _report
-from . import state as _state
-from .contract import Implementation, Patch
-from .ledger import ANY, APPLIED, PENDING, REVERTED, SKIPPED, Cause
-from .wrappers import chain_length, is_fix_wrapper, wrapt_problem
+from keras_dtensor_fix.engine import config as _config
+from keras_dtensor_fix.engine import hooks, loader, targets, wrappers
+from keras_dtensor_fix.engine import ledger as _report
+from keras_dtensor_fix.engine import state as _state
+from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.ledger import (
+    ANY,
+    APPLIED,
+    PENDING,
+    REVERTED,
+    SKIPPED,
+    Cause,
+)
+from keras_dtensor_fix.engine.wrappers import (
+    chain_length,
+    is_fix_wrapper,
+    wrapt_problem,
+)
 
 __all__ = [
     "Implementation",
@@ -340,7 +351,7 @@ def activate(
 ) -> None:
     """Register the post-import hooks and patch what is already imported.
 
-    ``cfg`` defaults to :func:`keras_dtensor_fix.config.load` (its disable list
+    ``cfg`` defaults to :func:`keras_dtensor_fix.engine.config.load` (its disable list
     and strict switch apply; its on/off switch is for automatic activation
     only). ``strict`` overrides the configuration's. Idempotent.
     """

@@ -28,7 +28,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from keras_dtensor_fix import config, handshake
+from keras_dtensor_fix.engine import config
+from keras_dtensor_fix.saving import handshake
 
 HINT = (
     "Under ModelParallel a save gathers the sharded variables, so every process "

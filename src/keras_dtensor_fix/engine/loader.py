@@ -1,8 +1,8 @@
 """The family loader: a record per family, its implementation imported on first use.
 
-The records come from the rows of :data:`keras_dtensor_fix.families.FAMILIES`
-(module names from :mod:`keras_dtensor_fix.targets`), then from
-:func:`keras_dtensor_fix.engine.register_family`. This is the only module that
+The records come from the rows of :data:`keras_dtensor_fix.engine.families.FAMILIES`
+(module names from :mod:`keras_dtensor_fix.engine.targets`), then from
+:func:`keras_dtensor_fix.engine.patcher.register_family`. This is the only module that
 imports from :mod:`keras_dtensor_fix.patches`, and only when a family's first
 Keras module is imported (:func:`import_implementation`).
 """
@@ -13,9 +13,9 @@ import importlib
 import types
 from dataclasses import dataclass
 
-from . import families as _table
-from . import targets
-from .contract import Implementation
+from keras_dtensor_fix.engine import families as _table
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.engine.contract import Implementation
 
 __all__ = [
     "Family",
@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 #: Package of the families' implementation modules.
-PATCHES = f"{__package__}.patches"
+PATCHES = "keras_dtensor_fix.patches"
 
 
 @dataclass
@@ -67,7 +67,7 @@ def _check(found: object, source: str) -> Implementation:
     if not isinstance(found, Implementation):
         raise TypeError(
             f"{source}.IMPLEMENTATION is {type(found).__name__}, not "
-            "keras_dtensor_fix.engine.Implementation"
+            "keras_dtensor_fix.engine.contract.Implementation"
         )
     return found
 

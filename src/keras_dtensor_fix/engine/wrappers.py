@@ -16,8 +16,8 @@ from typing import Any
 
 import wrapt
 
-from . import state
-from .contract import Patch
+from keras_dtensor_fix.engine import state
+from keras_dtensor_fix.engine.contract import Patch
 
 __all__ = [
     "MISSING",

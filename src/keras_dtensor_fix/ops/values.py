@@ -12,7 +12,6 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from keras_dtensor_fix import targets
 from keras_dtensor_fix.dtensor import (
     DTensor,
     PromotionError,
@@ -23,6 +22,7 @@ from keras_dtensor_fix.dtensor import (
     replicate_result,
     unwrap_local,
 )
+from keras_dtensor_fix.engine import targets
 
 
 def walk(data: Any, layout: Any, leaf: Callable[[Any, Any], Any]) -> Any:

@@ -1,13 +1,13 @@
 """The patch families: one row each, the only registry.
 
 A row names the family (what ``KERAS_DTENSOR_FIX_DISABLE`` takes), the kinds
-of Keras module it patches (resolved by :mod:`keras_dtensor_fix.targets`), and
+of Keras module it patches (resolved by :mod:`keras_dtensor_fix.engine.targets`), and
 its implementation module under :mod:`keras_dtensor_fix.patches`, which the
 engine imports when the first of those modules is imported. Standard library
 only: this table is read at interpreter start.
 
 Adding a family is one file under ``patches/`` exporting an
-:class:`~keras_dtensor_fix.engine.Implementation` named ``IMPLEMENTATION``,
+:class:`~keras_dtensor_fix.engine.contract.Implementation` named ``IMPLEMENTATION``,
 and one row here.
 """
 
@@ -21,7 +21,7 @@ class Family:
     """One patch family."""
 
     name: str
-    #: Kinds of :data:`keras_dtensor_fix.targets.MODULES` whose modules it patches.
+    #: Kinds of :data:`~keras_dtensor_fix.engine.targets.MODULES` it patches.
     kinds: tuple[str, ...]
     #: Module under ``keras_dtensor_fix.patches`` that implements it.
     implementation: str

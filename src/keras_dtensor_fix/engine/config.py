@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from . import families as _families
+from keras_dtensor_fix.engine import families as _families
 
 ENV_ENABLE = "KERAS_DTENSOR_FIX"
 ENV_DISABLE = "KERAS_DTENSOR_FIX_DISABLE"
@@ -24,7 +24,7 @@ ENV_STRICT = "KERAS_DTENSOR_FIX_STRICT"
 ENV_SAVE_TIMEOUT = "KERAS_DTENSOR_FIX_SAVE_TIMEOUT"
 DEFAULT_SAVE_SECONDS = 900.0
 
-#: Every patch family's name (the table is :mod:`keras_dtensor_fix.families`).
+#: Every patch family's name (the table is :mod:`keras_dtensor_fix.engine.families`).
 FAMILIES: tuple[str, ...] = _families.names()
 
 OFF_VALUES: tuple[str, ...] = ("0", "false", "off", "no")

@@ -15,11 +15,11 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from . import config as _config
-from . import targets
+from keras_dtensor_fix.engine import config as _config
+from keras_dtensor_fix.engine import targets
 
 if TYPE_CHECKING:
-    from .loader import Family
+    from keras_dtensor_fix.engine.loader import Family
 
 __all__ = [
     "ANY",
