@@ -446,7 +446,7 @@ def test_strict_mode_raises_on_a_patch_that_cannot_apply(run_py, fakes, how) -> 
         proc = run_py(STRICT, path=[fakes], env={"KERAS_DTENSOR_FIX_STRICT": "1"})
     else:
         code = STRICT.replace(
-            "import fake_family", "import fake_family\nengine.activate(strict=True)"
+            "import fake_family", "import fake_family\npatcher.activate(strict=True)"
         )
         proc = run_py(code, path=[fakes])
     out = last_json(proc)

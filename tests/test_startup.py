@@ -50,7 +50,9 @@ def test_wheel_contents_and_metadata(wheel) -> None:
         start = archive.read("keras_dtensor_fix.start").decode()
         (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         metadata = archive.read(metadata_name).decode()
-    assert {"keras_dtensor_fix/__init__.py", "keras_dtensor_fix/engine/patcher.py"} <= names
+    assert {"keras_dtensor_fix/__init__.py", "keras_dtensor_fix/engine/patcher.py"} <= (
+        names
+    )
     lines = [line for line in pth.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("import ")
     assert "keras_dtensor_fix._bootstrap" in lines[0] and "except" in lines[0]
