@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scenarios import CASES, RAW_OPERATOR_CASES
+from cases_dropin import RAW_OPERATOR_CASES
+from scenarios import CASES
 from test_parity import assert_parity
 
 from support import compiles_model_parallel

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiprocess"))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from keras import layers  # noqa: E402
-from scenarios import MEGATRON, RANK, WORLD, data, distribute  # noqa: E402
+from scenario_kit import MEGATRON, RANK, WORLD, data, distribute  # noqa: E402
 
 MESH = tuple(int(n) for n in os.environ.get("CHECKPOINT_MESH", "1,2").split(","))
 #: The (batch, model) mesh in use.

@@ -68,7 +68,7 @@ def hub_counts(name: str, compiled: bool) -> tuple[float, int | None] | None:
     ops a step dispatches on DTensors. None without keras-hub."""
     if importlib.util.find_spec("keras_hub") is None:
         return None
-    from scenarios import GPT_LAYOUT, hub_layout, tiny_causal_lm, tiny_gpt
+    from cases_hub import GPT_LAYOUT, hub_layout, tiny_causal_lm, tiny_gpt
 
     if name == "gpt":
         set_model_parallel(GPT_LAYOUT)

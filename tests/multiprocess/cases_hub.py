@@ -1,0 +1,237 @@
+"""Scenarios: keras-hub causal LMs (Gemma, Llama, Qwen, MoE) and the GPT decoder."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from keras import layers  # noqa: E402
+from scenario_kit import (  # noqa: E402
+    WORLD,
+    batch_rows,
+    case,
+    weights,
+)
+
+# ---------------------------------------------------------------- keras-hub
+# Tiny random causal LMs sharded by their own get_layout_map (2-D layouts that
+# shard weights on the batch axis too), fed token ids: no preset download.
+
+
+def tiny_causal_lm(kind: str):
+    """A tiny random keras-hub CausalLM (2 layers, no preprocessor, no download)."""
+    import keras_hub
+
+    backbone, causal_lm = {
+        "gemma": (keras_hub.models.GemmaBackbone, keras_hub.models.GemmaCausalLM),
+        "llama": (keras_hub.models.LlamaBackbone, keras_hub.models.LlamaCausalLM),
+        "qwen": (keras_hub.models.QwenBackbone, keras_hub.models.QwenCausalLM),
+        "qwen_moe": (
+            keras_hub.models.QwenMoeBackbone,
+            keras_hub.models.QwenMoeCausalLM,
+        ),
+        "qwen3_moe": (
+            keras_hub.models.Qwen3MoeBackbone,
+            keras_hub.models.Qwen3MoeCausalLM,
+        ),
+    }[kind]
+    extra = {
+        "gemma": {"head_dim": 8},
+        # 4 experts, 2 per token: top_k, one_hot and an add_loss in the router
+        "qwen_moe": {
+            "moe_intermediate_dim": 16,
+            "shared_expert_intermediate_dim": 16,
+            "num_experts": 4,
+            "top_k": 2,
+        },
+        "qwen3_moe": {
+            "head_dim": 8,
+            "moe_intermediate_dim": 16,
+            "num_experts": 4,
+            "top_k": 2,
+        },
+    }.get(kind, {})
+    model = backbone(
+        vocabulary_size=64,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        **extra,
+    )
+    return causal_lm(backbone=model, preprocessor=None)
+
+
+def hub_layout(kind: str):
+    """``get_layout_map`` of ``kind``'s backbone, as a function of the mesh."""
+
+    def layout(mesh):
+        import keras_hub
+
+        backbones = {
+            "gemma": keras_hub.models.GemmaBackbone,
+            "llama": keras_hub.models.LlamaBackbone,
+            "qwen": keras_hub.models.QwenBackbone,
+            "qwen_moe": keras_hub.models.QwenMoeBackbone,
+            "qwen3_moe": keras_hub.models.Qwen3MoeBackbone,
+        }
+        return backbones[kind].get_layout_map(mesh)
+
+    return layout
+
+
+def fit_and_generate(kind: str, batch_ranks: int = 1, jit_compile: bool = False):
+    """fit() on token ids, then greedy generate() (the KV-cache path)."""
+    model = tiny_causal_lm(kind)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        sampler="greedy",  # top_k would draw per rank on a batch-split mesh
+        jit_compile=jit_compile,
+    )
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 64, size=(8, 12)).astype("int32")
+    inputs = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    labels = np.roll(ids, -1, axis=1)
+    history = model.fit(
+        {k: batch_rows(v, 4, batch_ranks) for k, v in inputs.items()},
+        batch_rows(labels, 4, batch_ranks),
+        batch_size=4 // batch_ranks,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+    )
+    prompt = {"token_ids": ids[:2].copy(), "padding_mask": np.zeros((2, 12), "int32")}
+    prompt["padding_mask"][:, :5] = 1
+    prompt["token_ids"][:, 5:] = 0
+    tokens = model.generate(prompt, max_length=12, stop_token_ids=None)
+    return {
+        "losses": history.history["loss"],
+        "weights": weights(model),
+        "tokens": np.asarray(tokens["token_ids"]).tolist(),
+    }
+
+
+def _hub_case(group: str, kind: str, mesh: tuple[int, int]) -> None:
+    def run():
+        return fit_and_generate(kind, batch_ranks=mesh[0] if WORLD > 1 else 1)
+
+    run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}"
+    case(group, mesh=mesh, layout=hub_layout(kind), per_rank=mesh[0] > 1)(run)
+
+
+for _kind in ("gemma", "llama", "qwen"):
+    _hub_case("hub", _kind, (1, 2))
+for _kind in ("gemma", "llama"):
+    _hub_case("hub", _kind, (2, 1))
+for _kind in ("gemma", "llama", "qwen"):
+    _hub_case("hub4", _kind, (2, 2))
+
+
+def _compiled(kind: str, batch_ranks: int = 1) -> dict:
+    """jit_compile=True for real: dynamo graphs, no eager fallback (no warning).
+
+    The one-process reference runs eagerly: the compiled ranks must equal it.
+    """
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if kind == "gpt":
+            result = fit_gpt(jit_compile=WORLD > 1, batch_ranks=batch_ranks)
+        else:
+            result = fit_and_generate(kind, batch_ranks, jit_compile=WORLD > 1)
+    result["plugin_warnings"] = [
+        str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
+    ]
+    counters = torch._dynamo.utils.counters
+    result["graph_breaks"] = sum(counters["graph_break"].values())
+    result["compile_cache"] = {  # this launch's, every case so far
+        **{k: v for k, v in counters["inductor"].items() if "fxgraph_cache" in k},
+        **{k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
+    }
+    return result
+
+
+def _compiled_case(
+    group: str, kind: str, mesh: tuple[int, int], inductor: bool = False
+) -> None:
+    def run():
+        return _compiled(kind, batch_ranks=mesh[0] if WORLD > 1 else 1)
+
+    run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}_compiled"
+    options = {"layout": hub_layout(kind), "per_rank": mesh[0] > 1}
+    case(group, mesh=mesh, inductor=inductor, **options)(run)
+
+
+for _kind in ("gemma", "llama", "qwen"):
+    _compiled_case("hub_compiled", _kind, (1, 2), inductor=_kind == "gemma")
+for _kind in ("gemma", "llama"):
+    _compiled_case("hub_compiled", _kind, (2, 1))
+for _kind in ("gemma", "llama", "qwen"):
+    _compiled_case("hub4_compiled", _kind, (2, 2))
+for _kind in ("qwen_moe", "qwen3_moe"):
+    _compiled_case("moe_compiled", _kind, (1, 2), inductor=_kind == "qwen_moe")
+
+
+GPT_LAYOUT = {  # Megatron: column-parallel Q/K/V and FFN in, row-parallel out
+    r".*self_attention/(query|key|value)/kernel": (None, "model", None),
+    r".*self_attention/(query|key|value)/bias": ("model", None),
+    r".*self_attention/attention_output/kernel": ("model", None, None),
+    r".*feedforward_intermediate_dense/kernel": (None, "model"),
+    r".*feedforward_intermediate_dense/bias": ("model",),
+    r".*feedforward_output_dense/kernel": ("model", None),
+    r".*lm_head/kernel": (None, "model"),
+    r".*lm_head/bias": ("model",),
+}
+
+
+def tiny_gpt():
+    """A GPT-style decoder from keras_hub.layers (causal self-attention)."""
+    import keras_hub
+
+    ids = keras.Input((12,), dtype="int32", name="token_ids")
+    x = keras_hub.layers.TokenAndPositionEmbedding(64, 12, 32, name="embedding")(ids)
+    for i in range(2):
+        x = keras_hub.layers.TransformerDecoder(64, 4, name=f"decoder_{i}")(x)
+    return keras.Model(ids, layers.Dense(64, name="lm_head")(x))
+
+
+def fit_gpt(jit_compile: bool = False, batch_ranks: int = 1) -> dict:
+    """:func:`tiny_gpt` trained for two epochs."""
+    model = tiny_gpt()
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[keras.metrics.SparseCategoricalAccuracy()],
+        jit_compile=jit_compile,
+    )
+    tokens = np.random.default_rng(0).integers(1, 64, size=(8, 12)).astype("int32")
+    labels = np.roll(tokens, -1, axis=1)
+    return _fit_history(
+        model,
+        batch_rows(tokens, 4, batch_ranks),
+        batch_rows(labels, 4, batch_ranks),
+        batch_size=4 // batch_ranks,
+    )
+
+
+def _fit_history(model, x, y, *, batch_size: int) -> dict:
+    history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    return {"losses": history.history["loss"], "weights": weights(model)}
+
+
+@case("hub_compiled", layout=GPT_LAYOUT)
+def gpt_1x2_compiled():
+    return _compiled("gpt")
+
+
+@case("hub_compiled", mesh=(2, 1), layout=GPT_LAYOUT, per_rank=True)
+def gpt_2x1_compiled():
+    """The same decoder data-parallel: each process feeds its half of a batch."""
+    return _compiled("gpt", batch_ranks=2 if WORLD > 1 else 1)
