@@ -1,6 +1,6 @@
 """Time to the first compiled step: ``fit()``'s first epoch, compiled and eager.
 
-For each model (``--models``, from hub.py: ``gpt`` and ``gemma``) on 2 ranks,
+For each model (``--models``, from hub_worker.py: ``gpt`` and ``gemma``) on 2 ranks,
 mesh (1, 2), its own layout, each round (``--rounds``) runs, in this order and
 each in its own processes:
 
@@ -49,7 +49,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     sys.path.insert(0, str(HERE))
-    import hub
+    import hub_worker as hub
 
     torch.set_num_threads(1)
     if "WORLD_SIZE" in os.environ:
