@@ -24,13 +24,21 @@ def launch(
     group: str, out: Path, *, world: int, env: dict[str, str] | None = None
 ) -> list[dict]:
     """Run ``scenarios.py group`` on ``world`` processes; one result dict per rank."""
+    return launch_groups([group], out, world=world, env=env)[group]
+
+
+def launch_groups(
+    groups: list[str], out: Path, *, world: int, env: dict[str, str] | None = None
+) -> dict[str, list[dict]]:
+    """Run ``groups`` in one launch of ``world`` processes: each group's
+    result dicts, one per rank."""
     full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     full_env.update({"KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"})
     full_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(SRC), full_env.get("PYTHONPATH")) if p
     )
     full_env.update(env or {})
-    script = [str(HERE / "scenarios.py"), group, str(out)]
+    script = [str(HERE / "scenarios.py"), ",".join(groups), str(out)]
     if world > 1:
         command = [
             sys.executable,
@@ -44,22 +52,51 @@ def launch(
         command = [sys.executable, *script]
     proc = timed_run(
         command,
-        f"scenarios {group} x{world} {env or {}}",
+        f"scenarios {','.join(groups)} x{world} {env or {}}",
         env=full_env,
         capture_output=True,
         text=True,
-        timeout=TIMEOUT,
+        timeout=TIMEOUT * len(groups),
     )
     if proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(command)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
             f"{proc.stderr[-8000:]}"
         )
-    results = []
-    for rank in range(world):
-        with open(out / f"{group}.rank{rank}.json") as handle:
-            results.append(json.load(handle)["cases"])
+    results = {}
+    for group in groups:
+        results[group] = []
+        for rank in range(world):
+            with open(out / f"{group}.rank{rank}.json") as handle:
+                results[group].append(json.load(handle)["cases"])
     return results
+
+
+#: The scenario groups that the session's selected tests compare, case by
+#: case (filled once collection ends). Each is launched once on 2 processes
+#: and once on one, with no extra environment: together, in one launch of
+#: each (every launch pays for starting Python, torch, Keras and keras-hub).
+BATCH: list[str] = []
+#: Groups whose 2-process launch has an environment of its own (test_hub.py:
+#: MoE on a compile cache it starts cold), so none joins the batch there.
+OWN_LAUNCH = ("moe_compiled",)
+
+
+def pytest_collection_finish(session) -> None:
+    from scenarios import CASES
+
+    wanted = set()
+    for item in session.items:
+        name = getattr(getattr(item, "callspec", None), "params", {}).get("name")
+        if name not in CASES or any(
+            mark.args and mark.args[0] is True for mark in item.iter_markers("skipif")
+        ):
+            continue
+        spec = CASES[name]
+        if spec["mesh"][0] * spec["mesh"][1] == 2 and spec["group"] != "harness":
+            wanted.add(spec["group"])
+    order = dict.fromkeys(spec["group"] for spec in CASES.values())
+    BATCH[:] = [group for group in order if group in wanted]
 
 
 class Runs:
@@ -72,8 +109,18 @@ class Runs:
     def get(self, group: str, *, world: int, **env: str) -> list[dict]:
         key = (group, world, tuple(sorted(env.items())))
         if key not in self.cache:
+            groups = [group]
+            if not env and world <= 2 and group in BATCH:
+                groups = [
+                    g
+                    for g in BATCH
+                    if (g, world, ()) not in self.cache
+                    and (world == 1 or g not in OWN_LAUNCH)
+                ]
             out = self.root / f"{group}-{world}-{len(self.cache)}"
-            self.cache[key] = launch(group, out, world=world, env=env)
+            found = launch_groups(groups, out, world=world, env=env)
+            for one, results in found.items():
+                self.cache[(one, world, key[2])] = results
         return self.cache[key]
 
 

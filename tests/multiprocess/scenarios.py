@@ -4,10 +4,12 @@ The cases live in ``cases_training.py`` (optimizers, data feeds, custom
 loops), ``cases_layers.py`` (layers, compiled steps, the harness's case),
 ``cases_dropin.py`` (what runs on upstream too) and ``cases_hub.py``
 (keras-hub models); what they share (the registry, data, models, layouts) in
-``scenario_kit.py``. Run as ``torchrun --nproc_per_node=2 scenarios.py GROUP OUT_DIR`` for the
-sharded run, or ``python scenarios.py GROUP OUT_DIR`` for the single-process
-reference. Each process writes ``OUT_DIR/GROUP.rank<R>.json``: for every case,
-its losses, metrics, predictions and final weights (full values), or the error
+``scenario_kit.py``. Run as ``torchrun --nproc_per_node=2 scenarios.py
+GROUP[,GROUP...] OUT_DIR`` for the sharded run, or ``python scenarios.py
+GROUP[,GROUP...] OUT_DIR`` for the single-process reference (the tests launch
+the groups they compare together: ``conftest.BATCH``). Each process writes
+``OUT_DIR/GROUP.rank<R>.json``: for every case, its losses, metrics,
+predictions and final weights (full values), or the error
 it raised. The same seed and data feed both runs.
 
 A case that fails on some ranks only would leave the others waiting in a
@@ -129,12 +131,12 @@ def wait_for_peers(name: str, result: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    group, out_dir = argv[0], argv[1]
+    groups, out_dir = argv[0].split(","), argv[1]
     keras.config.disable_traceback_filtering()
     if WORLD > 1:
         keras.distribution.initialize()
     only = [c for c in os.environ.get("SCENARIO_CASES", "").split(",") if c]
-    names = [n for n, spec in CASES.items() if spec["group"] == group]
+    names = [n for g in groups for n, spec in CASES.items() if spec["group"] == g]
     if only:
         names = [n for n in names if n in only]
     results = {}
@@ -143,8 +145,10 @@ def main(argv: list[str]) -> int:
         if WORLD > 1:
             wait_for_peers(name, results[name])
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{group}.rank{RANK}.json"), "w") as handle:
-        json.dump({"world": WORLD, "cases": results}, handle)
+    for one in groups:
+        mine = {n: r for n, r in results.items() if CASES[n]["group"] == one}
+        with open(os.path.join(out_dir, f"{one}.rank{RANK}.json"), "w") as handle:
+            json.dump({"world": WORLD, "cases": mine}, handle)
     if WORLD > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
