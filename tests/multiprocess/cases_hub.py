@@ -151,7 +151,7 @@ def _compiled(kind: str, batch_ranks: int = 1) -> dict:
     ]
     counters = torch._dynamo.utils.counters
     result["graph_breaks"] = sum(counters["graph_break"].values())
-    result["compile_cache"] = {  # this launch's, every case so far
+    result["compile_cache"] = {  # this case's
         **{k: v for k, v in counters["inductor"].items() if "fxgraph_cache" in k},
         **{k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
     }

@@ -82,6 +82,9 @@ def run_case(name: str) -> dict:
     # shared by every model, and dynamo stops compiling a code object after
     # its recompile limit.
     torch._dynamo.reset()
+    # reset() keeps dynamo's counters (graph breaks, cache hits): each case
+    # counts its own, whichever cases ran before it in the process.
+    torch._dynamo.utils.counters.clear()
     keras.utils.set_random_seed(SEED)
     distribute(spec["mesh"], spec.get("layout"))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
