@@ -12,12 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from support import LAUNCHES, ROOT, RunPy, clean_env
+from support import LAUNCHES, NOTES, ROOT, RunPy, clean_env
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """The slowest process launches (pytest's --durations counts a shared
     launch against the first test that asked for it)."""
+    if NOTES:
+        terminalreporter.section("measured by the tests")
+        for line in NOTES:
+            terminalreporter.write_line(line)
     if not LAUNCHES:
         return
     total = sum(seconds for seconds, _ in LAUNCHES)

@@ -22,6 +22,10 @@ RunPy = Callable[..., subprocess.CompletedProcess]
 LAUNCHES: list[tuple[float, str]] = []
 
 
+#: Lines a test wants in the terminal summary (what it measured, not asserted).
+NOTES: list[str] = []
+
+
 def timed_run(command: list[str], what: str, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run(command, **kwargs)``, its wall time noted in LAUNCHES."""
     start = time.perf_counter()

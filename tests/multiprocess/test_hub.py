@@ -22,6 +22,8 @@ import pytest
 from scenarios import CASES
 from test_parity import assert_parity
 
+from support import NOTES
+
 pytest.importorskip("keras_hub")
 
 FOUR = os.environ.get("KERAS_DTENSOR_FIX_FOUR_RANKS") == "1"
@@ -98,8 +100,8 @@ def test_moe_compiled_cold_then_warm(runs, moe_cache: str) -> None:
     )
     for ranks in (cold, warm):
         check_compiled(name, ranks, single)
-    print("compile cache, cold:", cold[0][name]["compile_cache"])
-    print("compile cache, warm:", warm[0][name]["compile_cache"])
+    for launch, ranks in (("cold", cold), ("warm", warm)):
+        NOTES.append(f"{name}, {launch} launch: {ranks[0][name]['compile_cache']}")
 
 
 def test_upstream_moe(runs) -> None:
