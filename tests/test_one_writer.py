@@ -114,6 +114,25 @@ def test_attempt_prefix_only_under_torchrun(monkeypatch) -> None:
     assert restarts.attempt_prefix() is None
 
 
+def test_several_agents_without_a_round_say_so(monkeypatch) -> None:
+    """Several agents whose torchrun runs without the plugin: nothing names
+    the attempt, and the process says what to do."""
+    import torch.distributed as dist
+
+    from keras_dtensor_fix.patches import restarts
+
+    store = dist.HashStore()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.delenv(restarts.ROUND, raising=False)
+    with pytest.warns(UserWarning, match="keras-dtensor-fix where torchrun runs"):
+        assert restarts._create_store(lambda: store, None, (), {}) is store
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")  # one agent: its count names it
+    prefixed = restarts._create_store(lambda: store, None, (), {})
+    assert isinstance(prefixed, dist.PrefixStore)
+
+
 def test_agent_hands_its_workers_the_rendezvous_round(monkeypatch) -> None:
     """The agent's wrapper reads the round from torch's dynamic rendezvous
     and sets it only while the workers start."""

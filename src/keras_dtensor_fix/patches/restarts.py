@@ -45,10 +45,32 @@ def attempt_prefix() -> str | None:
     return f"keras_dtensor_fix/attempt_{attempt}"
 
 
+#: Said once a process when several agents' restarts cannot be told apart.
+UNSHARED_ROUND = (
+    "keras-dtensor-fix: under several torchrun agents a restart reconnects only "
+    "when the plugin starts in torchrun's own process too (pip install "
+    "keras-dtensor-fix where torchrun runs): it did not here, so a restarted "
+    "attempt may fail to connect or wait, as without the plugin."
+)
+
+
+def _unshared_round() -> bool:
+    """Several agents, and no round from theirs: nothing names the attempt."""
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("GROUP_WORLD_SIZE", "1") != "1"
+        and ROUND not in os.environ
+    )
+
+
 def _create_store(wrapped, instance, args, kwargs):
     store = wrapped(*args, **kwargs)
     prefix = attempt_prefix()
     if prefix is None:
+        if _unshared_round():
+            import warnings
+
+            warnings.warn(UNSHARED_ROUND, stacklevel=3)
         return store
     import torch.distributed as dist
 
