@@ -109,13 +109,14 @@ class Runs:
     def get(self, group: str, *, world: int, **env: str) -> list[dict]:
         key = (group, world, tuple(sorted(env.items())))
         if key not in self.cache:
+
+            def batched(g: str) -> bool:
+                return g in BATCH and (world == 1 or g not in OWN_LAUNCH)
+
             groups = [group]
-            if not env and world <= 2 and group in BATCH:
+            if not env and world <= 2 and batched(group):
                 groups = [
-                    g
-                    for g in BATCH
-                    if (g, world, ()) not in self.cache
-                    and (world == 1 or g not in OWN_LAUNCH)
+                    g for g in BATCH if batched(g) and (g, world, ()) not in self.cache
                 ]
             out = self.root / f"{group}-{world}-{len(self.cache)}"
             found = launch_groups(groups, out, world=world, env=env)

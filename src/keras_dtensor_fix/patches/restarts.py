@@ -17,7 +17,8 @@ makes it) hands its workers the round it started them in (:data:`ROUND`).
 Without it, ``TORCHELASTIC_RESTART_COUNT`` names the attempt under one agent;
 several agents count their restarts each for itself (one that restarts for a
 peer's new round keeps its count), so their processes could disagree: there
-the store is left as torch makes it. Outside torchrun nothing changes.
+the store is left as torch makes it, and each process warns
+(:data:`UNSHARED_ROUND`). Outside torchrun nothing changes.
 """
 
 from __future__ import annotations
