@@ -26,6 +26,8 @@ MATRIX = {
     "py3.13-torch2.15.0-k0910": ("3.13", "2.15.0", "3.16.0.dev2026091004"),
 }
 RUFF = "ruff==0.17.6"
+#: Keras's jax backend, for the test that the plugin stays out of its way.
+JAX = "jax"
 # keras-hub's distribution requires `keras`, which would overwrite keras-nightly
 # (both own keras/): it goes in with --no-deps, then what it imports. grain
 # feeds fit() numpy input; the tests feed token ids, so no tokenizer runs.
@@ -60,6 +62,13 @@ def tests(session: nox.Session) -> None:
     """Run the test suite (pytest's "no tests collected" counts as success)."""
     install(session, hub=True)
     session.run("pytest", *session.posargs, env=ENV, success_codes=[0, 5])
+    # Keras imports jax (and scipy) whenever it finds them installed: about
+    # 2 s more for every process that imports Keras, hundreds in the run
+    # above. They come in afterwards, for the tests marked ``jax`` (Keras's
+    # jax and numpy backends), which the run above skipped.
+    if not session.posargs:
+        session.install(JAX)
+        session.run("pytest", "-m", "jax", env=ENV)
 
 
 @nox.session

@@ -161,8 +161,8 @@ print(json.dumps({"backend": s["backend"], "gate": s["gate"],
 """
 
 
+@pytest.mark.jax
 def test_jax_backend(run_py) -> None:
-    pytest.importorskip("jax")
     out = last_json(run_py(NON_TORCH, env={"KERAS_BACKEND": "jax"}))
     assert out["backend"] == "jax" and out["value"] == 2.0
     assert out["gate"]["ok"] is False and "'jax'" in out["gate"]["reason"]

@@ -128,7 +128,9 @@ print(json.dumps({"active": k.is_active(), "why": s["why"],
 """
 
 
-@pytest.mark.parametrize("value", ["0", "false", "OFF", " No "])
+# A fresh interpreter per value: the import-time wiring of parse_enabled,
+# whose every value test_off_values and test_on_values check in-process.
+@pytest.mark.parametrize("value", ["0", " No "])
 def test_env_off_patches_nothing(run_py, value: str) -> None:
     out = last_json(run_py(STATE, env={"KERAS_DTENSOR_FIX": value}))
     assert not out["active"]
@@ -136,7 +138,7 @@ def test_env_off_patches_nothing(run_py, value: str) -> None:
     assert "KERAS_DTENSOR_FIX" in out["why"]
 
 
-@pytest.mark.parametrize("value", ["1", "yes", "ON", "", " true "])
+@pytest.mark.parametrize("value", ["", " true "])
 def test_env_on_activates(run_py, value: str) -> None:
     out = last_json(run_py(STATE, env={"KERAS_DTENSOR_FIX": value}))
     assert out["active"] and out["warnings"] == []

@@ -158,6 +158,7 @@ print(json.dumps({"backend": s["backend"], "gate": s["gate"],
 """
 
 
+@pytest.mark.jax
 def test_numpy_backend_patches_nothing(run_py, keras_fakes) -> None:
     proc = run_py(NON_TORCH, path=[keras_fakes], env={"KERAS_BACKEND": "numpy"})
     out = last_json(proc)
@@ -166,6 +167,7 @@ def test_numpy_backend_patches_nothing(run_py, keras_fakes) -> None:
     assert out["applied"] == [] and "pending" not in out["states"]
 
 
+@pytest.mark.jax
 def test_maybe_and_numpy_backend_import_keras(run_py) -> None:
     proc = run_py(
         "import keras; print(keras.ops.sum(keras.ops.ones((2,))))",

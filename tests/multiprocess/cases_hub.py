@@ -85,8 +85,48 @@ def hub_layout(kind: str):
     return layout
 
 
-def fit_and_generate(kind: str, batch_ranks: int = 1, jit_compile: bool = False):
-    """fit() on token ids, then greedy generate() (the KV-cache path)."""
+class CountCollectives(keras.callbacks.Callback):
+    """Collectives per step of ``fit()``'s last epoch, counted with torch's
+    profiler as ``benchmarks/bench.py`` counts them (test_collectives.py
+    bounds it). It adds no step: another call of the compiled step (a
+    ``train_on_batch``, whose data has another structure) would compile the
+    model again."""
+
+    def __init__(self, epochs: int) -> None:
+        super().__init__()
+        self.epochs, self.per_step = epochs, None
+        self._profile, self._epoch, self._steps = None, 0, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._epoch == self.epochs - 1 and self._profile is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            self._profile = torch.profiler.profile(activities=activities)
+            self._profile.__enter__()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._profile is not None:
+            self._steps += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._profile is None or epoch != self.epochs - 1:
+            return
+        self._profile.__exit__(None, None, None)
+        names = [e.name for e in self._profile.events()]
+        count = sum(
+            n.startswith("c10d::") and not n.startswith("c10d::barrier") for n in names
+        )
+        self.per_step = count / self._steps
+
+
+def fit_and_generate(
+    kind: str, batch_ranks: int = 1, jit_compile: bool = False, collectives=False
+):
+    """fit() on token ids, then greedy generate() (the KV-cache path); with
+    ``collectives``, the last epoch's collectives per step
+    (:class:`CountCollectives`)."""
     model = tiny_causal_lm(kind)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
@@ -98,6 +138,7 @@ def fit_and_generate(kind: str, batch_ranks: int = 1, jit_compile: bool = False)
     ids = rng.integers(1, 64, size=(8, 12)).astype("int32")
     inputs = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
     labels = np.roll(ids, -1, axis=1)
+    counter = CountCollectives(epochs=2)
     history = model.fit(
         {k: batch_rows(v, 4, batch_ranks) for k, v in inputs.items()},
         batch_rows(labels, 4, batch_ranks),
@@ -105,16 +146,20 @@ def fit_and_generate(kind: str, batch_ranks: int = 1, jit_compile: bool = False)
         epochs=2,
         shuffle=False,
         verbose=0,
+        callbacks=[counter] if collectives else [],
     )
     prompt = {"token_ids": ids[:2].copy(), "padding_mask": np.zeros((2, 12), "int32")}
     prompt["padding_mask"][:, :5] = 1
     prompt["token_ids"][:, 5:] = 0
     tokens = model.generate(prompt, max_length=12, stop_token_ids=None)
-    return {
+    result = {
         "losses": history.history["loss"],
         "weights": weights(model),
         "tokens": np.asarray(tokens["token_ids"]).tolist(),
     }
+    if collectives:
+        result["collectives"] = counter.per_step
+    return result
 
 
 def _hub_case(group: str, kind: str, mesh: tuple[int, int]) -> None:
@@ -137,15 +182,19 @@ def _compiled(kind: str, batch_ranks: int = 1) -> dict:
     """jit_compile=True for real: dynamo graphs, no eager fallback (no warning).
 
     The one-process reference runs eagerly: the compiled ranks must equal it.
+    On a (1, 2) mesh the compiled step's collectives are counted too (after
+    what the case compares), for test_collectives.py: the suite compiles
+    each model once.
     """
     import warnings
 
+    count = WORLD > 1 and batch_ranks == 1
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if kind == "gpt":
-            result = fit_gpt(jit_compile=WORLD > 1, batch_ranks=batch_ranks)
+            result = fit_gpt(True, batch_ranks, collectives=count)
         else:
-            result = fit_and_generate(kind, batch_ranks, jit_compile=WORLD > 1)
+            result = fit_and_generate(kind, batch_ranks, True, collectives=count)
     result["plugin_warnings"] = [
         str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
     ]
@@ -202,8 +251,9 @@ def tiny_gpt():
     return keras.Model(ids, layers.Dense(64, name="lm_head")(x))
 
 
-def fit_gpt(jit_compile: bool = False, batch_ranks: int = 1) -> dict:
-    """:func:`tiny_gpt` trained for two epochs."""
+def fit_gpt(jit_compile: bool = False, batch_ranks: int = 1, collectives=False):
+    """:func:`tiny_gpt` trained for two epochs (with ``collectives``,
+    counting the last one's: :class:`CountCollectives`)."""
     model = tiny_gpt()
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
@@ -213,17 +263,21 @@ def fit_gpt(jit_compile: bool = False, batch_ranks: int = 1) -> dict:
     )
     tokens = np.random.default_rng(0).integers(1, 64, size=(8, 12)).astype("int32")
     labels = np.roll(tokens, -1, axis=1)
-    return _fit_history(
-        model,
-        batch_rows(tokens, 4, batch_ranks),
-        batch_rows(labels, 4, batch_ranks),
+    x, y = batch_rows(tokens, 4, batch_ranks), batch_rows(labels, 4, batch_ranks)
+    counter = CountCollectives(epochs=2)
+    history = model.fit(
+        x,
+        y,
         batch_size=4 // batch_ranks,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[counter] if collectives else [],
     )
-
-
-def _fit_history(model, x, y, *, batch_size: int) -> dict:
-    history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
-    return {"losses": history.history["loss"], "weights": weights(model)}
+    result = {"losses": history.history["loss"], "weights": weights(model)}
+    if collectives:
+        result["collectives"] = counter.per_step
+    return result
 
 
 @case("hub_compiled", layout=GPT_LAYOUT)

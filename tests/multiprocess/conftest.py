@@ -77,9 +77,10 @@ def launch_groups(
 #: and once on one, with no extra environment: together, in one launch of
 #: each (every launch pays for starting Python, torch, Keras and keras-hub).
 BATCH: list[str] = []
-#: Groups whose 2-process launch has an environment of its own (test_hub.py:
-#: MoE on a compile cache it starts cold), so none joins the batch there.
-OWN_LAUNCH = ("moe_compiled",)
+#: The groups whose upstream run (``KERAS_DTENSOR_FIX=0``) tests read: those
+#: of BATCH go together in one upstream launch too.
+UPSTREAM = ("dropin", "dropin_compiled", "hub", "hub_compiled", "moe_compiled")
+PLAIN, OFF = (), (("KERAS_DTENSOR_FIX", "0"),)
 
 
 def pytest_collection_finish(session) -> None:
@@ -100,26 +101,31 @@ def pytest_collection_finish(session) -> None:
 
 
 class Runs:
-    """Cached scenario runs for one pytest session."""
+    """Cached scenario runs for one pytest session.
+
+    The session's 2-process plugin launch compiles into :attr:`compile_cache`,
+    a directory of its own that it finds empty (cold, as on a fresh machine):
+    ``test_moe_compiled_cold_then_warm`` launches again on it, warm.
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.compile_cache = str(root / "compile-cache")
         self.cache: dict[tuple, list[dict]] = {}
 
     def get(self, group: str, *, world: int, **env: str) -> list[dict]:
         key = (group, world, tuple(sorted(env.items())))
         if key not in self.cache:
-
-            def batched(g: str) -> bool:
-                return g in BATCH and (world == 1 or g not in OWN_LAUNCH)
-
+            together = {PLAIN: BATCH, OFF: [g for g in BATCH if g in UPSTREAM]}
+            batch = together.get(key[2], []) if world <= 2 else []
             groups = [group]
-            if not env and world <= 2 and batched(group):
-                groups = [
-                    g for g in BATCH if batched(g) and (g, world, ()) not in self.cache
-                ]
+            if group in batch:
+                groups = [g for g in batch if (g, world, key[2]) not in self.cache]
+            launch_env = dict(env)
+            if world == 2 and key[2] == PLAIN:
+                launch_env["TORCHINDUCTOR_CACHE_DIR"] = self.compile_cache
             out = self.root / f"{group}-{world}-{len(self.cache)}"
-            found = launch_groups(groups, out, world=world, env=env)
+            found = launch_groups(groups, out, world=world, env=launch_env)
             for one, results in found.items():
                 self.cache[(one, world, key[2])] = results
         return self.cache[key]

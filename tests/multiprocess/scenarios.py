@@ -10,7 +10,8 @@ GROUP[,GROUP...] OUT_DIR`` for the single-process reference (the tests launch
 the groups they compare together: ``conftest.BATCH``). Each process writes
 ``OUT_DIR/GROUP.rank<R>.json``: for every case, its losses, metrics,
 predictions and final weights (full values), or the error
-it raised. The same seed and data feed both runs.
+it raised. The same seed and data feed both runs; the single process runs
+every case eagerly (``jit_compile`` off), the ground truth for compiled ranks.
 
 A case that fails on some ranks only would leave the others waiting in a
 collective until the process group's timeout (30 minutes): after each case
@@ -39,6 +40,7 @@ import datetime
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -76,6 +78,26 @@ def compile_backend(backend: str):
         torch.compile = original
 
 
+@contextlib.contextmanager
+def eager_reference():
+    """Every ``compile()`` in one process builds eager steps (``jit_compile``
+    off): the one-process reference is the eager run, which a compiled
+    sharded run must equal; one process compiling it again would only add
+    its own compile time (and its own graph breaks) to the suite."""
+    model = keras.Model
+    original = model.compile
+
+    def compile_eagerly(self, *args, **kwargs):
+        kwargs["jit_compile"] = False
+        return original(self, *args, **kwargs)
+
+    model.compile = compile_eagerly
+    try:
+        yield
+    finally:
+        del model.compile  # Model inherits compile() from its trainer
+
+
 def run_case(name: str) -> dict:
     spec = CASES[name]
     # Each case starts as a fresh script would: the trainer's step code is
@@ -91,9 +113,12 @@ def run_case(name: str) -> dict:
     backend = os.environ.get("SCENARIO_COMPILE_BACKEND") or (
         "inductor" if spec.get("inductor") else "aot_eager"
     )
+    started = time.perf_counter()
     try:
-        with compile_backend(backend):
+        reference = eager_reference() if WORLD == 1 else contextlib.nullcontext()
+        with compile_backend(backend), reference:
             result = spec["fn"]()
+        result["seconds"] = round(time.perf_counter() - started, 2)
         # How many dynamo graphs the case compiled (0: it ran eagerly).
         result["dynamo_graphs"] = (
             torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs

@@ -28,13 +28,15 @@ split's backward gathering its own gradient (``dtensor.placed`` shares one).
 Upstream runs 105 on Gemma and cannot build Llama.
 
 Compiled, the same models run the eager count plus the metric all-reduce
-(above). Before the optimizer's wrapper ran in the trace (``traced=True``)
-and the traced "f" (``reducing_gradient`` as ``redistribute`` to the same
-placements), Gemma's compiled step ran 28 and Llama's 30: Adam reduced each
-Partial norm-scale gradient three times (in its momentum, its ``grad *
-grad`` and its velocity). Gemma ran one more while a traced
-``convert_to_tensor`` handed the metric another object than the loss's
-logits, so ``dtensor.placed`` could not give it the loss's gathered copy.
+(above), counted by the ``hub_compiled`` scenario cases during ``fit()``'s last
+epoch (``cases_hub.CountCollectives``): the suite compiles each model once.
+Before the optimizer's wrapper ran in the trace (``traced=True``) and the
+traced "f" (``reducing_gradient`` as ``redistribute`` to the same placements),
+Gemma's compiled step ran 28 and Llama's 30: Adam reduced each Partial norm-
+scale gradient three times (in its momentum, its ``grad * grad`` and its
+velocity). Gemma ran one more while a traced ``convert_to_tensor`` handed the
+metric another object than the loss's logits, so ``dtensor.placed`` could not
+give it the loss's gathered copy.
 
 The same run counts the ops an eager step dispatches on DTensors: dense
 layers run on local tensors (``keras_dtensor_fix.patches.layers``), ops on
@@ -51,6 +53,7 @@ the column-parallel head's input gradient, the logits' all-gather.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 from support import ROOT, run_ranks
@@ -68,19 +71,33 @@ HUB = {
 }
 EXTRA = {"eager": 0, "compiled": 1}
 #: COMPILED_BOUND: a compiled keras-hub step runs at most its HUB count. The
-#: compiled steps here run torch.compile's aot_eager backend (the graph with
-#: the plugin's collectives, no code generation); Gemma's then runs 11, one
-#: fewer than under inductor (12, measured 2026-11-26): the count depends on
-#: the backend, the bound does not.
+#: count depends on the backend, the bound does not: Gemma's step, which its
+#: scenario case compiles with inductor, runs 12; under aot_eager (the other
+#: cases' backend) it ran 11, one fewer (measured 2026-11-26).
+
 #: Most DTensor-dispatched ops per eager step.
 DTENSOR_OPS = {"mlp": 4, "transformer": 20, "gemma": 160, "llama": 85, "gpt": 75}
 
 
-def test_collectives_per_step(tmp_path) -> None:
+#: The compiled keras-hub steps: counted by these scenario cases (the suite
+#: compiles each model once), which test_hub.py compares with one process.
+HUB_COMPILED = {
+    "gemma/compiled": "gemma_1x2_compiled",
+    "llama/compiled": "llama_1x2_compiled",
+    "gpt/compiled": "gpt_1x2_compiled",
+}
+
+
+def test_collectives_per_step(runs, tmp_path) -> None:
     out = tmp_path / "collectives.json"
     proc = run_ranks(SCRIPT, str(out), timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     counts = json.loads(out.read_text())
+    hub = importlib.util.find_spec("keras_hub") is not None
+    compiled = runs.get("hub_compiled", world=2)[0] if hub else {}
+    for key, case in HUB_COMPILED.items():
+        assert "error" not in compiled.get(case, {}), compiled[case].get("traceback")
+        counts[key] = compiled[case]["collectives"] if hub else None
     extras = dict(EXTRA)
     if counts["compiles"]:
         assert counts["graphs"] > 0, "the compiled steps fell back to eager"

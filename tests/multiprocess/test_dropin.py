@@ -107,12 +107,7 @@ def assert_fails_with(result: dict, expected: str | tuple) -> None:
 def upstream_compiled(runs) -> dict:
     """Rank 0's results of upstream on the compiled conv and recurrent cases
     (one run for both tests)."""
-    return runs.get(
-        "dropin_compiled",
-        world=2,
-        KERAS_DTENSOR_FIX="0",
-        SCENARIO_CASES=",".join([*UPSTREAM_COMPILED, *UPSTREAM_RECURRENT]),
-    )[0]
+    return runs.get("dropin_compiled", world=2, KERAS_DTENSOR_FIX="0")[0]
 
 
 def test_upstream_compiled_convs(runs) -> None:

@@ -65,37 +65,32 @@ def test_hub_compiled(runs, name: str) -> None:
     check_compiled(name, ranks, runs.get("hub_compiled", world=1)[0])
 
 
-@pytest.fixture(scope="session")
-def moe_cache(tmp_path_factory) -> str:
-    """A compile cache that only the MoE launches fill: the first is cold."""
-    return str(tmp_path_factory.mktemp("compile-cache"))
-
-
 @pytest.mark.parametrize("name", cases("moe_compiled"))
-def test_moe_compiled(runs, moe_cache: str, name: str) -> None:
+def test_moe_compiled(runs, name: str) -> None:
     """QwenMoe and Qwen3Moe (experts routed with top_k and one_hot, a
     balancing loss through add_loss) compile to graphs with no break on 2
     ranks and equal one eager process. See test_upstream_moe for upstream."""
-    ranks = runs.get("moe_compiled", world=2, TORCHINDUCTOR_CACHE_DIR=moe_cache)
+    ranks = runs.get("moe_compiled", world=2)
     check_compiled(name, ranks, runs.get("moe_compiled", world=1)[0])
 
 
-def test_moe_compiled_cold_then_warm(runs, moe_cache: str) -> None:
+def test_moe_compiled_cold_then_warm(runs) -> None:
     """The compiled QwenMoe case launched again on the compile cache that
-    test_moe_compiled's launch filled (one launch serves both), each launch
-    equal to one process. The cache is shared by a machine's processes and
-    by every launch, so what one launch or rank put there must never make
-    another wrong. (This model's graph missed inductor's FX graph cache on
-    the second launch: benchmarks/results/2026-11-26-start.md; Gemma's miss
-    was torch's numpy-operator key, which the compile_cache family fixes.)"""
+    the session's 2-process launch filled from empty (``Runs.compile_cache``),
+    each launch equal to one process. The cache is shared by a machine's
+    processes and by every launch, so what one launch or rank put there must
+    never make another wrong. (This model's graph missed inductor's FX graph
+    cache on the second launch: benchmarks/results/2026-11-26-start.md;
+    Gemma's miss was torch's numpy-operator key, which the compile_cache
+    family fixes.)"""
     name = "qwen_moe_1x2_compiled"
     single = runs.get("moe_compiled", world=1)[0]
-    cold = runs.get("moe_compiled", world=2, TORCHINDUCTOR_CACHE_DIR=moe_cache)
+    cold = runs.get("moe_compiled", world=2)
     warm = runs.get(
         "moe_compiled",
         world=2,
         SCENARIO_CASES=name,
-        TORCHINDUCTOR_CACHE_DIR=moe_cache,
+        TORCHINDUCTOR_CACHE_DIR=runs.compile_cache,
         LAUNCH="warm",
     )
     for ranks in (cold, warm):
@@ -127,12 +122,7 @@ def test_hub_parity_four_ranks(runs, name: str) -> None:
 
 def test_upstream_hub(runs) -> None:
     """What upstream does with the (1, 2) cases: the plugin goes further."""
-    upstream = runs.get(
-        "hub",
-        world=2,
-        KERAS_DTENSOR_FIX="0",
-        SCENARIO_CASES="gemma_1x2,llama_1x2",
-    )[0]
+    upstream = runs.get("hub", world=2, KERAS_DTENSOR_FIX="0")[0]
     assert "placement changes are not supported" in upstream["gemma_1x2"]["error"]
     assert "Unable to automatically build" in upstream["llama_1x2"]["error"]
 

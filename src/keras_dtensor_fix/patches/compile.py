@@ -44,7 +44,7 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
             "run Keras's generic RNN loop, which torch "
             f"{_torch_version()} cannot compile over DTensors. The model runs "
             "eagerly. LSTM and GRU with their defaults (use_cudnn='auto', no "
-            "recurrent_dropout) compile.",
+            "recurrent_dropout) and no mask compile.",
             stacklevel=2,
         )
         return False
@@ -72,10 +72,14 @@ def recurrent_layers(model) -> list[str]:
     """Recurrent layers of ``model`` that run Keras's generic RNN loop.
 
     LSTM and GRU on their backend path (``use_cudnn`` "auto" or True, no
-    recurrent dropout, GRU's ``reset_after``) compile, their sharded weights
-    gathered once per call (the ``rnn`` family). The generic loop (any other
-    RNN, or those options) does not compile under ModelParallel: torch fails
-    on the graph it leaves before its first graph break.
+    recurrent dropout, GRU's ``reset_after``, no mask) compile, their sharded
+    weights gathered once per call (the ``rnn`` family). The generic loop (any
+    other RNN, those options, or a mask, which Keras's torch LSTM and GRU hand
+    to the generic loop) does not compile under ModelParallel: torch fails on
+    the graph it leaves before its first graph break, after tracing for as
+    long as a whole step takes to compile. A mask is seen where the model's
+    graph shows it (functional and Sequential models); a subclassed model's
+    masked LSTM still fails to compile and then runs eagerly.
     """
     rnn = targets.keras_object("RNN")
     fast = (targets.keras_object("LSTM"), targets.keras_object("GRU"))
@@ -88,10 +92,21 @@ def recurrent_layers(model) -> list[str]:
             and getattr(layer, "use_cudnn", None) in ("auto", True)
             and not getattr(layer, "recurrent_dropout", 0)
             and getattr(layer, "reset_after", True)
+            and not _receives_mask(layer)
         ):
             continue
         found.append(layer.name)
     return found
+
+
+def _receives_mask(layer) -> bool:
+    """Whether the model's graph feeds ``layer`` a Keras mask (``Masking``,
+    ``Embedding(mask_zero=True)`` before it)."""
+    for node in getattr(layer, "_inbound_nodes", None) or ():
+        for tensor in getattr(node, "input_tensors", None) or ():
+            if getattr(tensor, "_keras_mask", None) is not None:
+                return True
+    return False
 
 
 def seeded_random_layers(model) -> list[str]:
