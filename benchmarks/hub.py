@@ -56,7 +56,7 @@ from pathlib import Path
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import bench  # noqa: E402  benchmarks/bench.py: collectives(), _pin(), _reason()
+import bench  # noqa: E402  benchmarks/bench.py: _pin(), _reason(), leave()
 from hub_profile import kinds_worker, profile_worker  # noqa: E402
 from hub_worker import (  # noqa: E402
     AB_CONFIG,

@@ -12,7 +12,7 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import bench  # noqa: E402  benchmarks/bench.py: collectives(), _pin(), _reason()
+import bench  # noqa: E402  benchmarks/bench.py: _pin(), _reason(), leave()
 from hub_worker import (  # noqa: E402
     RANK,
     WORLD,

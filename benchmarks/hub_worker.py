@@ -15,7 +15,7 @@ from pathlib import Path
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import bench  # noqa: E402  benchmarks/bench.py: collectives(), _pin(), _reason()
+import bench  # noqa: E402  benchmarks/bench.py: _pin(), _reason(), leave()
 
 CONFIGS = ("upstream", "eager", "compiled", "single", "single-off")
 FOUR_CONFIGS = ("upstream4", "eager4")

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench  # noqa: E402
+import bench_steps as bench  # noqa: E402  (collectives(), LAYOUTS, KERAS_MODELS)
 import keras  # noqa: E402
 import numpy  # noqa: E402
 import torch  # noqa: E402
