@@ -68,3 +68,21 @@ def test_operator_key_only_for_operator_functions() -> None:
     assert operator_key(numpy_operator_wrapper(lambda a, b: a / b)) is None
     assert operator_key(torch.sin) is None
     assert json.dumps(operator_key(numpy_operator_wrapper(operator.add)))
+
+
+def test_mesh_key_names_what_a_graph_depends_on(mesh1) -> None:
+    """A DeviceMesh input is keyed by its values, not by pickling the object
+    (whose memo made QwenMoe's key differ at every launch: see
+    test_hub.py::test_moe_compiled_cold_then_warm)."""
+    import pickle
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from keras_dtensor_fix.patches.compile_cache import mesh_key
+
+    key = mesh_key(mesh1)
+    assert key == ("cpu", (1,), [0], None, ())
+    other = init_device_mesh("cpu", (1,), mesh_dim_names=("model",))
+    assert mesh_key(other) == ("cpu", (1,), [0], ("model",), ())
+    assert pickle.dumps(mesh_key(mesh1)) == pickle.dumps(key)
+    assert mesh_key(object()) is None and mesh_key(None) is None

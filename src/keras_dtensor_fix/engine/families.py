@@ -87,9 +87,9 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "compile_cache",
-        ("dynamo_utils",),
+        ("dynamo_utils", "inductor_codecache"),
         "compile_cache",
-        "warm compile caches for steps that trace a numpy operator (Gemma)",
+        "warm compile caches: numpy operators (Gemma), device meshes (QwenMoe)",
     ),
     Family(
         "ops",

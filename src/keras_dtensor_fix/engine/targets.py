@@ -98,6 +98,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "elastic_agent": ("torch.distributed.elastic.agent.server.local_elastic_agent",),
     # torch's, where the compile caches key the numpy functions a step traces.
     "dynamo_utils": ("torch._dynamo.utils",),
+    # torch's, where inductor and AOT autograd pickle a graph's inputs for a key.
+    "inductor_codecache": ("torch._inductor.codecache",),
 }
 
 #: Leaf layers that read across only some axes of their input, by

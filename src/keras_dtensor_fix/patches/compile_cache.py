@@ -1,13 +1,23 @@
-"""Warm compile caches for steps that trace a numpy operator.
+"""Warm compile caches: a second launch reads the first one's graphs back.
 
-keras-hub's Gemma scales its queries by ``1 / np.sqrt(head_dim)`` inside the
-step; dynamo traces the numpy call (``numpy_to_tensor_wrapper``, which AOT
-autograd's cache accepts by its numpy name) and the division by it
-(``numpy_operator_wrapper(operator.truediv)``, which it does not: "Unsupported
-call_function target <Wrapped operator <original wrapped_truediv>>"). So every
-launch bypassed the cache and compiled again, on one process too. An operator
-wrapper does nothing but apply a function of the ``operator`` module, so it
-is keyed by that function's name here, as torch keys the numpy wrappers.
+Two keys that torch 2.13 cannot make the same from launch to launch:
+
+- keras-hub's Gemma scales its queries by ``1 / np.sqrt(head_dim)`` inside the
+  step; dynamo traces the numpy call (``numpy_to_tensor_wrapper``, which AOT
+  autograd's cache accepts by its numpy name) and the division by it
+  (``numpy_operator_wrapper(operator.truediv)``, which it does not:
+  "Unsupported call_function target <Wrapped operator <original
+  wrapped_truediv>>"). So every launch bypassed the cache and compiled again,
+  on one process too. An operator wrapper does nothing but apply a function of
+  the ``operator`` module, so it is keyed by that function's name here, as
+  torch keys the numpy wrappers.
+- A graph that takes a ``DeviceMesh`` as an input (QwenMoe's step) keys it by
+  pickling the mesh itself, with the pickler's memo switched on for the rest
+  of the key (the mesh's references may be cyclic), which makes the key depend
+  on which of its objects happen to be the same Python object: AOT autograd's
+  and inductor's keys differed at every launch, so every launch missed. A
+  mesh is keyed here by what a graph compiled for it depends on: its device
+  type, shape, ranks, dimension names and process group names.
 """
 
 from __future__ import annotations
@@ -40,7 +50,42 @@ def _cache_key(wrapped, instance, args, kwargs):
     return key
 
 
+def mesh_key(obj: object) -> tuple | None:
+    """What a graph compiled for the ``DeviceMesh`` ``obj`` depends on, or None."""
+    device_mesh = sys.modules.get("torch.distributed.device_mesh")
+    mesh_class = getattr(device_mesh, "DeviceMesh", None)
+    if mesh_class is None or not isinstance(obj, mesh_class):
+        return None
+    groups: tuple[str, ...] = ()
+    if obj.mesh.numel() > 1:
+        groups = tuple(obj.get_group(i).group_name for i in range(obj.ndim))
+    return (
+        obj.device_type,
+        tuple(obj.mesh.shape),
+        obj.mesh.flatten().tolist(),
+        obj.mesh_dim_names,
+        groups,
+    )
+
+
+def _reduce_fake_script_object(wrapped, instance, args, kwargs):
+    fake = args[0] if args else kwargs.get("t")
+    key = mesh_key(getattr(fake, "real_obj", None))
+    ident = getattr(sys.modules.get(type(instance).__module__), "_ident", None)
+    if key is None or ident is None:
+        return wrapped(*args, **kwargs)
+    return ident, (fake.script_class_name, key)
+
+
+PICKLER = "FxGraphCachePickler._reduce_fake_script_object"
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
+    if module.__name__ in targets.modules("inductor_codecache"):
+        pickler = getattr(module, "FxGraphCachePickler", None)
+        if not callable(getattr(pickler, "_reduce_fake_script_object", None)):
+            raise LookupError(PICKLER)
+        return [Patch(module.__name__, PICKLER, _reduce_fake_script_object)]
     if not callable(getattr(module, "numpy_wrapper_cache_key", None)):
         raise LookupError("numpy_wrapper_cache_key")
     return [
