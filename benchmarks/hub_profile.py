@@ -149,13 +149,13 @@ def kinds_worker(case: str, args) -> None:
 
     from keras_dtensor_fix.dtensor import collectives
 
-    poll = collectives._poll
+    poll = collectives.poll_work
 
     def recorded_poll(work):  # the plugin's eager all-reduce waits, as an op
         with torch.profiler.record_function("plugin all-reduce wait"):
             return poll(work)
 
-    collectives._poll = recorded_poll  # where _reduce_in_place looks it up
+    collectives.poll_work = recorded_poll  # where _reduce_in_place looks it up
     if WORLD > 1:
         keras.distribution.initialize()
     kind, hidden = case.split(":")

@@ -24,7 +24,7 @@ def test_poll_returns_when_the_work_completes(monkeypatch) -> None:
     monkeypatch.setattr(dtensor, "POLL_SECONDS", 10.0)
     work = _Work(polls=3)
     start = time.perf_counter()
-    dtensor._poll(work)
+    dtensor.poll_work(work)
     assert work.seen == 4 and time.perf_counter() - start < 5
 
 
@@ -34,7 +34,7 @@ def test_poll_gives_up_after_poll_seconds(monkeypatch, seconds: float) -> None:
 
     monkeypatch.setattr(dtensor, "POLL_SECONDS", seconds)
     start = time.perf_counter()
-    dtensor._poll(_Work(polls=None))
+    dtensor.poll_work(_Work(polls=None))
     assert seconds <= time.perf_counter() - start < seconds + 2
 
 

@@ -96,3 +96,65 @@ def test_families_import_the_contract_not_the_engine() -> None:
             found = edges(name, path, known)
             for engine in ("patcher", "loader", "hooks", "wrappers"):
                 assert f"{PACKAGE}.engine.{engine}" not in found, (name, engine)
+
+
+def private_crossings(name: str, source: str, known: dict[str, Path]) -> list[str]:
+    """``_names`` that ``source`` (module ``name``) takes from another module of
+    the package: ``from m import _x``, or ``m._x`` on a module it imported."""
+    package = name.rpartition(".")[0]
+    found, modules_here = [], set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            if not base.startswith(PACKAGE) or base == name:
+                continue
+            for alias in node.names:
+                if f"{base}.{alias.name}" in known:
+                    modules_here.add(alias.asname or alias.name)
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"from {base} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(PACKAGE) and alias.asname:
+                    modules_here.add(alias.asname)
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules_here
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_private_name_crosses_modules() -> None:
+    """A module's ``_names`` are its own: what another module needs is public
+    (the ``__all__`` checks skip ``_`` names, so this one looks)."""
+    known = modules()
+    crossings = {
+        name: found
+        for name, path in known.items()
+        if (found := private_crossings(name, path.read_text(), known))
+    }
+    assert crossings == {}
+
+
+def test_a_private_crossing_is_found() -> None:
+    """Control: both forms are reported."""
+    known = modules()
+    source = (
+        f"from {PACKAGE}.engine import targets\n"
+        f"from {PACKAGE}.dtensor.spec import _spec_internals\n"
+        "targets._hidden(1)\n"
+    )
+    found = private_crossings(f"{PACKAGE}.engine.hooks", source, known)
+    assert found == [
+        f"from {PACKAGE}.dtensor.spec import _spec_internals",
+        "targets._hidden",
+    ]

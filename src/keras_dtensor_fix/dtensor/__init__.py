@@ -25,7 +25,7 @@ setting from the package):
 Import the names below from the package (``from keras_dtensor_fix.dtensor
 import settle``); the modules are its layout, not its interface.
 
-:data:`POLL_SECONDS` is a setting, and it lives here only: ``_poll`` in
+:data:`POLL_SECONDS` is a setting, and it lives here only: ``poll_work`` in
 :mod:`.collectives` reads ``keras_dtensor_fix.dtensor.POLL_SECONDS`` at each
 call, so ``keras_dtensor_fix.dtensor.POLL_SECONDS = 0`` takes effect at once.
 """
@@ -35,9 +35,10 @@ from __future__ import annotations
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor_fix.dtensor.collectives import (
-    _poll as _poll,  # the polling wait, for tests (it reads POLL_SECONDS here)
+    all_reduce_sum,
+    all_reduce_sums,
+    poll_work,  # the polling wait, for tests (it reads POLL_SECONDS here)
 )
-from keras_dtensor_fix.dtensor.collectives import all_reduce_sum, all_reduce_sums
 from keras_dtensor_fix.dtensor.gather import (
     batch_parallel_call,
     gather_axes_splitting,
@@ -93,6 +94,7 @@ __all__ = [
     "local_region",
     "per_element_call",
     "placed",
+    "poll_work",
     "promote_args",
     "reduce_masked",
     "reduce_partial",

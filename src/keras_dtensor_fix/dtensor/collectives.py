@@ -29,10 +29,12 @@ def all_reduce_sum(value: torch.Tensor, mesh: Any, axes: Sequence[int]) -> torch
     """
     if torch.is_grad_enabled() and value.requires_grad:
         return _AllReduceSum.apply(value, mesh, tuple(axes))
-    return _all_reduce(value, mesh, axes)
+    return all_reduce_copy(value, mesh, axes)
 
 
-def _all_reduce(value: torch.Tensor, mesh: Any, axes: Sequence[int]) -> torch.Tensor:
+def all_reduce_copy(
+    value: torch.Tensor, mesh: Any, axes: Sequence[int]
+) -> torch.Tensor:
     value = value.clone(memory_format=torch.contiguous_format)
     shape = mesh.shape
     for axis in axes:
@@ -66,11 +68,11 @@ def _reduce_in_place(value: torch.Tensor, group: Any) -> None:
         return
     work = torch.distributed.all_reduce(value, group=group, async_op=True)
     if value.device.type == "cpu":
-        _poll(work)
+        poll_work(work)
     work.wait()
 
 
-def _poll(work: Any) -> None:
+def poll_work(work: Any) -> None:
     """Wait for gloo work by polling it, yielding the core between polls.
 
     Blocked on the work's condition variable, the thread leaves its core idle,
@@ -91,7 +93,7 @@ _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor, mesh: Any, axes: tuple) -> torch.Tensor:
-        return _all_reduce(value, mesh, axes)
+        return all_reduce_copy(value, mesh, axes)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None, None]:

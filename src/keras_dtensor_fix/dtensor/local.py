@@ -14,9 +14,15 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from keras_dtensor_fix.dtensor.collectives import _all_reduce
+from keras_dtensor_fix.dtensor.collectives import all_reduce_copy
 from keras_dtensor_fix.dtensor.placement import settle
-from keras_dtensor_fix.dtensor.spec import _SPEC, _SPECS, _copy, _remember, _spec
+from keras_dtensor_fix.dtensor.spec import (
+    INTERNALS,
+    SPECS,
+    cached_spec,
+    copy_spec,
+    remember,
+)
 
 
 def wrap_local(value: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> DTensor:
@@ -33,22 +39,22 @@ def wrap_local(value: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> DTe
     placements = tuple(placements)
     grad = value.requires_grad and torch.is_grad_enabled()
     if (
-        _SPEC is None
+        INTERNALS is None
         or torch.compiler.is_compiling()
         or any(isinstance(p, Shard) and p.dim < 0 for p in placements)
         or (grad and any(p.is_partial() for p in placements))
     ):
         return DTensor.from_local(value, mesh, placements, run_check=False)
     key = (mesh, placements, value.shape, value.stride(), value.dtype)
-    spec = _SPECS.get(key)
+    spec = SPECS.get(key)
     if spec is None:
-        _, meta_class, global_info = _SPEC
+        _, meta_class, global_info = INTERNALS
         shape, stride = global_info(value, mesh, placements)
         meta = meta_class(torch.Size(shape), tuple(stride), value.dtype)
-        spec = _remember(key, _spec(mesh, placements, meta))
+        spec = remember(key, cached_spec(mesh, placements, meta))
     if grad:
         return _WrapLocal.apply(value, spec)
-    return DTensor(value.view_as(value), _copy(spec), requires_grad=False)
+    return DTensor(value.view_as(value), copy_spec(spec), requires_grad=False)
 
 
 class _WrapLocal(torch.autograd.Function):
@@ -63,7 +69,7 @@ class _WrapLocal(torch.autograd.Function):
         ctx.spec = spec
         # As from_local: the wrapper's requires_grad follows the local tensor's.
         return DTensor(
-            value.view_as(value), _copy(spec), requires_grad=value.requires_grad
+            value.view_as(value), copy_spec(spec), requires_grad=value.requires_grad
         )
 
     @staticmethod
@@ -86,7 +92,7 @@ def unwrap_local(
     if not (value.requires_grad and torch.is_grad_enabled()):
         return value._local_tensor.view_as(value._local_tensor)
     if (
-        _SPEC is None
+        INTERNALS is None
         or torch.compiler.is_compiling()
         or any(p.is_partial() for p in value.placements)
     ):
@@ -115,7 +121,7 @@ def reducing_gradient(value: Any) -> Any:
         or value.is_leaf  # dynamo reads no grad_fn; an activation is no leaf
         or not value.requires_grad
         or not torch.is_grad_enabled()
-        or _SPEC is None
+        or INTERNALS is None
         or any(p.is_partial() for p in value.placements)
     ):
         return value
@@ -140,7 +146,7 @@ class _ReduceGradient(torch.autograd.Function):
     def forward(ctx: Any, value: DTensor) -> DTensor:
         ctx.mesh = value.device_mesh
         local = value._local_tensor
-        return DTensor(local.view_as(local), _copy(value._spec), requires_grad=True)
+        return DTensor(local.view_as(local), copy_spec(value._spec), requires_grad=True)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
@@ -150,7 +156,7 @@ class _ReduceGradient(torch.autograd.Function):
         axes = [i for i, p in enumerate(placements) if p.is_partial()]
         if not axes:
             return grad
-        total = _all_reduce(grad._local_tensor, ctx.mesh, axes)
+        total = all_reduce_copy(grad._local_tensor, ctx.mesh, axes)
         settled = tuple(Replicate() if p.is_partial() else p for p in placements)
         return wrap_local(total, ctx.mesh, settled)
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from keras_dtensor_fix.dtensor.collectives import _all_reduce
-from keras_dtensor_fix.dtensor.spec import _SPEC, _copy, _spec
+from keras_dtensor_fix.dtensor.collectives import all_reduce_copy
+from keras_dtensor_fix.dtensor.spec import INTERNALS, cached_spec, copy_spec
 
 
 def same_mesh(a: Any, b: Any) -> bool:
@@ -52,7 +52,9 @@ class _Relabel(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, value: DTensor, placements: tuple) -> DTensor:
         ctx.placements = tuple(value.placements)
-        spec = _copy(_spec(value.device_mesh, placements, value._spec.tensor_meta))
+        spec = copy_spec(
+            cached_spec(value.device_mesh, placements, value._spec.tensor_meta)
+        )
         local = value._local_tensor
         return DTensor(local.view_as(local), spec, requires_grad=value.requires_grad)
 
@@ -75,7 +77,7 @@ def settle(value: DTensor, placements: Sequence[Any]) -> DTensor:
     if have == placements:
         return value
     mesh = value.device_mesh
-    if _SPEC is None:
+    if INTERNALS is None:
         return value.redistribute(mesh, placements)
     relabelled = _trivial_taken(mesh, have, placements)
     if relabelled != have:
@@ -164,7 +166,7 @@ def reduce_partial(value: Any) -> Any:
     if placements == settled:
         return value
     if (
-        _SPEC is not None
+        INTERNALS is not None
         and not torch.compiler.is_compiling()
         and all(
             type(p) is Partial and p.reduce_op == "sum"
@@ -225,8 +227,8 @@ class _SumPartial(torch.autograd.Function):
         mesh = value.device_mesh
         ctx.placements = settled
         axes = [axis for axis, p in enumerate(value.placements) if p.is_partial()]
-        local = _all_reduce(value._local_tensor, mesh, axes)
-        spec = _copy(_spec(mesh, settled, value._spec.tensor_meta))
+        local = all_reduce_copy(value._local_tensor, mesh, axes)
+        spec = copy_spec(cached_spec(mesh, settled, value._spec.tensor_meta))
         return DTensor(local, spec, requires_grad=value.requires_grad)
 
     @staticmethod

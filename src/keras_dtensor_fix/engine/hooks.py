@@ -28,7 +28,7 @@ def ensure(name: str, hook: Hook) -> None:
     """Run ``hook`` on module ``name`` now if it is imported, else when it is."""
     module = sys.modules.get(name)
     if module is not None:
-        if targets._initializing(module):
+        if targets.initializing(module):
             _held[name] = None
             return
         hook(module)
@@ -50,7 +50,7 @@ def ready(hook: Hook) -> Iterator[types.ModuleType]:
     """
     for name in list(_held):
         module = sys.modules.get(name)
-        if module is None or not targets._initializing(module):
+        if module is None or not targets.initializing(module):
             _held.pop(name, None)
             if module is not None:
                 yield module

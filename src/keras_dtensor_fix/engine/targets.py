@@ -232,7 +232,7 @@ def convert_to_numpy_gathers(function: Any) -> bool:
     return "full_tensor()" in source or "to_local()" not in source
 
 
-def _initializing(module: object) -> bool:
+def initializing(module: object) -> bool:
     spec = getattr(module, "__spec__", None)
     return bool(getattr(spec, "_initializing", False))
 
@@ -331,7 +331,7 @@ def distribution_support() -> bool | None:
     ``None`` when it cannot be told without importing Keras modules.
     """
     module = sys.modules.get(DISTRIBUTION_LIB)
-    if module is not None and not _initializing(module):
+    if module is not None and not initializing(module):
         return hasattr(module, "distribute_data_input")
     spec = find_spec(DISTRIBUTION_LIB)
     if spec is None:
