@@ -27,6 +27,16 @@ def modules() -> dict[str, Path]:
     return found
 
 
+def imported_from(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module name of ``from ... import``, relative ones resolved."""
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")
+        anchor = anchor[: len(anchor) - (node.level - 1)]
+        base = ".".join([*anchor, *([base] if base else [])])
+    return base
+
+
 def edges(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
@@ -34,11 +44,7 @@ def edges(name: str, path: Path, known: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join([*anchor, *([base] if base else [])])
+            base = imported_from(node, package)
             targets = [
                 f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
                 for alias in node.names
@@ -105,11 +111,7 @@ def private_crossings(name: str, source: str, known: dict[str, Path]) -> list[st
     found, modules_here = [], set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join([*anchor, *([base] if base else [])])
+            base = imported_from(node, package)
             if not base.startswith(PACKAGE) or base == name:
                 continue
             for alias in node.names:
