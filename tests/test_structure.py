@@ -5,6 +5,8 @@ An edge is a module naming another of the package in an ``import`` or
 counts as its submodule when there is one; a module reading its own
 package's ``__init__`` is not an edge). A circle means two modules each
 need the other to be read: the layers no longer stand one above the other.
+No module takes another's ``_names`` either (what another module needs is
+public), and the patch families stand below the engine that loads them.
 """
 
 from __future__ import annotations
