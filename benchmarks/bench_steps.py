@@ -24,11 +24,15 @@ def collectives(step, steps: int = 3) -> float:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
         for _ in range(steps):
             step()
-    names = [e.name for e in p.events()]
-    count = sum(
+    return collective_events(p) / steps
+
+
+def collective_events(profile) -> int:
+    """The collectives a finished ``torch.profiler.profile`` saw (barriers not)."""
+    names = [e.name for e in profile.events()]
+    return sum(
         1 for n in names if n.startswith("c10d::") and not n.startswith("c10d::barrier")
     )
-    return count / steps
 
 
 def _alternate(sides, warmup: int, steps: int, blocks: int = 20):

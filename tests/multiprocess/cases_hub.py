@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -87,21 +89,20 @@ def hub_layout(kind: str):
 
 class CountCollectives(keras.callbacks.Callback):
     """Collectives per step of ``fit()``'s last epoch, counted with torch's
-    profiler as ``benchmarks/bench.py`` counts them (test_collectives.py
+    profiler as ``benchmarks/bench_steps.py`` counts them (test_collectives.py
     bounds it). It adds no step: another call of the compiled step (a
     ``train_on_batch``, whose data has another structure) would compile the
     model again."""
 
-    def __init__(self, epochs: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.epochs, self.per_step = epochs, None
-        self._profile, self._epoch, self._steps = None, 0, 0
+        self.per_step, self._profile, self._steps, self._last = None, None, 0, False
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
+        self._last = epoch == self.params["epochs"] - 1
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self._epoch == self.epochs - 1 and self._profile is None:
+        if self._last and self._profile is None:
             activities = [torch.profiler.ProfilerActivity.CPU]
             self._profile = torch.profiler.profile(activities=activities)
             self._profile.__enter__()
@@ -111,14 +112,13 @@ class CountCollectives(keras.callbacks.Callback):
             self._steps += 1
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._profile is None or epoch != self.epochs - 1:
+        if self._profile is None:
             return
         self._profile.__exit__(None, None, None)
-        names = [e.name for e in self._profile.events()]
-        count = sum(
-            n.startswith("c10d::") and not n.startswith("c10d::barrier") for n in names
-        )
-        self.per_step = count / self._steps
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+        from bench_steps import collective_events
+
+        self.per_step = collective_events(self._profile) / self._steps
 
 
 def fit_and_generate(
@@ -138,7 +138,7 @@ def fit_and_generate(
     ids = rng.integers(1, 64, size=(8, 12)).astype("int32")
     inputs = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
     labels = np.roll(ids, -1, axis=1)
-    counter = CountCollectives(epochs=2)
+    counter = CountCollectives()
     history = model.fit(
         {k: batch_rows(v, 4, batch_ranks) for k, v in inputs.items()},
         batch_rows(labels, 4, batch_ranks),
@@ -182,9 +182,9 @@ def _compiled(kind: str, batch_ranks: int = 1) -> dict:
     """jit_compile=True for real: dynamo graphs, no eager fallback (no warning).
 
     The one-process reference runs eagerly: the compiled ranks must equal it.
-    On a (1, 2) mesh the compiled step's collectives are counted too (after
-    what the case compares), for test_collectives.py: the suite compiles
-    each model once.
+    On a (1, 2) mesh the compiled step's collectives are counted too, during
+    ``fit()``'s last epoch, for test_collectives.py: the suite compiles each
+    model once.
     """
     import warnings
 
@@ -264,7 +264,7 @@ def fit_gpt(jit_compile: bool = False, batch_ranks: int = 1, collectives=False):
     tokens = np.random.default_rng(0).integers(1, 64, size=(8, 12)).astype("int32")
     labels = np.roll(tokens, -1, axis=1)
     x, y = batch_rows(tokens, 4, batch_ranks), batch_rows(labels, 4, batch_ranks)
-    counter = CountCollectives(epochs=2)
+    counter = CountCollectives()
     history = model.fit(
         x,
         y,

@@ -62,12 +62,12 @@ def dtensor_ops(step) -> int:
     return mode.count
 
 
-def hub_counts(name: str, compiled: bool) -> tuple[float, int | None] | None:
-    """Collectives per step of a tiny keras-hub CausalLM (2 layers),
+def hub_counts(name: str) -> tuple[float, int] | None:
+    """Collectives per eager step of a tiny keras-hub CausalLM (2 layers),
     ``"gemma"`` or ``"llama"``, sharded by its backbone's ``get_layout_map``
     on (1, 2), or of ``"gpt"``, keras_hub's TransformerDecoder blocks with a
-    Megatron LayoutMap, eager or with ``jit_compile=True``; and, eager, the
-    ops a step dispatches on DTensors. None without keras-hub."""
+    Megatron LayoutMap, and the ops a step dispatches on DTensors. None
+    without keras-hub. (Their compiled steps: ``cases_hub.CountCollectives``.)"""
     if importlib.util.find_spec("keras_hub") is None:
         return None
     from cases_hub import GPT_LAYOUT, hub_layout, tiny_causal_lm, tiny_gpt
@@ -92,13 +92,11 @@ def hub_counts(name: str, compiled: bool) -> tuple[float, int | None] | None:
         model = tiny_causal_lm(name)
         x = {"token_ids": ids, "padding_mask": numpy.ones_like(ids)}
         loss = None
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=compiled
-    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
     for _ in range(2):
         model.train_on_batch(x, y)
     step = functools.partial(model.train_on_batch, x, y)
-    return bench.collectives(step), None if compiled else dtensor_ops(step)
+    return bench.collectives(step), dtensor_ops(step)
 
 
 def main(out: Path) -> int:
@@ -137,7 +135,7 @@ def counts() -> dict:
     # The compiled keras-hub steps are counted by their scenario cases
     # (cases_hub.CountCollectives), which compile them anyway.
     for name in ("gemma", "llama", "gpt"):
-        counts = hub_counts(name, compiled=False)
+        counts = hub_counts(name)
         results[f"{name}/eager"] = None if counts is None else counts[0]
         results[f"{name}/dtensor_ops"] = None if counts is None else counts[1]
     results["compiles"] = compiles_model_parallel()

@@ -71,7 +71,9 @@ def mesh_key(obj: object) -> tuple | None:
 def _reduce_fake_script_object(wrapped, instance, args, kwargs):
     fake = args[0] if args else kwargs.get("t")
     key = mesh_key(getattr(fake, "real_obj", None))
-    ident = getattr(sys.modules.get(type(instance).__module__), "_ident", None)
+    # torch's identity reducer, from the module of the method it stands in for
+    # (a subclass's module, AOT autograd's, need not have it).
+    ident = getattr(sys.modules.get(wrapped.__module__), "_ident", None)
     if key is None or ident is None:
         return wrapped(*args, **kwargs)
     return ident, (fake.script_class_name, key)
