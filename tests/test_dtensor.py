@@ -63,9 +63,11 @@ def test_replicated_locals(mesh1) -> None:
     result = replicate_result((local[0] + local[2], 1), mesh)
     assert tuple(result[0].placements) == (Replicate(),) and result[1] == 1
     assert torch.equal(result[0].full_tensor(), full + 1)
-    # Not for a sharded operand, a gradient, a list holding a DTensor, or no
-    # DTensor at all.
-    assert replicated_locals([distribute_tensor(full, mesh1, [Shard(0)])]) is None
+    # Sharded on a one-rank axis, each local tensor is the whole value.
+    shard = distribute_tensor(full, mesh1, [Shard(0)])
+    assert replicated_locals([shard])[1][0] is shard._local_tensor
+    # Not for a gradient (this op carries none), a list holding a DTensor, or
+    # no DTensor at all (the rest of the rule: test_planner.py).
     grad = distribute_tensor(full.clone().requires_grad_(), mesh1, [Replicate()])
     assert replicated_locals([grad]) is None
     with torch.no_grad():

@@ -11,14 +11,17 @@ setting from the package):
 - :mod:`.collectives`: the one all-reduce path, polled on CPU.
 - :mod:`.placement`: mesh and placement checks, ``settle``, ``placed``,
   reducing Partial values.
+- :mod:`.planner`: the one rule for running on local tensors: may a layer,
+  an op, a loss or an optimizer update run on each rank's local tensors, and
+  with which collectives on the way out (pure: placements in, a plan out;
+  imported as a module, ``planner.region``; ``whole`` is also here).
 - :mod:`.local`: ``wrap_local``, ``unwrap_local``, ``replicate``,
   ``reducing_gradient``.
 - :mod:`.promotion`: finding DTensors, promotion, ``PromotionError``,
   ``replicated_locals``, ``to_placements``.
 - :mod:`.gather`: op-specific layouts (embedding lookups, index reductions,
   batch-only calls, per-element ops, slice updates, gathering outputs).
-- :mod:`.region`: when a whole computation (a layer) may run on local
-  tensors (``local_region``).
+- :mod:`.region`: a layer's computation on local tensors (``local_region``).
 - :mod:`.world`: this process's rank and the group's size, the one lookup
   (imported as a module: it is about processes, not tensors).
 
@@ -62,6 +65,7 @@ from keras_dtensor_fix.dtensor.placement import (
     same_mesh,
     settle,
 )
+from keras_dtensor_fix.dtensor.planner import whole
 from keras_dtensor_fix.dtensor.promotion import (
     PromotionError,
     describe,
@@ -74,7 +78,7 @@ from keras_dtensor_fix.dtensor.promotion import (
     set_implicit_replication,
     to_placements,
 )
-from keras_dtensor_fix.dtensor.region import local_region, split_dims
+from keras_dtensor_fix.dtensor.region import local_region
 
 __all__ = [
     "DTensor",
@@ -105,11 +109,11 @@ __all__ = [
     "same_mesh",
     "set_implicit_replication",
     "settle",
-    "split_dims",
     "to_placements",
     "unwrap_local",
     "update_in_place_of",
     "vocab_parallel_lookup",
+    "whole",
     "wrap_local",
 ]
 

@@ -4,7 +4,8 @@ DTensor runs ``einsum`` as the ops it decomposes into (views, permutes, bmm),
 each through sharding propagation; a view of a sharded tensor takes DTensor's
 Python slow path. Where the placements say what each rank holds (every mesh
 axis either replicated everywhere, or sharded on one subscript letter in every
-operand that has it), the result is one local ``torch.einsum``: sharded on
+operand that has it: :func:`.planner.product` decides, after
+:func:`.planner.aligned`), the result is one local ``torch.einsum``: sharded on
 that letter's output dim, or ``Partial("sum")`` when the letter is summed.
 The backward is local too; an operand replicated on an axis where another is
 sharded gets a ``Partial("sum")`` gradient, as DTensor's own einsum gives.
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from keras_dtensor_fix.dtensor import (
     all_reduce_sum,
     placed,
+    planner,
     reducing_gradient,
     replicate,
     same_mesh,
@@ -35,7 +37,6 @@ __all__ = [
     "local_dense",
     "local_einsum",
     "local_matmul",
-    "plan",
 ]
 
 Placements = tuple[Any, ...]
@@ -45,10 +46,10 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
     """``torch.einsum(equation, *operands)`` computed on local shards, or None.
 
     None where the operands are not all DTensors of one float dtype on one
-    mesh, or where :func:`plan` finds no local form. Under torch.compile too:
-    DTensor's own einsum reshapes a head-sharded operand into strided shards
-    that its ``bmm`` has no rule for (grouped-query attention's
-    ``"btkgh,bskh->bkgts"``), where the local form needs none.
+    mesh, or where :func:`.planner.product` finds no local form. Under
+    torch.compile too: DTensor's own einsum reshapes a head-sharded operand
+    into strided shards that its ``bmm`` has no rule for (grouped-query
+    attention's ``"btkgh,bskh->bkgts"``), where the local form needs none.
     """
     if len(operands) < 2:
         return None
@@ -65,7 +66,8 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
             return None
     compiling = torch.compiler.is_compiling()
     operands = _align_shards(equation, operands, mesh)
-    found = (plan.__wrapped__ if compiling else plan)(
+    product = planner.product
+    found = (product.__wrapped__ if compiling else product)(
         equation,
         tuple(tuple(o.shape) for o in operands),
         tuple(tuple(o.placements) for o in operands),
@@ -77,7 +79,7 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
         return _traced_einsum(equation, found, operands, mesh)
     operands = [
         reducing_gradient(o) if any(p.is_partial() for p in grad) else o
-        for o, grad in zip(operands, found[1], strict=True)
+        for o, grad in zip(operands, found.grads, strict=True)
     ]
     return _LocalEinsum.apply(equation, found, *operands)
 
@@ -85,42 +87,12 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
 def _align_shards(
     equation: str, operands: Sequence[DTensor], mesh: Any
 ) -> Sequence[DTensor]:
-    """``operands`` placed so that each mesh axis shards one letter in all.
-
-    Where operands shard different letters on one mesh axis (keras-hub's 2-D
-    layouts shard a kernel on "batch" next to batch-split activations), the
-    first operand's letter stays and the others are gathered on that axis
-    (FSDP's all-gather of the weight; its backward reduce-scatters the
-    gradient). Then a replicated operand is split where another shards a
-    letter it holds: Llama's attention output (replicated) meets a kernel
-    sharded on the heads it contracts, and each rank takes its own slice (no
-    communication; the split's backward gathers the gradient).
-    """
-    parsed = _parse(equation)
-    if parsed is None or len(parsed[0]) != len(operands):
-        return operands
-    subscripts = parsed[0]
-    wanted = [list(o.placements) for o in operands]
-    for axis in range(mesh.ndim):
-        letters: dict[int, str] = {}
-        for i, o in enumerate(operands):
-            placement = o.placements[axis]
-            if type(placement) is Shard and placement.dim < len(subscripts[i]):
-                letters[i] = subscripts[i][placement.dim]
-        if len(set(letters.values())) > 1 and mesh.shape[axis] > 1:
-            keep = next(iter(letters.values()))
-            for i, letter in list(letters.items()):
-                if letter != keep:
-                    wanted[i][axis] = Replicate()
-                    del letters[i]
-        if len(set(letters.values())) != 1:
-            continue
-        (letter,) = set(letters.values())
-        for i, held in enumerate(subscripts):
-            if wanted[i][axis].is_replicate() and letter in held:
-                wanted[i][axis] = Shard(held.index(letter))
+    """``operands`` placed as :func:`.planner.aligned` says (the way in)."""
+    wanted = planner.aligned(
+        equation, tuple(tuple(o.placements) for o in operands), tuple(mesh.shape)
+    )
     return [
-        o if tuple(w) == tuple(o.placements) else placed(o, w)
+        o if w == tuple(o.placements) else placed(o, w)
         for o, w in zip(operands, wanted, strict=True)
     ]
 
@@ -134,7 +106,7 @@ def _traced_einsum(
     placements; ``from_local``'s backward gives a Partial output a replicated
     gradient, as :class:`_LocalEinsum`'s backward takes it.
     """
-    out_placements, grad_placements = found
+    out_placements, grad_placements, _ = found
     locals_ = [
         (reducing_gradient(o) if any(p.is_partial() for p in g) else o).to_local(
             grad_placements=g
@@ -191,7 +163,7 @@ def local_dense(
     A dense layer (Keras ``Dense``, ``EinsumDense``). ``x`` is a DTensor or a
     plain tensor holding the full value (no gradient), ``w`` a DTensor kernel,
     ``b`` a DTensor bias that broadcasts against the output's trailing dims,
-    sharded where they are. The product is planned by :func:`plan`; a summed
+    sharded where they are. The product is planned by :func:`.planner.product`; a summed
     sharded letter is all-reduced before the bias (Megatron's row-parallel
     layer). Between the unwrapped inputs and the wrapped output every op,
     forward and backward, is a plain torch op: no DTensor dispatch. None where
@@ -212,7 +184,7 @@ def local_dense(
         return None
     if x.dtype != w.dtype or not w.dtype.is_floating_point:
         return None
-    found = plan(
+    found = planner.product(
         equation,
         (tuple(x.shape), tuple(w.shape)),
         (x_placements, tuple(w.placements)),
@@ -220,10 +192,7 @@ def local_dense(
     )
     if found is None:
         return None
-    out, (x_grad, w_grad) = found
-    # A sum over a mesh axis of one rank is already the total.
-    sizes = mesh.shape
-    summed = [axis for axis, p in enumerate(out) if p.is_partial() and sizes[axis] > 1]
+    out, (x_grad, w_grad), summed = found
     settled = tuple(Replicate() if p.is_partial() else p for p in out)
     out_shape = _output_shape(equation, tuple(x.shape), tuple(w.shape))
     if b is not None:
@@ -258,7 +227,8 @@ def local_dense(
 def _output_shape(
     equation: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]
 ) -> tuple[int, ...]:
-    (x_letters, w_letters), output = _parse(equation)  # plan() parsed it
+    # product() parsed it
+    (x_letters, w_letters), output = planner.parse_equation(equation)
     sizes = dict(zip(x_letters, x_shape, strict=True))
     sizes.update(zip(w_letters, w_shape, strict=True))
     return tuple(sizes[letter] for letter in output)
@@ -305,81 +275,6 @@ def _scope_fits(scope: str, placements: Placements, ndim: int) -> bool:
     return all(p.is_replicate() for p in placements)
 
 
-def _parse(equation: str) -> tuple[list[str], str] | None:
-    """Operand subscripts and output of an explicit einsum equation, or None.
-
-    None for an implicit output (no ``->``) or an ellipsis.
-    """
-    equation = equation.replace(" ", "")
-    if "..." in equation or "->" not in equation:
-        return None
-    inputs, output = equation.split("->")
-    return inputs.split(","), output
-
-
-@functools.lru_cache(maxsize=512)
-def plan(
-    equation: str,
-    shapes: tuple[tuple[int, ...], ...],
-    placements: tuple[Placements, ...],
-    mesh_shape: tuple[int, ...],
-) -> tuple[Placements, tuple[Placements, ...]] | None:
-    """Output placements and each operand's gradient placements, or None.
-
-    None for what has no local form here: an ellipsis, a repeated or
-    broadcast letter, Partial or uneven or strided shards, two letters sharded
-    on one mesh axis, or a sharded letter that some operand holds unsharded.
-    Mesh axes of one rank are taken as replicated whatever their placement.
-    """
-    parsed = _parse(equation)
-    if parsed is None:
-        return None
-    subscripts, output = parsed
-    if len(subscripts) != len(shapes) or len(set(output)) != len(output):
-        return None
-    sizes: dict[str, int] = {}
-    for letters, shape in zip(subscripts, shapes, strict=True):
-        if len(letters) != len(shape) or len(set(letters)) != len(letters):
-            return None
-        for letter, size in zip(letters, shape, strict=True):
-            if sizes.setdefault(letter, size) != size:
-                return None  # a broadcast letter: its gradient needs a sum
-    out: list[Any] = []
-    grads: list[list[Any]] = [[] for _ in subscripts]
-    for axis, size in enumerate(mesh_shape):
-        if size == 1:
-            # One rank: every placement on this axis holds the whole data
-            # (keras-hub's layouts shard on "batch" of a (1, n) mesh).
-            out.append(Replicate())
-            for i, grad in enumerate(grads):
-                grad.append(placements[i][axis])
-            continue
-        holders: dict[str, list[int]] = {}
-        for i, letters in enumerate(subscripts):
-            placement = placements[i][axis]
-            if placement.is_replicate():
-                continue
-            if type(placement) is not Shard or not 0 <= placement.dim < len(letters):
-                return None
-            if shapes[i][placement.dim] % size:
-                return None
-            holders.setdefault(letters[placement.dim], []).append(i)
-        if not holders:
-            out.append(Replicate())
-            for grad in grads:
-                grad.append(Replicate())
-            continue
-        if len(holders) > 1:
-            return None
-        ((letter, sharded),) = holders.items()
-        if any(letter in s and i not in sharded for i, s in enumerate(subscripts)):
-            return None
-        out.append(Shard(output.index(letter)) if letter in output else Partial())
-        for i, grad in enumerate(grads):
-            grad.append(placements[i][axis] if i in sharded else Partial())
-    return tuple(out), tuple(tuple(g) for g in grads)
-
-
 class _LocalEinsum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, equation: str, found: tuple, *operands: DTensor) -> DTensor:
@@ -388,11 +283,11 @@ class _LocalEinsum(torch.autograd.Function):
         ctx.mesh = operands[0].device_mesh
         ctx.save_for_backward(*locals_)
         result = torch.einsum(equation, *locals_)
-        return wrap_local(result, ctx.mesh, found[0])
+        return wrap_local(result, ctx.mesh, found.placements)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple:
-        out_placements, grad_placements = ctx.found
+        out_placements, grad_placements, _ = ctx.found
         mesh = ctx.mesh
         # A Partial output's gradient is the full (replicated) gradient.
         want = tuple(Replicate() if p.is_partial() else p for p in out_placements)
@@ -432,7 +327,7 @@ def _grad_equations(equation: str) -> tuple[str, ...] | None:
     ``"abk,kn->abn"`` gives ``("abn,kn->abk", "abn,abk->kn")``. None where an
     operand has a letter that neither the output nor another operand has.
     """
-    subscripts, output = _parse(equation)  # plan() parsed it already
+    subscripts, output = planner.parse_equation(equation)  # product() parsed it already
     found = []
     for i, letters in enumerate(subscripts):
         others = [s for j, s in enumerate(subscripts) if j != i]

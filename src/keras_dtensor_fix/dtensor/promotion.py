@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from keras_dtensor_fix.dtensor import planner
 from keras_dtensor_fix.dtensor.local import replicate, wrap_local
-from keras_dtensor_fix.dtensor.placement import is_replicated, same_mesh, settle
+from keras_dtensor_fix.dtensor.placement import same_mesh, settle
 
 
 class PromotionError(RuntimeError):
@@ -95,39 +96,18 @@ def describe(value: Any) -> str:
 def replicated_locals(values: Sequence[Any]) -> tuple[Any, list[Any]] | None:
     """The mesh and ``values`` with each DTensor as its local tensor, or None.
 
-    Only when an op on them may run locally: every DTensor is fully
-    replicated on one mesh, nothing needs a gradient, every plain tensor with
-    dims sits on the mesh's device (it is then taken as the full value, as
-    :func:`promote` takes it) and nothing is being traced. Each rank then
-    computes the full result, the same everywhere, with no DTensor dispatch.
+    For an op with no gradient to carry, where :func:`.planner.replicated`
+    says every operand is whole on every rank (a Partial one is refused: the
+    DTensor path keeps a linear op's pending sum) and nothing is being
+    traced. Each rank then computes the full result, the same everywhere,
+    with no DTensor dispatch.
     """
     if torch.compiler.is_compiling():
         return None
-    grad = torch.is_grad_enabled()
-    mesh = None
-    local = []
-    for value in values:
-        if isinstance(value, DTensor):
-            if (grad and value.requires_grad) or not is_replicated(value):
-                return None
-            if mesh is None:
-                mesh = value.device_mesh
-            elif not same_mesh(value.device_mesh, mesh):
-                return None
-            value = value._local_tensor
-        elif isinstance(value, torch.Tensor):
-            if grad and value.requires_grad:
-                return None
-        elif isinstance(value, (list, tuple)) and find_dtensor(value) is not None:
-            return None
-        local.append(value)
+    mesh = planner.replicated(values, gradients=False)
     if mesh is None:
         return None
-    for value in local:
-        if isinstance(value, torch.Tensor) and value.ndim:
-            if value.device.type != mesh.device_type:
-                return None
-    return mesh, local
+    return mesh, [v._local_tensor if isinstance(v, DTensor) else v for v in values]
 
 
 def replicate_result(result: Any, mesh: Any) -> Any:

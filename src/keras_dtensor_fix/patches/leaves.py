@@ -10,7 +10,7 @@ tensors (one unwrap each), its output wrapped once as a Replicate DTensor.
 Layers that read across only some axes (:data:`targets.MIXING_LAYERS`:
 softmax over its axis, a rotary embedding over sequence and features) also
 run on shards split on the other axes (the attention heads), their output
-keeping the input's placements. ``dtensor.local_region`` decides; gradients
+keeping the input's placements. ``dtensor.planner.region`` decides; gradients
 are the local backward of each rank's piece, exact.
 
 Anything else calls the original: a layer with sublayers, sharded weights, a
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from keras_dtensor_fix.dtensor import DTensor, local_region, split_dims
+from keras_dtensor_fix.dtensor import DTensor, local_region, whole
 from keras_dtensor_fix.dtensor import wrap_local as _wrap
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
@@ -101,7 +101,7 @@ def _call(wrapped, instance, args, kwargs):
     variables = instance._trainable_variables + instance._non_trainable_variables
     for variable in variables:
         value = getattr(variable, "_value", None)
-        if isinstance(value, DTensor) and split_dims(value) != frozenset():
+        if isinstance(value, DTensor) and not whole(value):
             return wrapped(*args, **kwargs)
     leaves, structure = flatten_call(args, kwargs)
     for leaf in leaves:

@@ -17,7 +17,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from keras_dtensor_fix.dtensor import DTensor, to_placements
+from keras_dtensor_fix.dtensor import DTensor, planner, to_placements
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import compiling
@@ -44,17 +44,12 @@ def _local(value: Any) -> Any:
     return value._local_tensor if isinstance(value, DTensor) else value
 
 
-def _shardwise_ok(optimizer: Any, values: Sequence[Any]) -> bool:
-    """Local-shard math is exact when every non-scalar state is a DTensor too."""
+def _shardwise_ok(optimizer: Any, values: Sequence[Any], grads: Sequence[Any]) -> bool:
+    """Whether :func:`planner.shardwise` lets the update run on local shards."""
 
-    meshes = {v.device_mesh for v in values if isinstance(v, DTensor)}
-    for variable in optimizer.variables:
-        raw = getattr(variable, "_value", None)
-        if isinstance(raw, DTensor):
-            meshes.add(raw.device_mesh)
-        elif raw is not None and getattr(raw, "ndim", 0):
-            return False
-    return len(meshes) == 1 and all(isinstance(v, DTensor) for v in values)
+    states = [getattr(variable, "_value", None) for variable in optimizer.variables]
+    operands = [*values, *(g for g in grads if g is not None)]
+    return planner.shardwise(operands, states) is not None
 
 
 def _parallel_update_step(wrapped, instance, args, kwargs):
@@ -65,7 +60,7 @@ def _parallel_update_step(wrapped, instance, args, kwargs):
     ):
         return wrapped(*args, **kwargs)
     grads = align_gradients(grads, values)
-    if compiling() or not _shardwise_ok(instance, values):
+    if compiling() or not _shardwise_ok(instance, values, grads):
         return wrapped(grads, variables, learning_rate)
     with local_tensors(list(variables) + list(instance.variables)):
         return wrapped([_local(g) for g in grads], variables, _local(learning_rate))

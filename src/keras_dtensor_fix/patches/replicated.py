@@ -20,11 +20,11 @@ from typing import Any
 
 from keras_dtensor_fix.dtensor import (
     DTensor,
-    is_replicated,
+    planner,
     reduce_partial,
     replicate,
-    same_mesh,
     unwrap_local,
+    whole,
 )
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
@@ -35,31 +35,27 @@ from keras_dtensor_fix.ops.values import flatten_call, local_tensors, unflatten_
 def local_inputs(
     values: list[Any], *, grad: bool = True, mesh: Any = None
 ) -> tuple[Any, list[Any]] | None:
-    """``values`` with replicated DTensors as local tensors, and their mesh.
+    """``values`` with whole DTensors as local tensors, and their mesh.
 
-    None when there is no DTensor (and no ``mesh``, the mesh of the caller's
-    variables, was given), or one is sharded or on another mesh. A
-    Partial one is reduced first, as its first op would. Only a DTensor that
-    needs a gradient takes an autograd op (``unwrap_local``), and only when
-    the caller wants gradients (``grad``).
+    :func:`planner.replicated` decides, a Partial value allowed: it is reduced
+    first, as its first op would reduce it. ``mesh`` is the mesh of the
+    caller's variables (labels may hold no DTensor). Only a DTensor that needs
+    a gradient takes an autograd op (``unwrap_local``), and only when the
+    caller wants gradients (``grad``).
     """
-
+    mesh = planner.replicated(values, mesh=mesh, partial=True)
+    if mesh is None:
+        return None
     local = []
     for value in values:
         if isinstance(value, DTensor):
-            if mesh is None:
-                mesh = value.device_mesh
-            elif not same_mesh(value.device_mesh, mesh):
-                return None
             value = reduce_partial(value)
-            if not is_replicated(value):
-                return None
             if grad and value.requires_grad:
                 value = unwrap_local(value)
             else:
                 value = value._local_tensor
         local.append(value)
-    return None if mesh is None else (mesh, local)
+    return mesh, local
 
 
 def _run_local(wrapped, instance, args, kwargs):
@@ -82,7 +78,7 @@ def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
     for variable in variables:
         value = getattr(variable, "_value", None)
         if isinstance(value, DTensor):
-            if not is_replicated(value):
+            if not whole(value):
                 return wrapped(*args, **kwargs)
             if mesh is None:
                 mesh = value.device_mesh

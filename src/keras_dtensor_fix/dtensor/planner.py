@@ -1,0 +1,344 @@
+"""The one answer to "may this run on each rank's local tensors, and how?".
+
+Pure decisions, as DTensor's sharding propagation decides a placement apart
+from running the op: operands' meshes, placements and shapes in, a plan (or
+None: keep the DTensor path) out. The callers execute: ``region.local_region``
+(a layer), ``einsum`` (a product op), ``promotion.replicated_locals`` (any
+other op), ``patches/replicated`` (a loss or a metric update) and
+``patches/optimizers`` (an optimizer update).
+
+One set of rules for every kind:
+
+- **One mesh.** Every DTensor operand sits on one mesh.
+- **A mesh axis of one rank holds everything.** Whatever its placement there,
+  each rank's local tensor is whole along it (keras-hub's layouts shard on the
+  "batch" axis of a (1, n) mesh): it counts as replicated.
+- **A Partial value is a pending sum** that no local computation may read.
+  Refused, except by a caller that reduces it on the way in (``partial=True``:
+  a loss or metric update, whose first op would reduce it anyway). An op
+  refuses it: DTensor keeps a linear op's Partial pending, which is cheaper
+  than reducing it first.
+- **A plain tensor is the full value** (as promotion takes it); one with dims
+  must sit on the mesh's device type.
+- **Gradients** pass where the caller's execution carries them
+  (``gradients=False``: a value that needs one is refused).
+
+The kinds, and the collectives each needs on the way out:
+
+=============  ===============================================  ==================
+kind           runs locally when                                collectives out
+=============  ===============================================  ==================
+replicated     every operand is whole on every rank             none (replicated)
+region         operands are split alike, only on dims the       none (the split
+               computation does not read across (``mixes``)     operands' layout)
+product        an einsum's sharded letters are sharded alike    all-reduce of the
+               in every operand that has them                   summed axes
+shardwise      an elementwise update over operands split alike  none
+=============  ===============================================  ==================
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from keras_dtensor_fix.dtensor.placement import same_mesh
+
+__all__ = [
+    "Product",
+    "aligned",
+    "parse_equation",
+    "product",
+    "region",
+    "replicated",
+    "shardwise",
+    "split_dims",
+    "whole",
+]
+
+Placements = tuple[Any, ...]
+
+
+def split_dims(value: DTensor, *, partial: bool = False) -> frozenset[int] | None:
+    """The dims ``value`` is split on over mesh axes of more than one rank.
+
+    None for a Partial value (a pending sum), unless ``partial`` (the caller
+    reduces it first: what is left split is its Shard dims).
+    """
+    mesh, dims = value.device_mesh, set()
+    for axis, placement in enumerate(value.placements):
+        if placement.is_partial():
+            if not partial:
+                return None
+        elif placement.is_shard() and mesh.size(axis) > 1:
+            dims.add(placement.dim % value.ndim)
+    return frozenset(dims)
+
+
+def whole(value: Any) -> bool:
+    """Whether DTensor ``value`` holds its full value on every rank."""
+    return split_dims(value) == frozenset()
+
+
+def _effective(value: DTensor) -> Placements:
+    """``value``'s placements, Replicate on mesh axes of one rank."""
+    mesh = value.device_mesh
+    return tuple(
+        Replicate() if mesh.size(axis) == 1 else p
+        for axis, p in enumerate(value.placements)
+    )
+
+
+def _plain_ok(value: Any, mesh: Any, gradients: bool) -> bool:
+    """The rules for a plain (non-DTensor) leaf: on the mesh's device, grads."""
+    if not isinstance(value, torch.Tensor):
+        return True
+    if not gradients and value.requires_grad and torch.is_grad_enabled():
+        return False
+    return not value.ndim or value.device.type == mesh.device_type
+
+
+def replicated(
+    values: Sequence[Any],
+    *,
+    mesh: Any = None,
+    gradients: bool = True,
+    partial: bool = False,
+) -> Any | None:
+    """The mesh when a computation on ``values`` may run whole on every rank.
+
+    ``mesh``: the mesh of the caller's variables, for calls whose arguments
+    may hold no DTensor (a metric update on plain labels). A list or tuple
+    leaf holding a DTensor is refused (its tensors would stay distributed).
+    """
+    for value in values:
+        if isinstance(value, DTensor):
+            if mesh is None:
+                mesh = value.device_mesh
+            elif not same_mesh(value.device_mesh, mesh):
+                return None
+            if split_dims(value, partial=partial) != frozenset():
+                return None
+            if not gradients and value.requires_grad and torch.is_grad_enabled():
+                return None
+        elif isinstance(value, (list, tuple)):
+            if any(isinstance(v, DTensor) for v in value):
+                return None
+    if mesh is None:
+        return None
+    if all(_plain_ok(v, mesh, gradients) for v in values):
+        return mesh
+    return None
+
+
+def region(
+    values: Sequence[Any], mixes: frozenset[int] | None
+) -> tuple[Any, Placements] | None:
+    """``(mesh, placements)`` when a layer's computation may run locally.
+
+    ``values`` are the leaves of the call's arguments; ``mixes`` the dims the
+    computation reads across (None: unknown, so every DTensor must be whole).
+    Every split operand must be split alike (same shape and placements, mesh
+    axes of one rank aside) and every other tensor whole along the split dims
+    (size 1 there: a mask broadcast over heads). ``placements`` are what a
+    result with the operands' shape gets: the split operands' placements, or
+    Replicate everywhere.
+    """
+    mesh, reference, split = None, None, frozenset()
+    for value in values:
+        if not isinstance(value, DTensor):
+            continue
+        if mesh is None:
+            mesh = value.device_mesh
+        elif not same_mesh(value.device_mesh, mesh):
+            return None
+        dims = split_dims(value)
+        if dims is None:
+            return None
+        if not dims:
+            continue
+        if mixes is None or dims & mixes:
+            return None
+        if reference is None:
+            reference, split = value, dims
+        elif value.shape != reference.shape or _effective(value) != _effective(
+            reference
+        ):
+            return None
+    if mesh is None:
+        return None
+    for value in values:
+        if isinstance(value, DTensor):
+            if split_dims(value):
+                continue  # split as the reference is (checked above)
+        elif not _plain_ok(value, mesh, gradients=True):
+            return None
+        if reference is not None and isinstance(value, torch.Tensor):
+            offset = reference.ndim - value.ndim
+            if any(d - offset >= 0 and value.shape[d - offset] != 1 for d in split):
+                return None
+    if reference is None:
+        return mesh, (Replicate(),) * mesh.ndim
+    return mesh, tuple(reference.placements)
+
+
+def shardwise(values: Sequence[Any], states: Sequence[Any]) -> Any | None:
+    """The mesh when an elementwise update may run on each rank's shards.
+
+    An optimizer update: ``values`` (the variables and their gradients,
+    aligned to the variables' placements first) must all be DTensors on one
+    mesh without Partial placements, and so must every ``states`` entry with
+    dims (the optimizer's slots, which Keras lays out as their variables).
+    Scalars (the step count, the learning rate) may be anything.
+    """
+    mesh = None
+    for value in values:
+        if not isinstance(value, DTensor) or split_dims(value) is None:
+            return None
+        if mesh is None:
+            mesh = value.device_mesh
+        elif not same_mesh(value.device_mesh, mesh):
+            return None
+    if mesh is None:
+        return None
+    for state in states:
+        if isinstance(state, DTensor):
+            if not same_mesh(state.device_mesh, mesh) or split_dims(state) is None:
+                return None
+        elif state is not None and getattr(state, "ndim", 0):
+            return None
+    return mesh
+
+
+class Product(NamedTuple):
+    """How an einsum runs locally: placements in and out, sums on the way out."""
+
+    #: The local result's placements (``Partial`` where a letter is summed).
+    placements: Placements
+    #: Each operand's gradient placements.
+    grads: tuple[Placements, ...]
+    #: Mesh axes whose Partial result is all-reduced to the total.
+    summed: tuple[int, ...]
+
+
+def parse_equation(equation: str) -> tuple[list[str], str] | None:
+    """Operand subscripts and output of an explicit einsum equation, or None.
+
+    None for an implicit output (no ``->``) or an ellipsis.
+    """
+    equation = equation.replace(" ", "")
+    if "..." in equation or "->" not in equation:
+        return None
+    inputs, output = equation.split("->")
+    return inputs.split(","), output
+
+
+@functools.lru_cache(maxsize=512)
+def aligned(
+    equation: str, placements: tuple[Placements, ...], mesh_shape: tuple[int, ...]
+) -> tuple[Placements, ...]:
+    """The operands' placements for :func:`product`: the collectives on the way in.
+
+    Where operands shard different letters on one mesh axis (keras-hub's 2-D
+    layouts shard a kernel on "batch" next to batch-split activations), the
+    first operand's letter stays and the others are gathered on that axis
+    (FSDP's all-gather of the weight; its backward reduce-scatters the
+    gradient). Then a replicated operand is split where another shards a
+    letter it holds: Llama's attention output (replicated) meets a kernel
+    sharded on the heads it contracts, and each rank takes its own slice (no
+    communication; the split's backward gathers the gradient). Unchanged
+    where the equation does not parse.
+    """
+    parsed = parse_equation(equation)
+    if parsed is None or len(parsed[0]) != len(placements):
+        return placements
+    subscripts = parsed[0]
+    wanted = [list(p) for p in placements]
+    for axis, size in enumerate(mesh_shape):
+        letters: dict[int, str] = {}
+        for i, held in enumerate(placements):
+            placement = held[axis]
+            if type(placement) is Shard and placement.dim < len(subscripts[i]):
+                letters[i] = subscripts[i][placement.dim]
+        if len(set(letters.values())) > 1 and size > 1:
+            keep = next(iter(letters.values()))
+            for i, letter in list(letters.items()):
+                if letter != keep:
+                    wanted[i][axis] = Replicate()
+                    del letters[i]
+        if len(set(letters.values())) != 1:
+            continue
+        (letter,) = set(letters.values())
+        for i, held in enumerate(subscripts):
+            if wanted[i][axis].is_replicate() and letter in held:
+                wanted[i][axis] = Shard(held.index(letter))
+    return tuple(tuple(w) for w in wanted)
+
+
+@functools.lru_cache(maxsize=512)
+def product(
+    equation: str,
+    shapes: tuple[tuple[int, ...], ...],
+    placements: tuple[Placements, ...],
+    mesh_shape: tuple[int, ...],
+) -> Product | None:
+    """The local form of ``einsum(equation, ...)`` on operands so placed, or None.
+
+    Each mesh axis is either replicated in every operand, or shards one
+    letter in every operand that has it: the output is sharded on that
+    letter's dim, or Partial where it is summed (then all-reduced on the way
+    out); an operand without the letter gets a Partial gradient. None for an
+    ellipsis, a repeated or broadcast letter, Partial, uneven or strided
+    shards, two letters sharded on one mesh axis, or a sharded letter that
+    some operand holds unsharded.
+    """
+    parsed = parse_equation(equation)
+    if parsed is None:
+        return None
+    subscripts, output = parsed
+    if len(subscripts) != len(shapes) or len(set(output)) != len(output):
+        return None
+    sizes: dict[str, int] = {}
+    for letters, shape in zip(subscripts, shapes, strict=True):
+        if len(letters) != len(shape) or len(set(letters)) != len(letters):
+            return None
+        for letter, size in zip(letters, shape, strict=True):
+            if sizes.setdefault(letter, size) != size:
+                return None  # a broadcast letter: its gradient needs a sum
+    out: list[Any] = []
+    grads: list[list[Any]] = [[] for _ in subscripts]
+    for axis, size in enumerate(mesh_shape):
+        if size == 1:
+            out.append(Replicate())
+            for i, grad in enumerate(grads):
+                grad.append(placements[i][axis])
+            continue
+        holders: dict[str, list[int]] = {}
+        for i, letters in enumerate(subscripts):
+            placement = placements[i][axis]
+            if placement.is_replicate():
+                continue
+            if type(placement) is not Shard or not 0 <= placement.dim < len(letters):
+                return None
+            if shapes[i][placement.dim] % size:
+                return None
+            holders.setdefault(letters[placement.dim], []).append(i)
+        if not holders:
+            out.append(Replicate())
+            for grad in grads:
+                grad.append(Replicate())
+            continue
+        if len(holders) > 1:
+            return None
+        ((letter, sharded),) = holders.items()
+        if any(letter in s and i not in sharded for i, s in enumerate(subscripts)):
+            return None
+        out.append(Shard(output.index(letter)) if letter in output else Partial())
+        for i, grad in enumerate(grads):
+            grad.append(placements[i][axis] if i in sharded else Partial())
+    summed = tuple(axis for axis, p in enumerate(out) if p.is_partial())
+    return Product(tuple(out), tuple(tuple(g) for g in grads), summed)
