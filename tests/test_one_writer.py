@@ -184,3 +184,84 @@ def test_a_writer_keeps_gathered_values_in_host_memory(mesh1, monkeypatch) -> No
     assert len(moved) == 2
     assert all(isinstance(v, torch.Tensor) for v in cache.values()), cache
     assert one_writer._gather(values, keep=False) == {}
+
+
+def _two_processes(monkeypatch, run):
+    """``run(rank)`` on two threads that the store exchange takes for processes."""
+    import threading
+
+    import torch.distributed as dist
+
+    from keras_dtensor_fix.dtensor import world
+    from keras_dtensor_fix.saving import handshake
+
+    store, local = dist.HashStore(), threading.local()
+
+    class Counts:  # each "process" counts its own calls
+        def __getitem__(self, key):
+            return vars(local).setdefault("counts", {}).get(key, 0)
+
+        def __setitem__(self, key, value):
+            vars(local).setdefault("counts", {})[key] = value
+
+    monkeypatch.setattr(world, "world", lambda: 2)
+    monkeypatch.setattr(world, "rank", lambda: local.rank)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(handshake, "_counts", Counts())
+    found: dict[int, object] = {}
+
+    def one(rank: int) -> None:
+        local.rank = rank
+        try:
+            found[rank] = run(rank)
+        except Exception as exc:  # noqa: BLE001 - what the test checks
+            found[rank] = exc
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return found
+
+
+def test_the_first_acts_and_every_process_learns(monkeypatch) -> None:
+    """One protocol (``handshake.one_acts``): the first process's result or
+    failure reaches every process, through the store."""
+    from keras_dtensor_fix.checkpoint.files import CheckpointError
+    from keras_dtensor_fix.checkpoint.processes import on_first
+
+    acted = []
+
+    def name(rank_seen: int) -> str:
+        acted.append(rank_seen)
+        return "ckpt-7"
+
+    found = _two_processes(monkeypatch, lambda rank: on_first(name, rank))
+    assert found == {0: "ckpt-7", 1: "ckpt-7"} and acted == [0]
+
+    def broken() -> None:
+        raise FileNotFoundError("no such directory: /gone")
+
+    found = _two_processes(monkeypatch, lambda rank: on_first(broken))
+    assert isinstance(found[0], FileNotFoundError)  # its own error
+    assert isinstance(found[1], CheckpointError)
+    assert "process 0: FileNotFoundError: no such directory: /gone" in str(found[1])
+
+
+def test_one_writer_per_path_and_a_failure_everywhere(monkeypatch, tmp_path) -> None:
+    from keras_dtensor_fix.saving import one_writer
+
+    path = str(tmp_path / "same.txt")
+
+    def write(rank: int) -> None:
+        def run() -> None:
+            if rank == 0:
+                raise OSError("disk full")
+
+        one_writer.by_one("save test", path, run)
+
+    found = _two_processes(monkeypatch, write)
+    for rank in (0, 1):
+        assert isinstance(found[rank], one_writer.SaveError), found[rank]
+        assert f"process 0 writing {path}: OSError: disk full" in str(found[rank])

@@ -27,7 +27,7 @@ from keras_dtensor_fix.checkpoint.preemption import (
     exit_code,
     leave,
 )
-from keras_dtensor_fix.checkpoint.processes import from_first
+from keras_dtensor_fix.checkpoint.processes import on_first
 from keras_dtensor_fix.checkpoint.sharded import PendingSave, load, save
 from keras_dtensor_fix.dtensor.world import distributed, rank
 from keras_dtensor_fix.engine import targets
@@ -110,7 +110,7 @@ class Checkpoint(MonitorCallback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self.restore and not self._restored:
             self._restored = True  # once: a second fit() goes on from where it is
-            if from_first(_complete(self.directory)):
+            if on_first(_complete, self.directory):
                 self._load()
         if self.save_on_background and distributed() and self._group is None:
             # DCP's background thread runs collectives: on a group of its own,

@@ -1,44 +1,55 @@
-"""Which process acts: rank, and "the first process acts, every process learns".
+"""Which process acts for a checkpoint: the first, and every process learns.
 
-Collectives on the default process group; with none, one process is all.
+The folder of a checkpoint is made, committed and checked by the first
+process alone; the others wait for its outcome through the package's one
+protocol for it (:func:`keras_dtensor_fix.saving.handshake.one_acts`: the
+process group's store, no collective), so a failure on the first process is
+an error on all of them, not a hang.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
-
 from keras_dtensor_fix.checkpoint.files import CheckpointError
-from keras_dtensor_fix.dtensor.world import distributed, rank
+from keras_dtensor_fix.dtensor import world as place
+from keras_dtensor_fix.engine import config
+from keras_dtensor_fix.saving import handshake
 
-__all__ = ["distributed", "from_first", "on_first", "rank"]
+__all__ = ["every_process", "on_first"]
 
-
-def from_first(value: Any) -> Any:
-    """``value`` as the first process has it (every process calls this)."""
-    if not distributed():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+HINT = (
+    "Every process must take part in a checkpoint's save and restore; one did "
+    f"not arrive. Raise {config.ENV_SAVE_TIMEOUT} if saves take longer."
+)
 
 
-def on_first(fn, *args: Any) -> Any:
+def on_first(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn`` on the first process; all return its result or raise its error.
 
-    The other processes wait for it: a broadcast is a barrier that carries
-    the first process's failure too, so none hangs on an error.
+    ``fn``'s result must be JSON-encodable. The first process re-raises its
+    own error; the others raise :class:`CheckpointError` naming it.
     """
-    result, error = None, None
-    if rank() == 0:
-        try:
-            result = fn(*args)
-        except Exception as exc:  # noqa: BLE001 - re-raised on every process
-            error = exc
-    outcome = from_first((result, None if error is None else repr(error)))
-    if error is not None:
-        raise error
-    if outcome[1] is not None:
-        raise CheckpointError(f"the first process failed: {outcome[1]}")
-    return outcome[0]
+    what = f"checkpoint: {getattr(fn, '__name__', 'step')}"
+    return _learn(what, place.rank() == 0, lambda: fn(*args))[0]
+
+
+def every_process(what: str, check: Callable[[], None]) -> None:
+    """``check()`` on every process; each raises if it failed anywhere."""
+    _learn(f"checkpoint: {what}", True, check)
+
+
+def _learn(what: str, acting: bool, act: Callable[[], Any]) -> list[Any]:
+    outcomes = handshake.one_acts(
+        what, acting, act, HINT, seconds=config.save_seconds()
+    )
+    if outcomes.error is not None:
+        raise outcomes.error
+    failed = outcomes.failed()
+    if failed:
+        raise CheckpointError(
+            f"{what} failed on "
+            + "; ".join(f"process {peer}: {error}" for peer, _, error in failed)
+        )
+    return outcomes.results

@@ -39,7 +39,7 @@ from keras_dtensor_fix.checkpoint.files import (
     commit,
     resolve,
 )
-from keras_dtensor_fix.checkpoint.processes import from_first, on_first
+from keras_dtensor_fix.checkpoint.processes import every_process, on_first
 from keras_dtensor_fix.dtensor.world import distributed, rank, world
 
 __all__ = [
@@ -281,16 +281,16 @@ class PendingSave:
 
     def wait(self) -> str:
         """Block until written and committed, on every process."""
-        error = self._future.exception()
         self._committed.wait()
-        failed = repr(error or self._error) if (error or self._error) else None
-        first = from_first(failed)
-        if error is not None:
-            raise CheckpointError(f"background save of {self.path} failed") from error
-        if first is not None:
-            raise CheckpointError(
-                f"background save of {self.path} failed on the first process: {first}"
-            )
+
+        def check() -> None:
+            error = self._future.exception() or self._error
+            if error is not None:
+                raise CheckpointError(
+                    f"background save of {self.path} failed: {error!r}"
+                ) from error
+
+        every_process("background save", check)
         return self.path
 
 

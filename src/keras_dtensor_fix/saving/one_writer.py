@@ -134,28 +134,28 @@ def writer(what: str, path: str) -> bool:
     return places.index(place) == rank
 
 
-def report(what: str, path: str, error: BaseException | None) -> None:
-    """Tell every process how this one's part went; raise if any failed."""
-    mine = "" if error is None else f"{type(error).__name__}: {error}"
+def _settle(what: str, path: str, acting: bool, act: Callable[[], None]) -> None:
+    """``act()`` where ``acting``; every process learns how each went.
+
+    :func:`handshake.one_acts`, the package's one protocol for it; a failure
+    anywhere raises :class:`SaveError` everywhere, naming process and path.
+    """
     hint = (
         f"A process did not finish its part of a save of {path} (it may have "
         f"died while writing it). Raise {config.ENV_SAVE_TIMEOUT} for larger models."
     )
-    seconds = config.save_seconds()
-    statuses = handshake.exchange(f"{what} (outcome)", f"{path}\0{mine}", hint, seconds)
-    failed = []
-    for peer, status in enumerate(statuses):
-        where, _, message = status.partition("\0")
-        if message:
-            failed.append(f"process {peer} writing {where}: {message}")
+    outcomes = handshake.one_acts(
+        what, acting, act, hint, note=path, seconds=config.save_seconds()
+    )
+    failed = outcomes.failed()
     if failed:
         raise SaveError(
             "keras-dtensor-fix: a save failed on "
-            + "; ".join(failed)
+            + "; ".join(f"process {p} writing {where}: {m}" for p, where, m in failed)
             + ". The file there, if any, is the one saved before (nothing half "
             "written replaces it). Fix the path (it must be writable by that "
             "process, on a disk with room) and save again."
-        ) from error
+        ) from outcomes.error
 
 
 def by_one(
@@ -168,15 +168,8 @@ def by_one(
 
     Every process calls it; all return once it is done, or raise what failed.
     """
-    error = None
-    try:
-        if writer(what, path):
-            run()
-        elif elsewhere is not None:
-            elsewhere()
-    except Exception as exc:  # noqa: BLE001 - reported to every process
-        error = exc
-    report(what, path, error)
+    act = run if writer(what, path) else elsewhere
+    _settle(what, path, act is not None, act or (lambda: None))
 
 
 def save(what: str, path: str, write: Callable[[str], None], values: Iterable) -> None:
@@ -187,11 +180,9 @@ def save(what: str, path: str, write: Callable[[str], None], values: Iterable) -
     """
     mine = writer(what, path)
     cache = _gather(values, keep=mine)
-    error = None
-    if mine:
-        try:
-            with _using(cache):
-                write_atomically(path, write)
-        except Exception as exc:  # noqa: BLE001 - reported to every process
-            error = exc
-    report(what, path, error)
+
+    def act() -> None:
+        with _using(cache):
+            write_atomically(path, write)
+
+    _settle(what, path, mine, act)
