@@ -177,3 +177,51 @@ def test_checkpoint_package_loads_lazily() -> None:
         timeout=60,
     )
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_signal_after_a_failed_fit_goes_to_the_previous_handler() -> None:
+    """fit() that raised never calls on_train_end, so the watch is not ended:
+    a later signal must not be noted for a step that will never come (the
+    process would exit only at the deadline): the handler that was there
+    before gets it, and is put back."""
+    from keras_dtensor_fix.checkpoint.preemption import Watcher
+
+    seen = []
+    before = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    watcher = Watcher([signal.SIGUSR1], timeout=3600)
+    try:
+
+        def fit() -> None:
+            watcher.start(within=fit.__code__)
+            os.kill(os.getpid(), signal.SIGUSR1)  # inside fit: the watch's
+            raise RuntimeError("a failed epoch")
+
+        with pytest.raises(RuntimeError):
+            fit()
+        assert watcher.received == signal.SIGUSR1 and not seen
+        watcher._timer.cancel()
+        watcher.received = None
+        os.kill(os.getpid(), signal.SIGUSR1)  # fit has gone
+        assert seen == [signal.SIGUSR1] and watcher.received is None
+        assert signal.getsignal(signal.SIGUSR1) is not watcher._handle
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+def test_the_watch_knows_fit_from_the_callback(mesh1) -> None:
+    import keras
+    import numpy as np
+
+    from keras_dtensor_fix.checkpoint.callback import _fit_code
+
+    found = []
+
+    class Look(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            found.append(_fit_code(self.model))
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(loss="mse")
+    model.fit(np.zeros((2, 2)), np.zeros((2, 1)), verbose=0, callbacks=[Look()])
+    assert found[0] is not None and found[0].co_name == "fit"
+    assert _fit_code(model) is None  # outside fit

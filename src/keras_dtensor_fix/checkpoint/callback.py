@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import warnings
 from collections.abc import Iterable
+from types import CodeType
 from typing import Any
 
 import keras
@@ -116,7 +118,7 @@ class Checkpoint(MonitorCallback):
             # DCP's background thread runs collectives: on a group of its own,
             # never interleaved with the training step's.
             self._group = dist.new_group(backend="gloo")
-        self._watcher.start()
+        self._watcher.start(within=_fit_code(self.model))
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch, self._batch = epoch, 0
@@ -278,6 +280,16 @@ class Checkpoint(MonitorCallback):
                 f"Checkpoint: resumed from {info['path']} at epoch "
                 f"{info.get('epoch', 0) + 1}, batch {batch + 1}"
             )
+
+
+def _fit_code(model: Any) -> CodeType | None:
+    """The code of the ``fit`` call of ``model`` that is calling us, if any."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+            return frame.f_code
+        frame = frame.f_back
+    return None
 
 
 def _complete(directory: str) -> bool:

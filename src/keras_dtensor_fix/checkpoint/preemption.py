@@ -11,7 +11,9 @@ the same step, whichever got it. Short steps are polled every few steps
 costs at most :data:`SHARE` of the time and a signal is seen within about
 :data:`LATENCY` seconds. When the deadline passes first (a save that will not end,
 a process that does not come), the process exits on its own, naming the
-checkpoint it leaves.
+checkpoint it leaves. A signal that arrives once the watched call (``fit``)
+has left the stack without ending the watch (it raised: Keras calls no
+``on_train_end``) goes to the handler that was there before, put back.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -71,9 +74,15 @@ class Watcher:
         self._last: float | None = None  # when the last poll launched
         self._spent = 0.0  # seconds the polls took on this thread since
         self._timer: threading.Timer | None = None
+        self._within: CodeType | None = None
 
-    def start(self) -> None:
-        """Install the handlers (main thread only) and, if any, the group."""
+    def start(self, within: CodeType | None = None) -> None:
+        """Install the handlers (main thread only) and, if any, the group.
+
+        ``within``: the code of the call being watched (``fit``); a signal
+        while no frame of it is on the stack is not this watch's.
+        """
+        self._within = within
         if not self.signals:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -113,12 +122,26 @@ class Watcher:
         return int(self._flag[0]) or None
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self._within is not None and not _on_stack(frame, self._within):
+            self._hand_back(signum, frame)
+            return
         if self.received is not None:
             return
         self.received = signum
         self._timer = threading.Timer(self.timeout, self._expire)
         self._timer.daemon = True
         self._timer.start()
+
+    def _hand_back(self, signum: int, frame: Any) -> None:
+        """Put the previous handlers back and give them this signal."""
+        previous = self._previous.get(signum)
+        for number, handler in self._previous.items():
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)
+        self._previous.clear()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.raise_signal(signum)  # the default action, as if never caught
 
     def _expire(self) -> None:
         name = signal.Signals(self.received).name
@@ -175,3 +198,12 @@ class Watcher:
         cost = max(spent, 1e-6)  # this poll's own time on this thread
         wanted = math.ceil(cost / (SHARE * step))
         return max(1, min(wanted, int(LATENCY / step) or 1))
+
+
+def _on_stack(frame: FrameType | None, code: CodeType) -> bool:
+    """Whether a frame running ``code`` is ``frame`` or one of its callers."""
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
