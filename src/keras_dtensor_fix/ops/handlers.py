@@ -25,8 +25,10 @@ the same :class:`Call`, until one returns something other than
      form run as one local einsum; a Partial result is reduced where it is made.
   8. ``per_element`` (``one_hot``): each rank's shard mapped alone, the
      placements kept; DTensor has no rule for ``one_hot`` under torch.compile.
-  9. ``replicated``: every DTensor operand replicated and no gradient (a step
-     counter, a metric): the op on local tensors, the result wrapped once.
+  9. ``replicated``: every DTensor operand whole (``planner.replicated``) and
+     no gradient (a step counter, a metric): the op on local tensors, the
+     result wrapped once; an op that raises there hands on to ``promote``,
+     whose error names the operands.
   10. ``promote``: plain tensors next to a DTensor become Replicate DTensors (a
       plain operand of one rank's shard size is refused in elementwise ops),
       then the op; a contraction's Partial result, or a masked lookup's, is
@@ -233,7 +235,10 @@ def _replicated(call: Call) -> Any:
         return NOT_HANDLED
     mesh, local = found
     n = len(resolved)
-    result = call.wrapped(*local[:n], **dict(zip(names, local[n:], strict=True)))
+    try:
+        result = call.wrapped(*local[:n], **dict(zip(names, local[n:], strict=True)))
+    except Exception:  # noqa: BLE001 - the next handler names the operands
+        return NOT_HANDLED
     return replicate_result(result, mesh)
 
 
