@@ -112,9 +112,7 @@ class Watcher:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
+        self._put_back()
         if self._group is None:
             return self.received
         self._flag.copy_(torch.tensor([self.received or 0, 1]))
@@ -135,13 +133,18 @@ class Watcher:
     def _hand_back(self, signum: int, frame: Any) -> None:
         """Put the previous handlers back and give them this signal."""
         previous = self._previous.get(signum)
-        for number, handler in self._previous.items():
-            signal.signal(number, signal.SIG_DFL if handler is None else handler)
-        self._previous.clear()
+        self._put_back()
         if callable(previous):
             previous(signum, frame)
         elif previous != signal.SIG_IGN:
             signal.raise_signal(signum)  # the default action, as if never caught
+
+    def _put_back(self) -> None:
+        """Reinstall the handlers :meth:`start` replaced (one not set from
+        Python, None, as the default)."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self._previous.clear()
 
     def _expire(self) -> None:
         name = signal.Signals(self.received).name

@@ -93,6 +93,18 @@ def _effective(value: DTensor) -> Placements:
     )
 
 
+def _one_mesh(values: Sequence[Any], mesh: Any = None) -> tuple[bool, Any]:
+    """``(ok, mesh)``: whether every DTensor in ``values`` sits on ``mesh``
+    (the first one's when None), and that mesh (None: no DTensor, none given)."""
+    for value in values:
+        if isinstance(value, DTensor):
+            if mesh is None:
+                mesh = value.device_mesh
+            elif not same_mesh(value.device_mesh, mesh):
+                return False, mesh
+    return True, mesh
+
+
 def _plain_ok(value: Any, mesh: Any, gradients: bool) -> bool:
     """The rules for a plain (non-DTensor) leaf: on the mesh's device, grads."""
     if not isinstance(value, torch.Tensor):
@@ -115,12 +127,11 @@ def replicated(
     may hold no DTensor (a metric update on plain labels). A list or tuple
     leaf holding a DTensor is refused (its tensors would stay distributed).
     """
+    ok, mesh = _one_mesh(values, mesh)
+    if not ok or mesh is None:
+        return None
     for value in values:
         if isinstance(value, DTensor):
-            if mesh is None:
-                mesh = value.device_mesh
-            elif not same_mesh(value.device_mesh, mesh):
-                return None
             if split_dims(value, partial=partial) != frozenset():
                 return None
             if not gradients and value.requires_grad and torch.is_grad_enabled():
@@ -128,8 +139,6 @@ def replicated(
         elif isinstance(value, (list, tuple)):
             if any(isinstance(v, DTensor) for v in value):
                 return None
-    if mesh is None:
-        return None
     if all(_plain_ok(v, mesh, gradients) for v in values):
         return mesh
     return None
@@ -148,14 +157,13 @@ def region(
     result with the operands' shape gets: the split operands' placements, or
     Replicate everywhere.
     """
-    mesh, reference, split = None, None, frozenset()
+    ok, mesh = _one_mesh(values)
+    if not ok or mesh is None:
+        return None
+    reference, split = None, frozenset()
     for value in values:
         if not isinstance(value, DTensor):
             continue
-        if mesh is None:
-            mesh = value.device_mesh
-        elif not same_mesh(value.device_mesh, mesh):
-            return None
         dims = split_dims(value)
         if dims is None:
             return None
@@ -169,8 +177,6 @@ def region(
             reference
         ):
             return None
-    if mesh is None:
-        return None
     for value in values:
         if isinstance(value, DTensor):
             if split_dims(value):
@@ -195,19 +201,14 @@ def shardwise(values: Sequence[Any], states: Sequence[Any]) -> Any | None:
     dims (the optimizer's slots, which Keras lays out as their variables).
     Scalars (the step count, the learning rate) may be anything.
     """
-    mesh = None
-    for value in values:
-        if not isinstance(value, DTensor) or split_dims(value) is None:
-            return None
-        if mesh is None:
-            mesh = value.device_mesh
-        elif not same_mesh(value.device_mesh, mesh):
-            return None
-    if mesh is None:
+    if not all(isinstance(v, DTensor) and split_dims(v) is not None for v in values):
+        return None
+    ok, mesh = _one_mesh([*values, *states])
+    if not ok or not values:
         return None
     for state in states:
         if isinstance(state, DTensor):
-            if not same_mesh(state.device_mesh, mesh) or split_dims(state) is None:
+            if split_dims(state) is None:
                 return None
         elif state is not None and getattr(state, "ndim", 0):
             return None
