@@ -1,4 +1,4 @@
-"""Sessions: tests, tests4, lint, demo, compat, matrix, bench (``nox -s NAME``)."""
+"""Sessions: tests, full, tests4, lint, demo, compat, matrix, bench (nox -s NAME)."""
 
 from __future__ import annotations
 
@@ -57,18 +57,47 @@ def install(
         session.install(*KERAS_HUB_NEEDS)
 
 
+def run_suite(session: nox.Session, marks: str) -> None:
+    """pytest on the tests ``marks`` selects, then the ``jax`` ones.
+
+    The single-process tests run two at a time (pytest-xdist, a file per
+    worker): most of their time is child interpreters importing torch and
+    Keras, one core each. The multi-process tests run one at a time after
+    them: each launch keeps both cores busy. pytest's "no tests collected"
+    (exit 5) counts as success.
+    """
+    single = ("tests", "--ignore=tests/multiprocess", "-n", "2", "--dist", "loadfile")
+    session.run("pytest", "-m", marks, *single, env=ENV, success_codes=[0, 5])
+    multi = ("tests/multiprocess",)
+    session.run("pytest", "-m", marks, *multi, env=ENV, success_codes=[0, 5])
+    # Keras imports jax (and scipy) whenever it finds them installed: about
+    # 2 s more for every process that imports Keras, hundreds in the runs
+    # above. They come in afterwards, for the tests marked ``jax`` (Keras's
+    # jax and numpy backends), which the runs above skipped.
+    session.install(JAX)
+    session.run("pytest", "-m", "jax", env=ENV)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the test suite (pytest's "no tests collected" counts as success)."""
+    """The test suite CI runs, without the ``slow`` tier (``nox -s full``).
+
+    Arguments after ``--`` go to one plain pytest run instead.
+    """
     install(session, hub=True)
-    session.run("pytest", *session.posargs, env=ENV, success_codes=[0, 5])
-    # Keras imports jax (and scipy) whenever it finds them installed: about
-    # 2 s more for every process that imports Keras, hundreds in the run
-    # above. They come in afterwards, for the tests marked ``jax`` (Keras's
-    # jax and numpy backends), which the run above skipped.
-    if not session.posargs:
-        session.install(JAX)
-        session.run("pytest", "-m", "jax", env=ENV)
+    if session.posargs:
+        session.run("pytest", *session.posargs, env=ENV, success_codes=[0, 5])
+        return
+    run_suite(session, "not slow")
+
+
+@nox.session
+def full(session: nox.Session) -> None:
+    """Every test of ``nox -s tests`` and the ``slow`` tier: the variants
+    whose paths the default run already takes (other meshes, sibling models,
+    the same fault met another way). The 4-process cases: ``nox -s tests4``."""
+    install(session, hub=True)
+    run_suite(session, "slow or not slow")
 
 
 @nox.session

@@ -35,6 +35,20 @@ def timed_run(command: list[str], what: str, **kwargs) -> subprocess.CompletedPr
         LAUNCHES.append((time.perf_counter() - start, what))
 
 
+def scenario_params(group: str) -> list:
+    """The scenario cases of ``group`` as pytest parameters, a case registered
+    ``slow=True`` marked ``slow`` (``nox -s tests`` leaves those out, ``nox -s
+    full`` runs them)."""
+    import pytest
+    from scenarios import CASES
+
+    return [
+        pytest.param(name, marks=pytest.mark.slow) if spec.get("slow") else name
+        for name, spec in CASES.items()
+        if spec["group"] == group
+    ]
+
+
 def compiles_model_parallel() -> bool:
     """Whether this Keras can compile a ModelParallel step (>= 2026-10-27)."""
     from keras.src.backend.torch import trainer

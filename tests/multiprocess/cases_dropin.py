@@ -228,19 +228,21 @@ def simple_rnn_compiled():
     return _plugin_warnings(_recurrent, layers.SimpleRNN, jit_compile=True)
 
 
-def _compiled_twin(eager) -> None:
+def _compiled_twin(eager, slow: bool = True) -> None:
     """Register ``eager``'s case again, with jit_compile=True, as NAME_compiled."""
 
     def run():
         return eager(jit_compile=True)
 
     run.__name__ = f"{eager.__name__}_compiled"
-    case("dropin_compiled", layout=CASES[eager.__name__]["layout"])(run)
+    case("dropin_compiled", layout=CASES[eager.__name__]["layout"], slow=slow)(run)
 
 
+# Every conv runs eagerly in the default run; compiled, the kernel-axis Conv1D
+# and the input-channel Conv2D (below) stand for them, the rest are slow.
+_compiled_twin(conv1d_kernel_axis, slow=False)
 for _eager in (
     conv1d_output_channels,
-    conv1d_kernel_axis,
     conv3d_input_channels,
     depthwise_conv2d,
     separable_conv2d,

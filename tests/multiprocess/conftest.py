@@ -86,12 +86,16 @@ PLAIN, OFF = (), (("KERAS_DTENSOR_FIX", "0"),)
 #: launches make the same process groups before them, as two launches of one
 #: script do (a compiled graph names its groups, and so does its cache key).
 REPEATED = ("moe_compiled",)
+#: Whether the session selected a test marked ``slow``: then every launch
+#: runs the cases registered ``slow=True`` too (``SCENARIO_SLOW=1``).
+SLOW: list[bool] = [False]
 
 
 def pytest_collection_finish(session) -> None:
     from scenarios import CASES
 
     wanted = set()
+    SLOW[0] = any(item.get_closest_marker("slow") for item in session.items)
     for item in session.items:
         name = getattr(getattr(item, "callspec", None), "params", {}).get("name")
         if name not in CASES or any(
@@ -118,6 +122,14 @@ class Runs:
         self.compile_cache = str(root / "compile-cache")
         self.cache: dict[tuple, list[dict]] = {}
 
+    @staticmethod
+    def ran(name: str) -> bool:
+        """Whether the launches run case ``name`` (a slow one only when the
+        session selected a slow test)."""
+        from scenarios import CASES
+
+        return SLOW[0] or not CASES[name].get("slow")
+
     def get(self, group: str, *, world: int, **env: str) -> list[dict]:
         key = (group, world, tuple(sorted(env.items())))
         if key not in self.cache:
@@ -127,6 +139,8 @@ class Runs:
             if group in batch:
                 groups = [g for g in batch if (g, world, key[2]) not in self.cache]
             launch_env = dict(env)
+            if SLOW[0]:
+                launch_env["SCENARIO_SLOW"] = "1"
             if world == 2 and key[2] == PLAIN:
                 launch_env["TORCHINDUCTOR_CACHE_DIR"] = self.compile_cache
             out = self.root / f"{group}-{world}-{len(self.cache)}"

@@ -22,7 +22,12 @@ CASES: dict[str, dict[str, object]] = {}
 
 
 def case(group: str, mesh: tuple[int, int] = (1, 2), **options: object):
-    """Register a scenario function under ``group``."""
+    """Register a scenario function under ``group``.
+
+    ``slow=True``: a variant whose path another case of the default run
+    already takes (another mesh, a sibling model or layer); it runs only where
+    the tests select it (``nox -s full``), see ``support.scenario_params``.
+    """
 
     def register(fn):
         CASES[fn.__name__] = {"fn": fn, "group": group, "mesh": mesh, **options}

@@ -27,6 +27,7 @@ test launches again, and the (2, 2) MLP), or when
 ``SCENARIO_COMPILE_BACKEND`` names another backend for every case.
 
 Environment: ``SCENARIO_CASES`` (comma list) limits the cases run;
+``SCENARIO_SLOW=1`` runs the cases registered ``slow=True`` too;
 ``SCENARIO_EXIT_PROMOTION=1`` exits Keras's promotion mode after
 ``set_distribution`` (to show what fails without the plugin);
 ``SCENARIO_NO_IMPLICIT_REPLICATION=1`` turns DTensor's implicit replication
@@ -164,7 +165,13 @@ def main(argv: list[str]) -> int:
     if WORLD > 1:
         keras.distribution.initialize()
     only = [c for c in os.environ.get("SCENARIO_CASES", "").split(",") if c]
-    names = [n for g in groups for n, spec in CASES.items() if spec["group"] == g]
+    slow = os.environ.get("SCENARIO_SLOW") == "1"
+    names = [
+        n
+        for g in groups
+        for n, spec in CASES.items()
+        if spec["group"] == g and (slow or not spec.get("slow"))
+    ]
     if only:
         names = [n for n in names if n in only]
     results = {}

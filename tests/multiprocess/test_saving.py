@@ -133,9 +133,9 @@ def test_same_path_four_processes(tmp_path, single, mesh: str) -> None:
 
 @pytest.mark.parametrize(
     ("optimizer", "kill_at", "kill_rank", "callback"),
-    [
-        ("adam", "batch", "1", "backup"),
-        ("sgd", "batch", "0", "backup"),
+    [  # each fault and callback once by default; the other two kills: slow
+        pytest.param("adam", "batch", "1", "backup", marks=pytest.mark.slow),
+        pytest.param("sgd", "batch", "0", "backup", marks=pytest.mark.slow),
         ("adam", "write", "0", "backup"),
         ("adam", "batch", "1", "checkpoint"),
     ],
