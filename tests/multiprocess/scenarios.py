@@ -134,6 +134,7 @@ def run_case(name: str) -> dict:
         return {
             "error": f"{type(err).__name__}: {err}",
             "traceback": traceback.format_exc(),
+            "seconds": round(time.perf_counter() - started, 2),
         }
     finally:
         keras.distribution.set_distribution(None)
