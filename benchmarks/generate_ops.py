@@ -1,11 +1,13 @@
 """What one token of ``generate()`` runs: DTensor-dispatched ops and collectives.
 
 A tiny random ``GemmaCausalLM`` (4 layers, vocabulary 1024, heads 4 / kv heads
-2, ``--hidden``), ``compile(sampler="greedy")``, 2 prompts of 16 tokens to
-``max_length`` 64, sharded by Gemma's own ``get_layout_map`` on (1, N), or on
-one process with no distribution. Prints ms/token (median of 3 calls after a
-warm-up), aten ops per token with a DTensor among their arguments and without,
-the most frequent DTensor ops, and collectives per token (torch's profiler).
+2, ``--hidden``), ``compile(sampler="greedy")``, 2 prompts of ``--prompt``
+tokens (16) to ``--length`` (64), sharded by Gemma's own ``get_layout_map``
+on (1, N), or on one process with no distribution; ``--compile``:
+``jit_compile=True``, so that ``generate()`` compiles its token step (the
+``generate`` family). Prints ms/token (median of 3 calls after the first),
+eager: aten ops per token with a DTensor among their arguments and without,
+the most frequent DTensor ops; collectives per token (torch's profiler).
 Counts do not depend on the machine's load; times do.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/generate_ops.py
@@ -52,6 +54,13 @@ class Count(TorchDispatchMode):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="jit_compile=True: generate() compiles its token step (the plugin)",
+    )
+    parser.add_argument("--prompt", type=int, default=PROMPT)
+    parser.add_argument("--length", type=int, default=LENGTH)
     args = parser.parse_args()
     import keras_hub
 
@@ -78,25 +87,30 @@ def main() -> None:
         head_dim=args.hidden // 4,
     )
     model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-    model.compile(sampler="greedy")
-    ids = np.zeros((2, LENGTH), "int32")
-    ids[:, :PROMPT] = np.random.default_rng(0).integers(1, 1024, (2, PROMPT))
-    mask = np.zeros((2, LENGTH), bool)
-    mask[:, :PROMPT] = True
+    model.compile(sampler="greedy", jit_compile=args.compile)
+    prompt, length = args.prompt, args.length
+    ids = np.zeros((2, length), "int32")
+    ids[:, :prompt] = np.random.default_rng(0).integers(1, 1024, (2, prompt))
+    mask = np.zeros((2, length), bool)
+    mask[:, :prompt] = True
     inputs = {"token_ids": ids, "padding_mask": mask}
-    tokens = LENGTH - PROMPT
+    tokens = length - prompt
 
     def generate():
         return model.generate(inputs, stop_token_ids=None)
 
-    generate()
+    start = time.perf_counter()
+    first = np.asarray(generate()["token_ids"])
+    first_call = time.perf_counter() - start
     times = []
     for _ in range(3):
         start = time.perf_counter()
         out = generate()
         times.append(time.perf_counter() - start)
-    with Count() as count:
-        generate()
+    count = Count()
+    if not args.compile:  # a dispatch mode would stop the compiled step
+        with count:
+            generate()
     with torch.profiler.profile() as profile:
         generate()
     collectives = collections.Counter(
@@ -104,9 +118,19 @@ def main() -> None:
     )
     if int(os.environ.get("RANK", "0")) == 0:
         ms = 1000 * float(np.median(times)) / tokens
-        first = np.asarray(out["token_ids"])[0, PROMPT : PROMPT + 8].tolist()
-        print(f"{world} process(es), hidden {args.hidden}: {ms:.1f} ms/token")
-        print(f"first generated tokens: {first}")
+        tokens_now = np.asarray(out["token_ids"])
+        shown = tokens_now[0, prompt : prompt + 8].tolist()
+        compiled = "compiled" if args.compile else "eager"
+        print(
+            f"{world} process(es), {compiled}, hidden {args.hidden}, "
+            f"{prompt}/{tokens}: {ms:.1f} ms/token"
+        )
+        print(f"first generated tokens: {shown}")
+        print(
+            f"first call {first_call:.1f} s (the compile, if any); same tokens "
+            f"then: {tokens_now.tolist() == first.tolist()}; dynamo graphs: "
+            f"{torch._dynamo.utils.counters['stats']['unique_graphs']}"
+        )
         print(
             f"aten ops per token: {sum(count.dtensor.values()) / tokens:.1f} with "
             f"a DTensor, {count.plain / tokens:.1f} without"

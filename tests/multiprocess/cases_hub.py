@@ -122,11 +122,18 @@ class CountCollectives(keras.callbacks.Callback):
 
 
 def fit_and_generate(
-    kind: str, batch_ranks: int = 1, jit_compile: bool = False, collectives=False
+    kind: str,
+    batch_ranks: int = 1,
+    jit_compile: bool = False,
+    collectives=False,
+    compiled_generation: bool = True,
 ):
     """fit() on token ids, then greedy generate() (the KV-cache path); with
     ``collectives``, the last epoch's collectives per step
-    (:class:`CountCollectives`)."""
+    (:class:`CountCollectives`). A jit_compile=True model generates compiled
+    (the ``generate`` family) unless ``compiled_generation`` is False: then it
+    is set back to eager first, as a user would (``model.jit_compile = False``),
+    which spares the suite a second compile where training is the point."""
     model = tiny_causal_lm(kind)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
@@ -148,6 +155,8 @@ def fit_and_generate(
         verbose=0,
         callbacks=[counter] if collectives else [],
     )
+    if not compiled_generation:
+        model.jit_compile = False
     prompt = {"token_ids": ids[:2].copy(), "padding_mask": np.zeros((2, 12), "int32")}
     prompt["padding_mask"][:, :5] = 1
     prompt["token_ids"][:, 5:] = 0
@@ -181,7 +190,9 @@ for _kind in ("gemma", "llama", "qwen"):
 def _compiled(kind: str, batch_ranks: int = 1) -> dict:
     """jit_compile=True for real: dynamo graphs, no eager fallback (no warning).
 
-    The one-process reference runs eagerly: the compiled ranks must equal it.
+    The one-process reference runs eagerly: the compiled ranks must equal it,
+    their greedy tokens too. Generation compiles too (a graph per token step)
+    for the kinds in :data:`COMPILED_GENERATION`; the others generate eagerly.
     On a (1, 2) mesh the compiled step's collectives are counted too, during
     ``fit()``'s last epoch, for test_collectives.py: the suite compiles each
     model once.
@@ -194,7 +205,13 @@ def _compiled(kind: str, batch_ranks: int = 1) -> dict:
         if kind == "gpt":
             result = fit_gpt(True, batch_ranks, collectives=count)
         else:
-            result = fit_and_generate(kind, batch_ranks, True, collectives=count)
+            result = fit_and_generate(
+                kind,
+                batch_ranks,
+                True,
+                collectives=count,
+                compiled_generation=kind in COMPILED_GENERATION,
+            )
     result["plugin_warnings"] = [
         str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
     ]
@@ -205,6 +222,14 @@ def _compiled(kind: str, batch_ranks: int = 1) -> dict:
         **{k: v for k, v in counters["aot_autograd"].items() if "cache" in k},
     }
     return result
+
+
+#: The kinds whose compiled cases generate compiled too: Llama (on (1, 2) by
+#: default; (2, 1) in the slow tier, (2, 2) in tests4) and Qwen (slow tier).
+#: The others generate eagerly after compiled training: a second compile of
+#: theirs (Gemma and QwenMoe compile with inductor) would cost the default
+#: run minutes.
+COMPILED_GENERATION = ("llama", "qwen")
 
 
 def _compiled_case(

@@ -128,6 +128,12 @@ FAMILIES: tuple[Family, ...] = (
         "LSTM/GRU: sharded kernels gathered once per call (compiles right)",
     ),
     Family(
+        "generate",
+        ("causal_lm",),
+        "generate",
+        "keras-hub generate() compiled per token when jit_compile=True",
+    ),
+    Family(
         "restarts",
         ("rendezvous", "elastic_agent"),
         "restarts",

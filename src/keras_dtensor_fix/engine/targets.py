@@ -92,6 +92,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "file_utils": ("keras.src.utils.file_utils",),
     "rnn": (f"{KERAS_TORCH}.rnn",),
     "epoch_iterator": ("keras.src.trainers.epoch_iterator",),
+    # keras-hub's, where a causal LM builds its generate function.
+    "causal_lm": ("keras_hub.src.models.causal_lm",),
     # torch's, where every env:// and tcp:// process group makes its store.
     "rendezvous": ("torch.distributed.rendezvous",),
     # torch's, where torchrun's agent starts its workers (the rendezvous round).

@@ -149,7 +149,7 @@ def _static_shapes(wrapped, instance, args, kwargs):
         import torch
 
         static = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(function)
-        tag = cache_key_tag(model_parallel(), torch.compiler.config.cache_key_tag)
+        tag = state.cache_key_tag(model_parallel(), torch.compiler.config.cache_key_tag)
         static = torch.compiler.config.patch(cache_key_tag=tag)(static)
         static = _eager_if_compile_fails(static, instance, wrapped.__name__)
         static._keras_dtensor_fix_static = True
@@ -185,33 +185,6 @@ def _losses_consumed(instance) -> None:
 
     compute_and_clear._keras_dtensor_fix_clears = True
     state.set_attribute(instance, "_compute_loss", compute_and_clear)
-
-
-def cache_key_tag(dist, user_tag: str = "") -> str:
-    """The compile caches' key tag for this process's compiled steps.
-
-    AOT autograd keys its on-disk cache on dynamo's graph, which is the same
-    on every process, but the graph it compiles from a DTensor program holds
-    this process's own shard offsets and process group names. The caches are
-    shared by the processes of a machine and by every launch, so without the
-    process in the key one process runs a graph compiled for another (a
-    (2, 2) mesh: "Could not resolve the process group registered under the
-    name 3"). The tag keeps the user's own ``cache_key_tag`` in front.
-    """
-    from keras_dtensor_fix.dtensor import world as place
-
-    mesh = dist.device_mesh
-    rank, world = place.rank(), place.world()
-    groups = ""
-    backend_mesh = getattr(mesh, "backend_mesh", None)
-    if backend_mesh is not None and world > 1:
-        names = [backend_mesh.get_group(i).group_name for i in range(backend_mesh.ndim)]
-        groups = ",".join(names)
-    ours = (
-        f"keras_dtensor_fix:rank={rank}/{world}"
-        f":mesh={tuple(mesh.shape)}:groups={groups}"
-    )
-    return f"{user_tag}|{ours}" if user_tag else ours
 
 
 def _cache_backend_layouts(model) -> None:

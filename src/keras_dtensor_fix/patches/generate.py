@@ -1,0 +1,127 @@
+"""keras-hub generate() compiled on torch for a model compiled with jit_compile=True.
+
+keras-hub compiles generation on JAX and TensorFlow and runs it eagerly on
+torch: every new token pays a whole eager forward pass, and on a sharded
+model each of its ops is a dispatched DTensor op. Here a ``CausalLM``
+compiled with ``jit_compile=True`` runs each new token's cached decoder call
+(``call_with_cache`` on one token) through ``torch.compile``: the cache keeps
+its shape and the position is a tensor, so one graph serves every position
+and every later ``generate()`` call. The prompt's pass (the cache's first
+fill) stays eager: it runs once per call, with the prompt's shape. Sharded,
+the graph holds this process's shards and collectives; its compile-cache key
+names the process, as the training steps' do (``state.cache_key_tag``).
+
+``jit_compile`` False or "auto" (Keras's default, eager on torch) generates
+as keras-hub does. A compiled call that raises warns once, and that model
+generates eagerly from then on. Nothing stays set on the model: its
+``call_with_cache`` is replaced for the length of one generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.state import cache_key_tag, model_parallel
+
+#: CausalLM class -> ``torch.compile`` of its ``call_with_cache`` (one per class:
+#: dynamo guards on the model it is called with).
+_COMPILED: dict[type, Any] = {}
+#: Models whose compiled call raised: they generate eagerly.
+_EAGER: weakref.WeakSet = weakref.WeakSet()
+
+
+def _compiles(model: Any) -> bool:
+    call = getattr(type(model), "call_with_cache", None)
+    return (
+        getattr(model, "jit_compile", False) is True
+        and callable(call)
+        and "call_with_cache" not in vars(model)
+        and model not in _EAGER
+    )
+
+
+def _compiled(cls: type) -> Any:
+    found = _COMPILED.get(cls)
+    if found is None:
+        import torch
+
+        found = _COMPILED[cls] = torch.compile(cls.call_with_cache)
+    return found
+
+
+def _token_call(model: Any) -> Any:
+    """``model.call_with_cache``: one token compiled, the prompt's pass eager."""
+    eager = model.call_with_cache
+    cls = type(model)
+
+    def call_with_cache(token_ids, cache, cache_update_index):
+        shape = getattr(token_ids, "shape", ())
+        if model in _EAGER or len(shape) != 2 or shape[1] != 1:
+            return eager(token_ids, cache, cache_update_index)
+        import torch
+
+        call = _compiled(cls)
+        dist = model_parallel()
+        if dist is not None:
+            tag = cache_key_tag(dist, torch.compiler.config.cache_key_tag)
+            call = torch.compiler.config.patch(cache_key_tag=tag)(call)
+        try:
+            return call(model, token_ids, cache, cache_update_index)
+        except Exception as err:  # noqa: BLE001 - eager is the fallback
+            _EAGER.add(model)
+            warnings.warn(
+                f"keras-dtensor-fix: generate() of this jit_compile=True model "
+                f"runs eagerly: its compiled token step failed "
+                f"({type(err).__name__}: {str(err)[:300]})",
+                stacklevel=2,
+            )
+            return eager(token_ids, cache, cache_update_index)
+
+    return call_with_cache
+
+
+@contextlib.contextmanager
+def _tokens_compiled(model: Any) -> Iterator[None]:
+    model.call_with_cache = _token_call(model)
+    try:
+        yield
+    finally:
+        vars(model).pop("call_with_cache", None)
+
+
+def _make_generate_function(wrapped, instance, args, kwargs):
+    function = wrapped(*args, **kwargs)
+    if not _compiles(instance):
+        return function
+
+    def generate_function(*call_args: Any, **call_kwargs: Any) -> Any:
+        if not _compiles(instance):
+            return function(*call_args, **call_kwargs)
+        with _tokens_compiled(instance):
+            return function(*call_args, **call_kwargs)
+
+    return generate_function
+
+
+def patches(module: types.ModuleType) -> list[Patch]:
+    cls = getattr(module, "CausalLM", None)
+    if not callable(getattr(cls, "make_generate_function", None)):
+        raise LookupError("CausalLM.make_generate_function")
+    return [
+        Patch(
+            module.__name__, "CausalLM.make_generate_function", _make_generate_function
+        )
+    ]
+
+
+def _forget() -> None:
+    _COMPILED.clear()
+
+
+IMPLEMENTATION = Implementation(patches, after_revert=_forget)

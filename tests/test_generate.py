@@ -1,0 +1,76 @@
+"""The ``generate`` family on one process: what it leaves behind and its fallback.
+
+Compiled generation itself (tokens equal one eager process, a graph for the
+token step) runs sharded in ``tests/multiprocess/test_hub.py``
+(``llama_1x2_compiled``); its speed in ``benchmarks/generate_ops.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from support import last_json
+
+pytest.importorskip("keras_hub")
+
+CODE = r"""
+import json, warnings
+import numpy as np
+import torch
+import keras, keras_hub
+import keras_dtensor_fix
+from keras_hub.src.models import causal_lm
+from keras_dtensor_fix.patches import generate as family
+
+original = causal_lm.CausalLM.__dict__["make_generate_function"].__wrapped__
+
+
+def model(jit_compile):
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=64, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, head_dim=8,
+    )
+    lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    lm.compile(sampler="greedy", jit_compile=jit_compile)
+    return lm
+
+
+def failing(*args, **kwargs):
+    def call(*a, **k):
+        raise RuntimeError("no compiler here")
+    return call
+
+
+torch.compile = failing  # the family's compiled token step raises
+ids = np.zeros((2, 10), "int32")
+ids[:, :4] = 5
+prompt = {"token_ids": ids, "padding_mask": ids > 0}
+eager = model(False).generate(prompt, stop_token_ids=None)["token_ids"]
+lm = model(True)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    first = lm.generate(prompt, stop_token_ids=None)["token_ids"]
+    second = lm.generate(prompt, stop_token_ids=None)["token_ids"]
+keras_dtensor_fix.deactivate()
+print(json.dumps({
+    "warnings": [str(w.message) for w in caught if "dtensor-fix" in str(w.message)],
+    "equal": [np.asarray(first).tolist() == np.asarray(eager).tolist(),
+              np.asarray(second).tolist() == np.asarray(eager).tolist()],
+    "left_on_model": "call_with_cache" in vars(lm),
+    "restored": causal_lm.CausalLM.__dict__["make_generate_function"] is original,
+}))
+"""
+
+
+def test_a_failed_compile_generates_eagerly_and_leaves_nothing(run_py) -> None:
+    """The compiled token step raises: one warning, the same tokens as an
+    eager model (both calls), nothing left on the model, and deactivation
+    puts keras-hub's own ``make_generate_function`` back."""
+    out = last_json(run_py(CODE, timeout=300))
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert "runs eagerly" in out["warnings"][0]
+    assert "no compiler here" in out["warnings"][0]
+    assert out["equal"] == [True, True]
+    assert out["left_on_model"] is False
+    assert out["restored"] is True
