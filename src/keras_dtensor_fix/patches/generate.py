@@ -56,23 +56,26 @@ def _compiled(cls: type) -> Any:
 
 
 def _token_call(model: Any) -> Any:
-    """``model.call_with_cache``: one token compiled, the prompt's pass eager."""
+    """``model.call_with_cache``: one token compiled, the prompt's pass eager.
+
+    The compiled call and its cache tag are made once per generation, not per
+    token: the distribution does not change inside one ``generate()``.
+    """
+    import torch
+
     eager = model.call_with_cache
-    cls = type(model)
+    compiled = _compiled(type(model))
+    dist = model_parallel()
+    if dist is not None:
+        tag = cache_key_tag(dist, torch.compiler.config.cache_key_tag)
+        compiled = torch.compiler.config.patch(cache_key_tag=tag)(compiled)
 
     def call_with_cache(token_ids, cache, cache_update_index):
         shape = getattr(token_ids, "shape", ())
         if model in _EAGER or len(shape) != 2 or shape[1] != 1:
             return eager(token_ids, cache, cache_update_index)
-        import torch
-
-        call = _compiled(cls)
-        dist = model_parallel()
-        if dist is not None:
-            tag = cache_key_tag(dist, torch.compiler.config.cache_key_tag)
-            call = torch.compiler.config.patch(cache_key_tag=tag)(call)
         try:
-            return call(model, token_ids, cache, cache_update_index)
+            return compiled(model, token_ids, cache, cache_update_index)
         except Exception as err:  # noqa: BLE001 - eager is the fallback
             _EAGER.add(model)
             warnings.warn(
@@ -101,8 +104,6 @@ def _make_generate_function(wrapped, instance, args, kwargs):
         return function
 
     def generate_function(*call_args: Any, **call_kwargs: Any) -> Any:
-        if not _compiles(instance):
-            return function(*call_args, **call_kwargs)
         with _tokens_compiled(instance):
             return function(*call_args, **call_kwargs)
 
