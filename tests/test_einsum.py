@@ -34,4 +34,6 @@ def test_two_ranks() -> None:
     expected.update(
         (name, "local" if c[-1] else "fallback") for name, c in LINEAR_CASES.items()
     )
+    megatron = {k: results.pop(k) for k in list(results) if k.startswith("megatron")}
     assert results == {**expected, "matmul": "local"}, results
+    assert megatron and all(megatron.values()), megatron

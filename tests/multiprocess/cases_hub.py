@@ -14,6 +14,7 @@ import torch  # noqa: E402
 from keras import layers  # noqa: E402
 from scenario_kit import (  # noqa: E402
     WORLD,
+    DTensorOps,
     batch_rows,
     case,
     weights,
@@ -121,6 +122,19 @@ class CountCollectives(keras.callbacks.Callback):
         self.per_step = collective_events(self._profile) / self._steps
 
 
+def _generation_state(model) -> list:
+    """What generate() may change for one call and must put back: each
+    weight's value object, each layer's own ``call`` and integer attributes
+    (head counts)."""
+    state = [id(v._value) for v in model.weights]
+    for layer in model._flatten_layers():
+        own = vars(layer)
+        state.append(
+            ("call" in own, sorted((k, v) for k, v in own.items() if type(v) is int))
+        )
+    return state
+
+
 def fit_and_generate(
     kind: str,
     batch_ranks: int = 1,
@@ -160,12 +174,21 @@ def fit_and_generate(
     prompt = {"token_ids": ids[:2].copy(), "padding_mask": np.zeros((2, 12), "int32")}
     prompt["padding_mask"][:, :5] = 1
     prompt["token_ids"][:, 5:] = 0
+    before = _generation_state(model)
     tokens = model.generate(prompt, max_length=12, stop_token_ids=None)
     result = {
         "losses": history.history["loss"],
         "weights": weights(model),
         "tokens": np.asarray(tokens["token_ids"]).tolist(),
+        "restored": _generation_state(model) == before,
     }
+    if not model.jit_compile:  # a dispatch mode would stop a compiled step
+        count = DTensorOps()
+        with count:
+            again = model.generate(prompt, max_length=12, stop_token_ids=None)
+        # 7 new tokens; the prompt's pass counts with them
+        result["dtensor_ops_per_token"] = count.count / 7
+        result["tokens_again"] = np.asarray(again["token_ids"]).tolist()
     if collectives:
         result["collectives"] = counter.per_step
     return result
@@ -185,6 +208,43 @@ for _kind in ("gemma", "llama"):
     _hub_case("hub", _kind, (2, 1))
 for _kind in ("gemma", "llama", "qwen"):
     _hub_case("hub4", _kind, (2, 2))
+
+
+@case("hub", layout=hub_layout("gemma"))
+def gemma_1x2_heads_miscounted():
+    """Generation's safety net: without ``query_head_dim_normalize`` (Gemma 2's
+    setting) Gemma's query scale reads ``hidden_dim // num_query_heads``;
+    with ``hidden_dim``
+    dropped from the plugin's head table its blocks' local calls scale
+    queries wrongly (no error: a silently wrong result), the first call's
+    check finds it and they generate on DTensors: the same tokens, a warning."""
+    import warnings
+
+    from keras_dtensor_fix.engine import targets
+
+    name = next(k for k in targets.ATTENTION_HEADS if k.endswith("GemmaAttention"))
+    counts = targets.ATTENTION_HEADS[name]
+    targets.ATTENTION_HEADS[name] = tuple(c for c in counts if c != "hidden_dim")
+    keras.utils.set_random_seed(1)
+    model = tiny_causal_lm("gemma")
+    for block in model.backbone.transformer_layers:  # GemmaDecoderBlock sets True
+        block.attention.query_head_dim_normalize = False
+    model.compile(sampler="greedy")
+    prompt = {"token_ids": np.zeros((2, 12), "int32"), "padding_mask": None}
+    prompt["token_ids"][:, :5] = [[3, 9, 27, 14, 5], [8, 1, 60, 33, 2]]
+    prompt["padding_mask"] = prompt["token_ids"] > 0
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tokens = model.generate(prompt, max_length=12, stop_token_ids=None)
+    finally:
+        targets.ATTENTION_HEADS[name] = counts
+    return {
+        "tokens": np.asarray(tokens["token_ids"]).tolist(),
+        "plugin_warnings": [
+            str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
+        ],
+    }
 
 
 def _compiled(kind: str, batch_ranks: int = 1) -> dict:

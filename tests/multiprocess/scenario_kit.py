@@ -14,6 +14,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from keras import layers, ops  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
@@ -37,6 +40,20 @@ def case(group: str, mesh: tuple[int, int] = (1, 2), **options: object):
 
 
 # ---------------------------------------------------------------- helpers
+
+
+class DTensorOps(TorchDispatchMode):
+    """Counts the aten ops called with a DTensor among their arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs))):
+            self.count += 1
+        return func(*args, **kwargs)
 
 
 def data(n: int = 64, features: int = 16, outputs: int = 4, seed: int = 0):

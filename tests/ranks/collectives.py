@@ -29,35 +29,20 @@ import bench_steps as bench  # noqa: E402  (collectives(), LAYOUTS, KERAS_MODELS
 import keras  # noqa: E402
 import numpy  # noqa: E402
 import torch  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import keras_dtensor_fix  # noqa: E402, F401  (activates, also without the .pth)
 from keras_dtensor_fix.demo import set_model_parallel  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "multiprocess"))  # scenarios: tiny hub models
+from scenario_kit import DTensorOps  # noqa: E402
+
 from support import compiles_model_parallel, leave  # noqa: E402
-
-
-class _DTensorOps(TorchDispatchMode):
-    """Counts the aten ops called with a DTensor among their arguments."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs))):
-            self.count += 1
-        return func(*args, **kwargs)
 
 
 def dtensor_ops(step) -> int:
     """DTensor-dispatched ops in one call of ``step``."""
-    with _DTensorOps() as mode:
+    with DTensorOps() as mode:
         step()
     return mode.count
 

@@ -5,9 +5,12 @@ Run as ``torch.distributed.run --nproc_per_node=2 einsum.py``. For each case
 ``keras_dtensor_fix.dtensor.einsum.local_einsum`` returns, and the operands'
 gradients after a backward through ``reduce_partial`` (as the numpy wrapper
 runs it), against ``torch.einsum`` on the full plain tensors; likewise each
-``LINEAR_CASES`` dense layer (``local_dense``) against ``act(x @ w + b)``. It
-prints one JSON line from rank 0, ``CASES {name: "local" | "fallback"}``, and
-exits non-zero on a failure on any rank.
+``LINEAR_CASES`` dense layer (``local_dense``) against ``act(x @ w + b)``;
+and, on a (1, 2) mesh, the Megatron planning helpers of ``dtensor.megatron``
+(``MEGATRON``: which weights split where, a block input's local part, the
+placements of what it returns). It prints one JSON line from rank 0,
+``CASES {name: "local" | "fallback" | bool}``, and exits non-zero on a
+failure on any rank.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from keras_dtensor_fix.dtensor.einsum import (
     local_einsum,
     local_matmul,
 )
+from keras_dtensor_fix.dtensor.megatron import local_part, with_split
+from keras_dtensor_fix.dtensor.planner import shard_dim, split_axis
 
 R = Replicate()
 #: name -> (equation, shapes, placements, whether the local path applies)
@@ -198,6 +203,63 @@ def check_matmul(mesh) -> str:
     return "local"
 
 
+def check_megatron() -> dict[str, bool]:
+    """``dtensor.megatron`` on a (1, 2) mesh, as Gemma's layout places a block."""
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()))
+    rank = mesh.get_local_rank(1)
+    torch.manual_seed(0)
+    full = torch.randn(4, 6, 8)
+
+    def put(*placements):
+        return distribute_tensor(full, mesh, placements)
+
+    heads = put(Shard(1), Shard(0))  # (heads, hidden, dim): heads on "model"
+    norm = put(R, R)
+    cache = torch.randn(2, 2, 5, 4, 3)
+    x = put(Shard(0), R)  # batch on the one-rank axis
+    return {
+        "megatron split_axis: one model axis": split_axis([heads, norm]) == (mesh, 1),
+        "megatron split_axis: the one-rank axis splits nothing": split_axis([norm, x])
+        is None,
+        "megatron split_axis: one dim per value": split_axis([heads, put(R, Shard(2))])
+        == (mesh, 1),
+        "megatron split_axis: Partial refused": split_axis(
+            [DTensor.from_local(full, mesh, (R, Partial()), run_check=False)]
+        )
+        is None,
+        "megatron shard_dim": shard_dim(heads, 1) == 0 and shard_dim(heads, 0) == 1,
+        "megatron local_part: whole input": torch.equal(
+            local_part(x, mesh, 1, None), full
+        ),
+        "megatron local_part: split input refused": local_part(
+            put(R, Shard(1)), mesh, 1, None
+        )
+        is None,
+        "megatron local_part: plain cache cut by heads": torch.equal(
+            local_part(cache, mesh, 1, 3, x), cache[:, :, :, 2 * rank : 2 * rank + 2]
+        ),
+        "megatron local_part: split cache kept": torch.equal(
+            local_part(distribute_tensor(cache, mesh, (R, Shard(3))), mesh, 1, 3),
+            cache[:, :, :, 2 * rank : 2 * rank + 2],
+        ),
+        "megatron local_part: cache split elsewhere refused": local_part(
+            distribute_tensor(cache, mesh, (R, Shard(2))), mesh, 1, 3
+        )
+        is None,
+        "megatron local_part: uneven cut refused": local_part(
+            torch.ones(3, 5), mesh, 1, 1
+        )
+        is None,
+        "megatron local_part: a scalar is itself": local_part(
+            torch.tensor(3), mesh, 1, None
+        )
+        .eq(3)
+        .item(),
+        "megatron with_split": with_split(x, mesh, 1, 3) == (Shard(0), Shard(3))
+        and with_split(None, mesh, 1, None) == (R, R),
+    }
+
+
 def main() -> int:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -213,6 +275,7 @@ def main() -> int:
                 results[name] = "FAILED"
                 status = 1
     results["matmul"] = check_matmul(mesh)
+    results.update(check_megatron())
     if dist.get_rank() == 0:
         print("CASES " + json.dumps(results), flush=True)
     dist.barrier()

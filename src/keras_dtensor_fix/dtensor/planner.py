@@ -34,6 +34,9 @@ region         operands are split alike, only on dims the       none (the split
 product        an einsum's sharded letters are sharded alike    all-reduce of the
                in every operand that has them                   summed axes
 shardwise      an elementwise update over operands split alike  none
+megatron       a block's weights split on one mesh axis only    one all-reduce per
+               (``split_axis``; the block's shape is checked    row-parallel
+               by its caller, ``ops/decoder.py``)               product
 =============  ===============================================  ==================
 """
 
@@ -55,7 +58,9 @@ __all__ = [
     "product",
     "region",
     "replicated",
+    "shard_dim",
     "shardwise",
+    "split_axis",
     "split_dims",
     "whole",
 ]
@@ -343,3 +348,40 @@ def product(
             grad.append(placements[i][axis] if i in sharded else Partial())
     summed = tuple(axis for axis, p in enumerate(out) if p.is_partial())
     return Product(tuple(out), tuple(tuple(g) for g in grads), summed)
+
+
+def split_axis(values: Sequence[DTensor]) -> tuple[Any, int] | None:
+    """``(mesh, axis)``: the one mesh axis (of more than one rank) ``values``
+    are split on, each on at most one dim; None for anything else (two split
+    axes, a Partial value, two meshes, nothing split). An axis of one rank
+    splits nothing."""
+    if not values:
+        return None
+    mesh, axis = values[0].device_mesh, None
+    for value in values:
+        if not same_mesh(value.device_mesh, mesh):
+            return None
+        split = [
+            i
+            for i, p in enumerate(value.placements)
+            if not p.is_replicate() and mesh.size(i) > 1
+        ]
+        if not split:
+            continue
+        if len(split) > 1 or not isinstance(value.placements[split[0]], Shard):
+            return None
+        if axis is None:
+            axis = split[0]
+        elif axis != split[0]:
+            return None
+    if axis is None or mesh.size(axis) == 1:
+        return None
+    return mesh, axis
+
+
+def shard_dim(value: DTensor, axis: int) -> int | None:
+    """The tensor dim ``value`` is split on along mesh ``axis`` (None: whole)."""
+    placement = value.placements[axis]
+    if isinstance(placement, Shard):
+        return placement.dim % value.ndim
+    return None

@@ -147,6 +147,41 @@ OBJECTS: dict[str, tuple[str, str]] = {
     "global_state": ("keras.src.backend.common", "global_state"),
     "MonitorCallback": ("keras.src.callbacks.monitor_callback", "MonitorCallback"),
     "activations": ("keras.src.activations", "activations"),
+    "Dense": ("keras.src.layers.core.dense", "Dense"),
+    "EinsumDense": (EINSUM_DENSE, "EinsumDense"),
+}
+
+_HUB = "keras_hub.src"
+#: keras-hub attention layers whose cached call may run on a share of their
+#: heads (``ops/decoder.py``), and the attributes that count heads there: each
+#: is divided by the number of ranks for that call. Gemma's ``hidden_dim``
+#: only sets its query scale (``hidden_dim // num_query_heads``), a ratio
+#: that must not change. keras's MultiHeadAttention (keras-hub's cached one)
+#: reads no head count in its call: its einsum equations carry none. Any
+#: other attention layer keeps its block on the DTensor path.
+ATTENTION_HEADS: dict[str, tuple[str, ...]] = {
+    f"{_HUB}.models.gemma.gemma_attention.CachedGemmaAttention": (
+        "num_query_heads",
+        "num_key_value_heads",
+        "hidden_dim",
+    ),
+    f"{_HUB}.models.llama.llama_attention.LlamaAttention": (
+        "num_query_heads",
+        "num_key_value_heads",
+    ),
+    f"{_HUB}.models.qwen.qwen_attention.QwenAttention": (
+        "num_query_heads",
+        "num_key_value_heads",
+    ),
+    f"{_HUB}.models.qwen_moe.qwen_moe_attention.QwenMoeAttention": (
+        "num_query_heads",
+        "num_key_value_heads",
+    ),
+    f"{_HUB}.models.qwen3_moe.qwen3_moe_attention.Qwen3MoeAttention": (
+        "num_query_heads",
+        "num_key_value_heads",
+    ),
+    f"{_HUB}.layers.modeling.cached_multi_head_attention.CachedMultiHeadAttention": (),
 }
 
 

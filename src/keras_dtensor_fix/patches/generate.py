@@ -12,9 +12,13 @@ the graph holds this process's shards and collectives; its compile-cache key
 names the process, as the training steps' do (``state.cache_key_tag``).
 
 ``jit_compile`` False or "auto" (Keras's default, eager on torch) generates
-as keras-hub does. A compiled call that raises warns once, and that model
-generates eagerly from then on. Nothing stays set on the model: its
-``call_with_cache`` is replaced for the length of one generation.
+eagerly, and on a sharded model each decoder block's cached call runs on
+local tensors where its layout allows (``ops/decoder.py``: Megatron's
+per-token collectives, the cache split by heads), checked once per block
+against the DTensor path. A compiled call that raises warns once, and that
+model generates eagerly from then on. Nothing stays set on the model: its
+``call_with_cache`` (compiled) or its blocks' ``call`` (eager, sharded) are
+replaced for the length of one generation.
 """
 
 from __future__ import annotations
@@ -28,12 +32,16 @@ from typing import Any
 
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import cache_key_tag, model_parallel
+from keras_dtensor_fix.ops import decoder
 
 #: CausalLM class -> ``torch.compile`` of its ``call_with_cache`` (one per class:
 #: dynamo guards on the model it is called with).
 _COMPILED: dict[type, Any] = {}
 #: Models whose compiled call raised: they generate eagerly.
 _EAGER: weakref.WeakSet = weakref.WeakSet()
+#: Decoder blocks whose local call matched the DTensor path's / did not.
+_CHECKED: weakref.WeakSet = weakref.WeakSet()
+_DTENSOR: weakref.WeakSet = weakref.WeakSet()
 
 
 def _compiles(model: Any) -> bool:
@@ -98,13 +106,75 @@ def _tokens_compiled(model: Any) -> Iterator[None]:
         vars(model).pop("call_with_cache", None)
 
 
+def _block_call(block: Any, found: decoder.Plan) -> Any:
+    """``block.call`` for one generation: local where :mod:`.decoder` can."""
+    original = type(block).call.__get__(block, type(block))
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if block in _DTENSOR:
+            return original(*args, **kwargs)
+        if block not in _CHECKED:
+            return _checked(block, found, original, args, kwargs)
+        result = decoder.run(found, original, args, kwargs)
+        if result is NotImplemented:
+            return original(*args, **kwargs)
+        return result
+
+    return call
+
+
+def _checked(block: Any, found: decoder.Plan, original: Any, args, kwargs) -> Any:
+    """The block's first call, both ways: the local result where they agree
+    (every process decides alike); else the DTensor path's, from then on."""
+    expected = original(*args, **kwargs)
+    try:
+        result = decoder.run(found, original, args, kwargs)
+    except Exception as err:  # noqa: BLE001 - the DTensor path is the fallback
+        result, why = None, f"{type(err).__name__}: {str(err)[:200]}"
+    else:
+        why = "its results differ"
+    if result is NotImplemented:
+        return expected
+    if decoder.agree(found, expected, result):
+        _CHECKED.add(block)
+        return result
+    _DTENSOR.add(block)
+    warnings.warn(
+        f"keras-dtensor-fix: decoder block {getattr(block, 'path', block.name)!r} "
+        f"generates on DTensors (slower, same tokens): its call on local "
+        f"tensors did not match ({why})",
+        stacklevel=2,
+    )
+    return expected
+
+
+@contextlib.contextmanager
+def _blocks_local(model: Any) -> Iterator[None]:
+    blocks = getattr(getattr(model, "backbone", None), "transformer_layers", None)
+    installed = []
+    try:
+        for block in blocks or ():
+            found = None if block in _DTENSOR else decoder.plan(block)
+            if found is not None:
+                object.__setattr__(block, "call", _block_call(block, found))
+                installed.append(block)
+        yield
+    finally:
+        for block in installed:
+            vars(block).pop("call", None)
+
+
 def _make_generate_function(wrapped, instance, args, kwargs):
     function = wrapped(*args, **kwargs)
-    if not _compiles(instance):
+    if _compiles(instance):
+        context = _tokens_compiled
+    elif model_parallel() is not None:
+        context = _blocks_local
+    else:
         return function
 
     def generate_function(*call_args: Any, **call_kwargs: Any) -> Any:
-        with _tokens_compiled(instance):
+        with context(instance):
             return function(*call_args, **call_kwargs)
 
     return generate_function

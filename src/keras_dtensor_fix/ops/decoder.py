@@ -1,0 +1,267 @@
+"""A keras-hub decoder block's cached call on local tensors (eager generation).
+
+Through DTensor, one new token costs every op of every block as a dispatched
+DTensor op (about 130 per token for a 4-layer Gemma), several times the cost
+of the op's math at generation's batch sizes. Where a block's weights are
+split Megatron's way on one mesh axis (column-parallel products in,
+row-parallel out: what keras-hub's ``get_layout_map`` gives on a (1, N)
+mesh), its cached call runs as Megatron's decoder does: each rank computes
+its own heads on plain local tensors, one all-reduce after each row-parallel
+product, and the key/value cache stays split by heads.
+
+For the call, each of the block's DTensor weights reads as its local tensor
+(``Variable._value``), each attention layer of :data:`targets.ATTENTION_HEADS`
+counts its own heads, and each row-parallel dense layer sums its product
+over the axis before its bias; all of it is put back when the call returns.
+:func:`plan` refuses a block it cannot prove fits (another split, a split
+weight outside a dense layer, an attention layer it does not know, LoRA,
+quantized or mixed-precision kernels), which then runs on DTensors as before.
+The first call of each block is also run on DTensors and compared
+(:func:`verified`): a block whose results differ keeps the DTensor path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from keras_dtensor_fix.dtensor import DTensor, all_reduce_sum, wrap_local
+from keras_dtensor_fix.dtensor.einsum import linear_equation
+from keras_dtensor_fix.dtensor.megatron import local_part, with_split
+from keras_dtensor_fix.dtensor.planner import shard_dim, split_axis
+from keras_dtensor_fix.engine import state, targets
+
+#: keras-hub's per-layer cache: (batch, 2, length, heads, head dim).
+CACHE_HEADS = -2
+
+
+@dataclass
+class Plan:
+    """How one block runs locally: what its call swaps, and back."""
+
+    mesh: Any
+    axis: int
+    #: (variable, its local tensor)
+    weights: list[tuple[Any, Any]] = field(default_factory=list)
+    #: (attention layer, attribute, its count for one rank)
+    heads: list[tuple[Any, str, int]] = field(default_factory=list)
+    #: (row-parallel dense layer, its local call)
+    rows: list[tuple[Any, Callable[..., Any]]] = field(default_factory=list)
+
+
+def _kernel_letters(layer: Any, dense: type) -> str:
+    """The kernel's letters, ``->``, the output's."""
+    if isinstance(layer, dense):
+        return "kn->n"  # (in, out): the output keeps n
+    operands, out = layer.equation.split("->")
+    return operands.split(",")[1] + "->" + out
+
+
+def plan(block: Any) -> Plan | None:
+    """The local plan of ``block``, or None where it must run on DTensors.
+
+    Megatron's shape is required, not only inferred from each weight: in
+    each attention layer every split dense layer is column-parallel but one
+    (its output projection), and outside them no more row-parallel layers
+    than column-parallel ones (an MLP's in and out).
+    """
+    dense = tuple(targets.keras_object(n) for n in ("Dense", "EinsumDense"))
+    if _laid_out(block):
+        return None  # Keras would lay out a local output as if it were whole
+    split = [(v, v._value) for v in block.weights if isinstance(v._value, DTensor)]
+    where = split_axis([value for _, value in split])
+    if where is None:
+        return None
+    mesh, axis = where
+    size = mesh.size(axis)
+    sharded = {id(v): value for v, value in split if shard_dim(value, axis) is not None}
+    result = Plan(mesh, axis, [(v, value.to_local()) for v, value in split])
+    local = {id(v): t for v, t in result.weights}
+    claimed: set[int] = set()
+    kinds: dict[int, str] = {}  # id(dense layer) -> "column" / "row"
+    attentions = []
+    for layer in block._flatten_layers(include_self=False):
+        cls = type(layer)
+        counts = targets.ATTENTION_HEADS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if counts is not None:
+            attentions.append(layer)
+            for name in counts:
+                count = getattr(layer, name, None)
+                if not isinstance(count, int) or count % size:
+                    return None
+                result.heads.append((layer, name, count // size))
+        elif "attention" in cls.__name__.lower():
+            return None  # its head counts are unknown
+        if isinstance(layer, dense):
+            kind = _dense_kind(layer, dense[0], sharded, axis)
+            if kind is None:
+                return None
+            if kind == "whole":
+                continue
+            kinds[id(layer)] = kind
+            claimed.update((id(layer._kernel), id(layer.bias)))
+            if kind == "row":
+                equation = None if isinstance(layer, dense[0]) else layer.equation
+                result.rows.append(
+                    (layer, _row_call(layer, equation, local, mesh, axis))
+                )
+    if set(sharded) - claimed or not _megatron(kinds, attentions):
+        return None  # a split weight outside a dense layer, or not Megatron's
+    return result
+
+
+def _laid_out(block: Any) -> bool:
+    """Whether the distribution lays out the output of ``block`` or a sublayer."""
+    distribution = targets.keras_object("distribution")()
+    if distribution is None:
+        return False
+    return any(
+        distribution.get_tensor_layout(f"{getattr(layer, 'path', layer.name)}/output")
+        for layer in block._flatten_layers()
+    )
+
+
+def _dense_kind(layer: Any, plain: type, sharded: dict, axis: int) -> str | None:
+    """``"column"``, ``"row"``, ``"whole"`` (nothing split), or None (refused)."""
+    kernel, bias = getattr(layer, "_kernel", None), getattr(layer, "bias", None)
+    if id(kernel) not in sharded:
+        return None if id(bias) in sharded else "whole"
+    if (
+        getattr(layer, "lora_enabled", False)
+        or getattr(layer, "quantization_mode", None) is not None
+        or layer.compute_dtype != layer.variable_dtype
+    ):
+        return None
+    value = sharded[id(kernel)]
+    dim = shard_dim(value, axis)
+    if value.shape[dim] % value.device_mesh.size(axis):
+        return None
+    kernel_in, out = _kernel_letters(layer, plain).split("->")
+    column = kernel_in[dim] in out
+    if bias is not None and column != (id(bias) in sharded):
+        return None  # a column's bias splits with it; a row's is whole
+    return "column" if column else "row"
+
+
+def _megatron(kinds: dict[int, str], attentions: list[Any]) -> bool:
+    inside: set[int] = set()
+    for attention in attentions:
+        found = [
+            kinds[id(sub)]
+            for sub in attention._flatten_layers(include_self=False)
+            if id(sub) in kinds
+        ]
+        if found and sorted(found) != ["column"] * (len(found) - 1) + ["row"]:
+            return False
+        inside.update(id(sub) for sub in attention._flatten_layers(include_self=False))
+    outside = [kind for key, kind in kinds.items() if key not in inside]
+    return outside.count("row") <= outside.count("column")
+
+
+def _row_call(
+    layer: Any, equation: str | None, local: dict, mesh: Any, axis: int
+) -> Callable[..., Any]:
+    """A row-parallel layer's call: local product, all-reduce, then bias."""
+    kernel = local[id(layer._kernel)]
+    bias = None if layer.bias is None else local.get(id(layer.bias), layer.bias.value)
+    activation = layer.activation
+
+    def call(inputs: Any, training: Any = None) -> Any:
+        wanted = equation or linear_equation(inputs.ndim)
+        x = all_reduce_sum(torch.einsum(wanted, inputs, kernel), mesh, (axis,))
+        if bias is not None:
+            x = x + bias
+        return x if activation is None else activation(x)
+
+    return call
+
+
+@contextlib.contextmanager
+def _swapped(found: Plan) -> Iterator[None]:
+    saved_weights = [(v, v._value) for v, _ in found.weights]
+    saved_heads = [(layer, n, getattr(layer, n)) for layer, n, _ in found.heads]
+    # Every operand inside is a plain tensor: the gated wrappers (which fix
+    # DTensor mixes) have nothing to do, and closed they cost no Python frame.
+    sharding = list(state.SHARDING)
+    try:
+        state.SHARDING.clear()
+        for variable, value in found.weights:
+            variable._value = value
+        for layer, name, count in found.heads:
+            object.__setattr__(layer, name, count)
+        for layer, call in found.rows:
+            object.__setattr__(layer, "call", call)
+        yield
+    finally:
+        state.SHARDING.extend(sharding)
+        for variable, value in saved_weights:
+            variable._value = value
+        for layer, name, count in saved_heads:
+            object.__setattr__(layer, name, count)
+        for layer, _ in found.rows:
+            vars(layer).pop("call", None)
+
+
+def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``call(*args, **kwargs)`` (the block's own) on local tensors, or
+    :data:`NotImplemented` where its inputs have no local form."""
+    mesh, axis = found.mesh, found.axis
+    x = args[0] if args else kwargs.get("x")
+    like = x if isinstance(x, DTensor) else None
+    cache = kwargs.get("cache")
+    if cache is None or not hasattr(cache, "ndim"):
+        return NotImplemented
+    heads = cache.ndim + CACHE_HEADS
+    local_args = [local_part(a, mesh, axis, None, like) for a in args]
+    local_kwargs = {
+        k: local_part(v, mesh, axis, heads if k == "cache" else None, like)
+        for k, v in kwargs.items()
+    }
+    if any(
+        a is None and b is not None
+        for a, b in zip(
+            [*local_args, *local_kwargs.values()],
+            [*args, *kwargs.values()],
+            strict=True,
+        )
+    ):
+        return NotImplemented
+    with _swapped(found):
+        result = call(*local_args, **local_kwargs)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise TypeError(
+            f"keras-dtensor-fix: a decoder block called with a cache returned "
+            f"{type(result).__name__}, not (outputs, cache): set "
+            f"KERAS_DTENSOR_FIX_DISABLE=generate and report it"
+        )
+    out, new_cache = result
+    placements = with_split(like, mesh, axis, None)
+    cache_placements = with_split(
+        cache if isinstance(cache, DTensor) else like, mesh, axis, heads
+    )
+    return (
+        wrap_local(out, mesh, placements) if like is not None else out,
+        wrap_local(new_cache, mesh, cache_placements),
+    )
+
+
+def agree(found: Plan, expected: Any, result: Any) -> bool:
+    """Whether two (outputs, cache) results hold the same values, as every
+    process finds (one all-reduce: each process decides alike); ``result``
+    None (the local call failed) agrees with nothing."""
+    mismatch = 0.0 if result is not None else 1.0
+    for a, b in zip(expected, result or expected, strict=True):
+        a = a.full_tensor() if isinstance(a, DTensor) else a
+        b = b.full_tensor() if isinstance(b, DTensor) else b
+        scale = float(a.abs().max()) if a.numel() else 0.0
+        if a.shape != b.shape or not torch.allclose(
+            a, b, rtol=1e-4, atol=1e-5 * max(scale, 1.0)
+        ):
+            mismatch = 1.0
+    flag = torch.tensor([mismatch], device=found.mesh.device_type)
+    total = all_reduce_sum(flag, found.mesh, tuple(range(found.mesh.ndim)))
+    return float(total) == 0.0
