@@ -7,7 +7,9 @@ on (1, N), or on one process with no distribution; ``--compile``:
 ``jit_compile=True``, so that ``generate()`` compiles its token step (the
 ``generate`` family). Prints ms/token (median of 3 calls after the first),
 eager: aten ops per token with a DTensor among their arguments and without,
-the most frequent DTensor ops; collectives per token (torch's profiler).
+the most frequent DTensor ops; collectives per token (torch's profiler);
+sharded, what one all-reduce of a token's hidden vector costs here (the
+plugin's path, the median of 200: the machine's floor per collective).
 Counts do not depend on the machine's load; times do.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/generate_ops.py
@@ -49,6 +51,21 @@ class Count(TorchDispatchMode):
         else:
             self.plain += 1
         return func(*args, **kwargs)
+
+
+def all_reduce_ms(hidden: int) -> float:
+    """Median ms of the plugin's all-reduce of a (2, 1, hidden) tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from keras_dtensor_fix.dtensor import all_reduce_sum
+
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    value, times = torch.randn(2, 1, hidden), []
+    for _ in range(220):
+        start = time.perf_counter()
+        all_reduce_sum(value, mesh, (0,))
+        times.append(time.perf_counter() - start)
+    return 1000 * float(np.median(times[20:]))
 
 
 def main() -> None:
@@ -116,6 +133,7 @@ def main() -> None:
     collectives = collections.Counter(
         e.name for e in profile.events() if e.name.startswith(("c10d::", "_c10d"))
     )
+    reduce_ms = all_reduce_ms(args.hidden) if world > 1 else None
     if int(os.environ.get("RANK", "0")) == 0:
         ms = 1000 * float(np.median(times)) / tokens
         tokens_now = np.asarray(out["token_ids"])
@@ -139,6 +157,8 @@ def main() -> None:
             print(f"  {n / tokens:6.1f}  {name}")
         for name, n in collectives.most_common(8):
             print(f"  {n / tokens:6.2f}  {name} (collective)")
+        if reduce_ms is not None:
+            print(f"one all-reduce of (2, 1, {args.hidden}): {reduce_ms:.2f} ms")
     sys.stdout.flush()
     os._exit(0)  # skips a gloo teardown that can abort (tests/support.leave)
 

@@ -41,7 +41,10 @@ def tiny_causal_lm(kind: str):
             keras_hub.models.Qwen3MoeBackbone,
             keras_hub.models.Qwen3MoeCausalLM,
         ),
+        # TransformerDecoder blocks, biases
+        "gpt2": (keras_hub.models.GPT2Backbone, keras_hub.models.GPT2CausalLM),
     }[kind]
+    heads = {"num_query_heads": 4, "num_key_value_heads": 2}
     extra = {
         "gemma": {"head_dim": 8},
         # 4 experts, 2 per token: top_k, one_hot and an add_loss in the router
@@ -57,15 +60,13 @@ def tiny_causal_lm(kind: str):
             "num_experts": 4,
             "top_k": 2,
         },
-    }.get(kind, {})
+        # an unseeded Dropout (GPT-2's default 0.1) draws per process
+        "gpt2": {"num_heads": 4, "max_sequence_length": 16, "dropout": 0.0},
+    }.get(kind, heads)
+    if kind != "gpt2":
+        extra = {**heads, **extra}
     model = backbone(
-        vocabulary_size=64,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-        **extra,
+        vocabulary_size=64, num_layers=2, hidden_dim=32, intermediate_dim=64, **extra
     )
     return causal_lm(backbone=model, preprocessor=None)
 
@@ -147,7 +148,11 @@ def fit_and_generate(
     (:class:`CountCollectives`). A jit_compile=True model generates compiled
     (the ``generate`` family) unless ``compiled_generation`` is False: then it
     is set back to eager first, as a user would (``model.jit_compile = False``),
-    which spares the suite a second compile where training is the point."""
+    which spares the suite a second compile where training is the point.
+    Eager: also DTensor-dispatched ops per token (a second greedy call), and
+    where every process holds every row, a seeded top-k sampler's tokens."""
+    import keras_hub
+
     model = tiny_causal_lm(kind)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
@@ -189,6 +194,10 @@ def fit_and_generate(
         # 7 new tokens; the prompt's pass counts with them
         result["dtensor_ops_per_token"] = count.count / 7
         result["tokens_again"] = np.asarray(again["token_ids"]).tolist()
+    if batch_ranks == 1 and not jit_compile:  # processes sharing rows draw alike
+        model.compile(sampler=keras_hub.samplers.TopKSampler(k=8, seed=42))
+        drawn = model.generate(prompt, max_length=12, stop_token_ids=None)
+        result["top_k_tokens"] = np.asarray(drawn["token_ids"]).tolist()
     if collectives:
         result["collectives"] = counter.per_step
     return result
@@ -341,6 +350,13 @@ GPT_LAYOUT = {  # Megatron: column-parallel Q/K/V and FFN in, row-parallel out
     r".*lm_head/kernel": (None, "model"),
     r".*lm_head/bias": ("model",),
 }
+
+
+@case("hub", layout={k: v for k, v in GPT_LAYOUT.items() if "lm_head" not in k})
+def gpt2_1x2():
+    """keras-hub's GPT-2, Megatron's layout by hand (it has no get_layout_map):
+    column-parallel Q/K/V and FFN in with their biases, row-parallel out."""
+    return fit_and_generate("gpt2")
 
 
 def tiny_gpt():

@@ -6,6 +6,11 @@ weights), then ``generate()`` greedily (the KV-cache path) the same tokens.
 The (2, 2) mesh needs 4 processes: ``KERAS_DTENSOR_FIX_FOUR_RANKS=1`` (the
 ``nox -s tests4`` session) runs it.
 
+keras-hub's GPT-2 (no get_layout_map) takes Megatron's layout by hand on
+(1, 2); there, and for Gemma's own layout, eager generation runs each block
+on local tensors (``test_generation_on_local_tensors``); a seeded top-k
+sampler draws one process's tokens wherever the processes share every row.
+
 Upstream Keras (``KERAS_DTENSOR_FIX=0``), same scripts, keras-nightly
 3.16.0.dev2026102704: on (1, 2) Gemma's fit works but generate() fails
 ("aten.index_put_.default: in-place operations that require placement
@@ -35,9 +40,14 @@ def cases(group: str) -> list[str]:
 
 
 def check(name: str, ranks: list[dict], single: dict) -> None:
+    """Parity, greedy tokens, and (where the processes share every row) a
+    seeded top-k sampler's tokens equal one process's."""
     assert_parity(name, ranks, single)
     for rank, result in enumerate(ranks):
         assert result[name]["tokens"] == single[name]["tokens"], f"rank {rank}"
+        if "top_k_tokens" in result[name]:
+            drawn = single[name]["top_k_tokens"]
+            assert result[name]["top_k_tokens"] == drawn, f"rank {rank}"
 
 
 MISCOUNTED = "gemma_1x2_heads_miscounted"
@@ -52,11 +62,16 @@ def test_generation_on_local_tensors(runs) -> None:
     """Gemma's layout is Megatron's on (1, 2): its blocks generate on local
     tensors (``ops/decoder.py``), the same tokens (test_hub_parity) with
     about 32 DTensor-dispatched ops per token where the DTensor path takes 85
-    (measured with ``KERAS_DTENSOR_FIX_DISABLE=generate``: this fails then).
+    (measured with ``KERAS_DTENSOR_FIX_DISABLE=generate``: this fails then);
+    GPT-2 22 where it takes 46.
     Llama's and Qwen's layouts split Q/K/V by hidden, not heads: not
     Megatron's, they stay on DTensors (about 50 per token). Upstream cannot
     generate on (1, 2) at all (test_upstream_hub)."""
     for result in runs.get("hub", world=2):
+        # keras-hub's GPT-2 under Megatron's layout by hand: local too (with
+        # biases)
+        assert result["gpt2_1x2"]["dtensor_ops_per_token"] <= 35
+        assert result["gpt2_1x2"]["restored"]
         assert result["gemma_1x2"]["dtensor_ops_per_token"] <= 40
         assert result["gemma_1x2"]["tokens_again"] == result["gemma_1x2"]["tokens"]
         # weights, calls and head counts are the model's own again
@@ -166,6 +181,8 @@ def test_upstream_hub(runs) -> None:
     upstream = runs.get("hub", world=2, KERAS_DTENSOR_FIX="0")[0]
     assert "placement changes are not supported" in upstream["gemma_1x2"]["error"]
     assert "Unable to automatically build" in upstream["llama_1x2"]["error"]
+    # keras-hub's GPT-2 under a Megatron layout: its fit() fails
+    assert "must match the size of tensor b" in upstream["gpt2_1x2"]["error"]
 
 
 #: Upstream on the compiled cases (it runs them eagerly): every one fails.

@@ -37,6 +37,9 @@ from keras_dtensor_fix.engine import state, targets
 
 #: keras-hub's per-layer cache: (batch, 2, length, heads, head dim).
 CACHE_HEADS = -2
+#: Its argument: the causal LMs' own blocks take ``cache``, keras-hub's
+#: ``TransformerDecoder`` (GPT-2) ``self_attention_cache``.
+CACHE_ARGUMENTS = ("cache", "self_attention_cache")
 
 
 @dataclass
@@ -184,6 +187,7 @@ def _row_call(
 def _swapped(found: Plan) -> Iterator[None]:
     saved_weights = [(v, v._value) for v, _ in found.weights]
     saved_heads = [(layer, n, getattr(layer, n)) for layer, n, _ in found.heads]
+    saved_specs = [(layer, layer._input_spec) for layer, _ in found.rows]
     # Every operand inside is a plain tensor: the gated wrappers (which fix
     # DTensor mixes) have nothing to do, and closed they cost no Python frame.
     sharding = list(state.SHARDING)
@@ -195,6 +199,8 @@ def _swapped(found: Plan) -> Iterator[None]:
             object.__setattr__(layer, name, count)
         for layer, call in found.rows:
             object.__setattr__(layer, "call", call)
+            # a row-parallel layer's input holds this rank's share of features
+            object.__setattr__(layer, "_input_spec", None)
         yield
     finally:
         state.SHARDING.extend(sharding)
@@ -202,8 +208,9 @@ def _swapped(found: Plan) -> Iterator[None]:
             variable._value = value
         for layer, name, count in saved_heads:
             object.__setattr__(layer, name, count)
-        for layer, _ in found.rows:
+        for layer, spec in saved_specs:
             vars(layer).pop("call", None)
+            object.__setattr__(layer, "_input_spec", spec)
 
 
 def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -212,13 +219,18 @@ def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any
     mesh, axis = found.mesh, found.axis
     x = args[0] if args else kwargs.get("x")
     like = x if isinstance(x, DTensor) else None
-    cache = kwargs.get("cache")
-    if cache is None or not hasattr(cache, "ndim"):
+    key = next((k for k in CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
+    cache = kwargs.get(key)
+    if (
+        key is None
+        or not hasattr(cache, "ndim")
+        or kwargs.get("cross_attention_cache") is not None  # a third result
+    ):
         return NotImplemented
     heads = cache.ndim + CACHE_HEADS
     local_args = [local_part(a, mesh, axis, None, like) for a in args]
     local_kwargs = {
-        k: local_part(v, mesh, axis, heads if k == "cache" else None, like)
+        k: local_part(v, mesh, axis, heads if k == key else None, like)
         for k, v in kwargs.items()
     }
     if any(
