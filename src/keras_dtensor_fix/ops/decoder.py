@@ -11,13 +11,16 @@ product, and the key/value cache stays split by heads.
 
 For the call, each of the block's DTensor weights reads as its local tensor
 (``Variable._value``), each attention layer of :data:`targets.ATTENTION_HEADS`
-counts its own heads, and each row-parallel dense layer sums its product
-over the axis before its bias; all of it is put back when the call returns.
-:func:`plan` refuses a block it cannot prove fits (another split, a split
-weight outside a dense layer, an attention layer it does not know, LoRA,
-quantized or mixed-precision kernels), which then runs on DTensors as before.
-The first call of each block is also run on DTensors and compared
-(:func:`verified`): a block whose results differ keeps the DTensor path.
+counts its own heads, each row-parallel dense layer sums its product over
+the axis before its bias (its input spec, which names the whole feature
+size, set aside), and the gated wrappers are closed (every operand is
+plain); all of it is put back when the call returns. :func:`plan` refuses a
+block it cannot prove fits (another split, a split weight outside a dense
+layer, an attention layer it does not know, a shape other than Megatron's,
+LoRA, quantized or mixed-precision kernels, an output the LayoutMap lays
+out), which then runs on DTensors as before. The generate family also runs
+each block's first call on DTensors and compares (:func:`agree`): a block
+whose results differ keeps the DTensor path.
 """
 
 from __future__ import annotations
