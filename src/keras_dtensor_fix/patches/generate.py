@@ -193,6 +193,8 @@ def patches(module: types.ModuleType) -> list[Patch]:
 
 def _forget() -> None:
     _COMPILED.clear()
+    _CHECKED.clear()
+    _DTENSOR.clear()
 
 
 IMPLEMENTATION = Implementation(patches, after_revert=_forget)
