@@ -79,7 +79,14 @@ def launch_groups(
 BATCH: list[str] = []
 #: The groups whose upstream run (``KERAS_DTENSOR_FIX=0``) tests read: those
 #: of BATCH go together in one upstream launch too.
-UPSTREAM = ("dropin", "dropin_compiled", "hub", "hub_compiled", "moe_compiled")
+UPSTREAM = (
+    "dropin",
+    "dropin_compiled",
+    "hub",
+    "hub_compiled",
+    "moe_compiled",
+    "generate_compiled",
+)
 PLAIN, OFF = (), (("KERAS_DTENSOR_FIX", "0"),)
 #: Groups a test launches again alone, on the batch's compile cache
 #: (test_moe_compiled_cold_then_warm): they run first in the batch, so both

@@ -52,6 +52,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cases_dropin  # noqa: E402, F401  (each registers its cases)
+import cases_generate  # noqa: E402, F401
 import cases_hub  # noqa: E402, F401
 import cases_layers  # noqa: E402, F401
 import cases_training  # noqa: E402, F401

@@ -99,6 +99,20 @@ def settle(value: DTensor, placements: Sequence[Any]) -> DTensor:
     return value
 
 
+def one_rank_replicated(value: Any) -> Any:
+    """``value`` labelled Replicate on its mesh axes of one rank (no data moves).
+
+    A batch sharded over a one-rank "batch" axis and the same batch made
+    replicated hold the same local tensor, yet a compiled graph guards on the
+    placements: one label for both keeps one graph.
+    """
+    if not isinstance(value, DTensor):
+        return value
+    have = tuple(value.placements)
+    want = _trivial_taken(value.device_mesh, have, (Replicate(),) * len(have))
+    return value if want == have else settle(value, want)
+
+
 def placed(value: DTensor, placements: Sequence[Any]) -> DTensor:
     """:func:`settle`, once per activation and placements.
 

@@ -37,6 +37,7 @@ from keras_dtensor_fix.dtensor.einsum import linear_equation
 from keras_dtensor_fix.dtensor.megatron import local_part, with_split
 from keras_dtensor_fix.dtensor.planner import shard_dim, split_axis
 from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.ops.values import output_laid_out
 
 #: keras-hub's per-layer cache: (batch, 2, length, heads, head dim).
 CACHE_HEADS = -2
@@ -76,7 +77,7 @@ def plan(block: Any) -> Plan | None:
     than column-parallel ones (an MLP's in and out).
     """
     dense = tuple(targets.keras_object(n) for n in ("Dense", "EinsumDense"))
-    if _laid_out(block):
+    if any(output_laid_out(layer) for layer in block._flatten_layers()):
         return None  # Keras would lay out a local output as if it were whole
     split = [(v, v._value) for v in block.weights if isinstance(v._value, DTensor)]
     where = split_axis([value for _, value in split])
@@ -118,17 +119,6 @@ def plan(block: Any) -> Plan | None:
     if set(sharded) - claimed or not _megatron(kinds, attentions):
         return None  # a split weight outside a dense layer, or not Megatron's
     return result
-
-
-def _laid_out(block: Any) -> bool:
-    """Whether the distribution lays out the output of ``block`` or a sublayer."""
-    distribution = targets.keras_object("distribution")()
-    if distribution is None:
-        return False
-    return any(
-        distribution.get_tensor_layout(f"{getattr(layer, 'path', layer.name)}/output")
-        for layer in block._flatten_layers()
-    )
 
 
 def _dense_kind(layer: Any, plain: type, sharded: dict, axis: int) -> str | None:

@@ -25,6 +25,17 @@ from keras_dtensor_fix.dtensor import (
 from keras_dtensor_fix.engine import targets
 
 
+def output_laid_out(layer: Any) -> bool:
+    """Whether the distribution gives ``layer``'s output a layout of its own
+    (a LayoutMap key ``<path>/output``): Keras lays that output out as if it
+    were whole, so a layer run on local tensors must leave it to Keras."""
+    distribution = targets.keras_object("distribution")()
+    if distribution is None:
+        return False
+    path = f"{getattr(layer, 'path', layer.name)}/output"
+    return bool(distribution.get_tensor_layout(path))
+
+
 def walk(data: Any, layout: Any, leaf: Callable[[Any, Any], Any]) -> Any:
     """Apply ``leaf(value, layout)`` through dicts, lists and tuples.
 

@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from keras_dtensor_fix.dtensor import placement
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import cache_key_tag, model_parallel
 from keras_dtensor_fix.ops import decoder
@@ -82,6 +83,12 @@ def _token_call(model: Any) -> Any:
         shape = getattr(token_ids, "shape", ())
         if model in _EAGER or len(shape) != 2 or shape[1] != 1:
             return eager(token_ids, cache, cache_update_index)
+        # The prompt's last token comes batch-sharded, the sampler's next
+        # ones replicated: on a one-rank batch axis that is one graph, not two.
+        token_ids, cache, cache_update_index = (
+            placement.one_rank_replicated(value)
+            for value in (token_ids, cache, cache_update_index)
+        )
         try:
             return compiled(model, token_ids, cache, cache_update_index)
         except Exception as err:  # noqa: BLE001 - eager is the fallback

@@ -33,7 +33,12 @@ from keras_dtensor_fix.dtensor import wrap_local as _wrap
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import compiling
-from keras_dtensor_fix.ops.values import flatten_call, local_tensors, unflatten_call
+from keras_dtensor_fix.ops.values import (
+    flatten_call,
+    local_tensors,
+    output_laid_out,
+    unflatten_call,
+)
 
 #: True while a leaf runs locally: a layer it calls runs as it is.
 _ACTIVE: list[bool] = []
@@ -65,15 +70,12 @@ def mixes(layer: Any, ndim: int) -> frozenset[int] | None:
 
 
 def _laid_out(layer: Any) -> bool:
-    """Whether the distribution gives ``layer``'s output a layout of its own."""
+    """:func:`~keras_dtensor_fix.ops.values.output_laid_out`, once per layer."""
     try:
         return _LAID_OUT[layer]
     except KeyError:
         pass
-    distribution = targets.keras_object("distribution")()
-    path = f"{getattr(layer, 'path', layer.name)}/output"
-    found = distribution is not None and bool(distribution.get_tensor_layout(path))
-    _LAID_OUT[layer] = found
+    found = _LAID_OUT[layer] = output_laid_out(layer)
     return found
 
 

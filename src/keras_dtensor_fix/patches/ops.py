@@ -4,13 +4,19 @@ Loss functions (``binary_crossentropy(target, output)``), attention,
 normalization and segment ops take several tensors too; each multi-tensor
 function gets the op-handler table's wrapper (:mod:`keras_dtensor_fix.ops.handlers`),
 with the rows for convolutions and attention among them. From the core
-module only ``slice_update`` (one tensor written into another) is wrapped: its
-other multi-tensor functions are the numpy module's.
+module ``slice_update`` (one tensor written into another) is wrapped, its
+other multi-tensor functions being the numpy module's; and ``slice``, whose
+start read from a tensor (keras-hub's ``PositionEmbedding`` at a cache index)
+Keras turns into ``torch.narrow`` on the start's value: inside a compiled
+graph that reads the value (a graph break) and returns a view of a DTensor,
+which AOT autograd rebuilds with ``as_strided`` (refused on DTensors). Traced,
+such a start becomes a gather of the rows it names, the same values in one graph.
 """
 
 from __future__ import annotations
 
 import types
+from typing import Any
 
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
@@ -20,10 +26,63 @@ from keras_dtensor_fix.ops import handlers
 CORE = ("slice_update",)
 
 
+def _static(value: Any) -> bool:
+    return isinstance(value, int) or type(value).__name__ == "SymInt"
+
+
+def _slice_wrapper(convert_to_tensor: Any) -> Any:
+    """The wrapper of the core module's ``slice`` (its ``convert_to_tensor``)."""
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        return _slice(convert_to_tensor, wrapped, args, kwargs)
+
+    return wrapper
+
+
+def _slice(convert_to_tensor: Any, wrapped: Any, args: tuple, kwargs: dict) -> Any:
+    """``slice(inputs, start_indices, shape)``: a tensor start, traced, gathers."""
+    import torch
+
+    if not torch.compiler.is_compiling():
+        return wrapped(*args, **kwargs)
+    names = ("inputs", "start_indices", "shape")
+    bound = dict(zip(names, args, strict=False), **kwargs)
+    starts, shape = bound.get("start_indices"), bound.get("shape")
+    if (
+        set(bound) != set(names)
+        or not isinstance(starts, (list, tuple))
+        or not isinstance(shape, (list, tuple))
+        or len(starts) != len(shape)
+        or not all(_static(n) for n in shape)
+        or not all(_static(s) or _scalar(s) for s in starts)
+        or all(_static(s) for s in starts)
+    ):
+        return wrapped(*args, **kwargs)
+    result = convert_to_tensor(bound["inputs"])
+    for dim, (start, length) in enumerate(zip(starts, shape, strict=True)):
+        if _static(start):
+            result = torch.narrow(result, dim, start, length)
+        else:
+            rows = torch.arange(length, device=result.device)
+            result = torch.index_select(result, dim, start.to(torch.int64) + rows)
+    return result
+
+
+def _scalar(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor) and value.ndim == 0
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
     core = targets.is_kind(module.__name__, "core")
     names = CORE if core else handlers.target_names(module)
-    return [
+    sliced = []
+    if core and hasattr(module, "slice") and hasattr(module, "convert_to_tensor"):
+        wrapper = _slice_wrapper(module.convert_to_tensor)
+        also_in = targets.aliases("core")
+        sliced.append(Patch(module.__name__, "slice", wrapper, also_in, gated=True))
+    return sliced + [
         Patch(
             module.__name__,
             name,

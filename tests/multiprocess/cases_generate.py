@@ -1,0 +1,64 @@
+"""Scenario cases: keras-hub causal LMs compiled with ``jit_compile=True``
+that generate without training first (the ``generate`` family compiles each
+new token's cached call): greedy tokens against one process's eager ones.
+
+Llama's (and, in the slow tier, Qwen's) compiled generation runs after its
+compiled training in ``cases_hub.py``; these cases cover the other decoders:
+GPT-2 (a learned position embedding sliced at the cache index, a tensor),
+and in the slow tier Gemma and QwenMoe (about a minute of tracing each on
+2 cores).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+from cases_hub import GPT_LAYOUT, hub_layout, tiny_causal_lm
+from scenario_kit import case
+
+
+def generate_compiled(kind: str) -> dict:
+    """Two greedy ``generate()`` calls of a random ``kind`` model compiled
+    with ``jit_compile=True``: tokens, graph breaks, the dynamo graphs the
+    second call compiled (0: one graph serves every position and call), and
+    the plugin's warnings (one would say it fell back to eager)."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    model = tiny_causal_lm(kind)
+    model.compile(sampler="greedy", jit_compile=True)
+    prompt = {"token_ids": np.zeros((2, 12), "int32")}
+    prompt["token_ids"][:, :5] = [[3, 9, 27, 14, 5], [8, 1, 60, 33, 2]]
+    prompt["padding_mask"] = prompt["token_ids"] > 0
+    stats = torch._dynamo.utils.counters["stats"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tokens = model.generate(prompt, max_length=12, stop_token_ids=None)
+        graphs = stats["unique_graphs"]
+        again = model.generate(prompt, max_length=12, stop_token_ids=None)
+    return {
+        "tokens": np.asarray(tokens["token_ids"]).tolist(),
+        "tokens_again": np.asarray(again["token_ids"]).tolist(),
+        "graphs_again": stats["unique_graphs"] - graphs,
+        "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+        "plugin_warnings": [
+            str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
+        ],
+    }
+
+
+def _case(kind: str, layout, slow: bool = False) -> None:
+    def run():
+        return generate_compiled(kind)
+
+    run.__name__ = f"{kind}_1x2_generate_compiled"
+    case("generate_compiled", layout=layout, slow=slow)(run)
+
+
+# GPT-2 has no get_layout_map: Megatron's by hand, its LM head tied to the
+# token embedding (which the LayoutMap leaves replicated).
+_case("gpt2", {k: v for k, v in GPT_LAYOUT.items() if "lm_head" not in k})
+_case("gemma", hub_layout("gemma"), slow=True)
+_case("qwen_moe", hub_layout("qwen_moe"), slow=True)
