@@ -2,7 +2,9 @@
 
 Compiled generation itself (tokens equal one eager process, a graph for the
 token step) runs sharded in ``tests/multiprocess/test_hub.py``
-(``llama_1x2_compiled``); its speed in ``benchmarks/generate_ops.py``.
+(``llama_1x2_compiled``, ``test_generate_compiled``); its speed in
+``benchmarks/generate_ops.py``. Here too: the ``ops`` family's traced
+``slice`` at a tensor start (GPT-2's position embedding) on a one-rank mesh.
 """
 
 from __future__ import annotations
@@ -74,3 +76,49 @@ def test_a_failed_compile_generates_eagerly_and_leaves_nothing(run_py) -> None:
     assert out["equal"] == [True, True]
     assert out["left_on_model"] is False
     assert out["restored"] is True
+
+
+SLICE = r"""
+import json
+import torch, keras
+import torch.distributed as dist
+from torch.distributed.tensor import DeviceMesh, Replicate, distribute_tensor
+import keras_dtensor_fix
+from keras_dtensor_fix.engine import state
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+state.note_sharding()  # the gates open, as after a sharded run
+
+
+def f(x, start):  # keras-hub's PositionEmbedding at a cache index
+    return keras.ops.slice(x, (start, 0), (3, 4))
+
+
+x = torch.arange(40.0).reshape(10, 4)
+dx = distribute_tensor(x, DeviceMesh("cpu", [0]), [Replicate()])
+compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+equal, error = {}, None
+try:
+    for s in (0, 4, 7, -5):
+        t = torch.tensor(s, dtype=torch.int32)
+        equal[s] = bool(torch.equal(compiled(dx, t).full_tensor(), f(x, t)))
+except Exception as err:
+    error = f"{type(err).__name__}: {str(err)[:3000]}"
+print(json.dumps({"equal": equal, "error": error}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("disable", ["", "ops"], ids=["on", "ops-off"])
+def test_a_tensor_start_slices_in_one_graph(run_py, disable: str) -> None:
+    """``ops.slice`` of a DTensor at a tensor start compiles into one graph
+    (fullgraph) with the eager call's values, a negative start counted from
+    the end as ``torch.narrow`` counts it. Keras narrows at the start's
+    value: on a DTensor dynamo cannot trace that (the ``ops`` family off)."""
+    env = {"KERAS_DTENSOR_FIX_DISABLE": disable}
+    out = last_json(run_py(SLICE, env=env, timeout=300))
+    if disable:
+        assert out["error"] is not None, out
+        return
+    assert out["error"] is None, out
+    assert out["equal"] == {"0": True, "4": True, "7": True, "-5": True}

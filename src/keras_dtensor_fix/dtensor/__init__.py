@@ -61,6 +61,7 @@ from keras_dtensor_fix.dtensor.local import (
 )
 from keras_dtensor_fix.dtensor.placement import (
     is_replicated,
+    one_rank_replicated,
     placed,
     reduce_masked,
     reduce_partial,
@@ -98,6 +99,7 @@ __all__ = [
     "implicit_replication",
     "is_replicated",
     "local_region",
+    "one_rank_replicated",
     "per_element_call",
     "placed",
     "poll_work",

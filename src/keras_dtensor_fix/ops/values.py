@@ -280,6 +280,7 @@ __all__ = [
     "flatten_call",
     "full_value",
     "local_tensors",
+    "output_laid_out",
     "promote_call",
     "resolve",
     "unflatten_call",

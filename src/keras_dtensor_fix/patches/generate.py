@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from keras_dtensor_fix.dtensor import placement
+from keras_dtensor_fix.dtensor import one_rank_replicated
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import cache_key_tag, model_parallel
 from keras_dtensor_fix.ops import decoder
@@ -86,7 +86,7 @@ def _token_call(model: Any) -> Any:
         # The prompt's last token comes batch-sharded, the sampler's next
         # ones replicated: on a one-rank batch axis that is one graph, not two.
         token_ids, cache, cache_update_index = (
-            placement.one_rank_replicated(value)
+            one_rank_replicated(value)
             for value in (token_ids, cache, cache_update_index)
         )
         try:

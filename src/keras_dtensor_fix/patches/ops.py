@@ -18,6 +18,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+from keras_dtensor_fix.dtensor import DTensor, replicate
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.ops import handlers
@@ -63,8 +64,15 @@ def _slice(convert_to_tensor: Any, wrapped: Any, args: tuple, kwargs: dict) -> A
         if _static(start):
             result = torch.narrow(result, dim, start, length)
         else:
-            rows = torch.arange(length, device=result.device)
-            result = torch.index_select(result, dim, start.to(torch.int64) + rows)
+            if isinstance(start, DTensor):  # a 0-d value: whole on every rank
+                start = start.full_tensor()
+            # narrow counts a negative start from the end
+            start = start.to(torch.int64)
+            start = torch.where(start < 0, start + result.shape[dim], start)
+            rows = start + torch.arange(length, device=start.device)
+            if isinstance(result, DTensor):
+                rows = replicate(rows, result.device_mesh)
+            result = torch.index_select(result, dim, rows)
     return result
 
 
