@@ -5,8 +5,8 @@ new token's cached call): greedy tokens against one process's eager ones.
 Llama's (and, in the slow tier, Qwen's) compiled generation runs after its
 compiled training in ``cases_hub.py``; these cases cover the other decoders:
 GPT-2 (a learned position embedding sliced at the cache index, a tensor),
-and in the slow tier Gemma and QwenMoe (about a minute of tracing each on
-2 cores).
+and in the slow tier Gemma and QwenMoe (about 40 s of tracing each on 2
+cores) and all three on a (2, 1) mesh.
 """
 
 from __future__ import annotations
@@ -49,16 +49,22 @@ def generate_compiled(kind: str) -> dict:
     }
 
 
-def _case(kind: str, layout, slow: bool = False) -> None:
+def _case(kind: str, layout, mesh=(1, 2), slow: bool = False) -> None:
     def run():
         return generate_compiled(kind)
 
-    run.__name__ = f"{kind}_1x2_generate_compiled"
-    case("generate_compiled", layout=layout, slow=slow)(run)
+    run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}_generate_compiled"
+    case("generate_compiled", mesh=mesh, layout=layout, slow=slow)(run)
 
 
 # GPT-2 has no get_layout_map: Megatron's by hand, its LM head tied to the
 # token embedding (which the LayoutMap leaves replicated).
-_case("gpt2", {k: v for k, v in GPT_LAYOUT.items() if "lm_head" not in k})
+GPT2_LAYOUT = {k: v for k, v in GPT_LAYOUT.items() if "lm_head" not in k}
+_case("gpt2", GPT2_LAYOUT)
 _case("gemma", hub_layout("gemma"), slow=True)
 _case("qwen_moe", hub_layout("qwen_moe"), slow=True)
+# (2, 1): every process generates the same prompts, its weights sharded on
+# the batch axis where keras-hub's 2-D layouts put them
+for _kind in ("gpt2", "gemma", "qwen_moe"):
+    _layout = GPT2_LAYOUT if _kind == "gpt2" else hub_layout(_kind)
+    _case(_kind, _layout, mesh=(2, 1), slow=True)
