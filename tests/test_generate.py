@@ -117,8 +117,8 @@ def test_a_tensor_start_slices_in_one_graph(run_py, disable: str) -> None:
     value: on a DTensor dynamo cannot trace that (the ``ops`` family off)."""
     env = {"KERAS_DTENSOR_FIX_DISABLE": disable}
     out = last_json(run_py(SLICE, env=env, timeout=300))
-    if disable:
-        assert out["error"] is not None, out
+    if disable:  # Keras's narrow at the start's value, on a DTensor
+        assert out["error"] is not None and "narrow" in out["error"], out
         return
     assert out["error"] is None, out
     assert out["equal"] == {"0": True, "4": True, "7": True, "-5": True}

@@ -15,7 +15,7 @@ import warnings
 
 import numpy as np
 import torch
-from cases_hub import GPT_LAYOUT, hub_layout, tiny_causal_lm
+from cases_hub import GPT_LAYOUT, hub_layout, short_prompts, tiny_causal_lm
 from scenario_kit import case
 
 
@@ -29,9 +29,7 @@ def generate_compiled(kind: str) -> dict:
     keras.utils.set_random_seed(1)
     model = tiny_causal_lm(kind)
     model.compile(sampler="greedy", jit_compile=True)
-    prompt = {"token_ids": np.zeros((2, 12), "int32")}
-    prompt["token_ids"][:, :5] = [[3, 9, 27, 14, 5], [8, 1, 60, 33, 2]]
-    prompt["padding_mask"] = prompt["token_ids"] > 0
+    prompt = short_prompts()
     stats = torch._dynamo.utils.counters["stats"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -219,6 +219,14 @@ for _kind in ("gemma", "llama", "qwen"):
     _hub_case("hub4", _kind, (2, 2))
 
 
+def short_prompts() -> dict:
+    """Two prompts of 5 tokens, padded to 12 (``generate(max_length=12)``)."""
+    prompt = {"token_ids": np.zeros((2, 12), "int32")}
+    prompt["token_ids"][:, :5] = [[3, 9, 27, 14, 5], [8, 1, 60, 33, 2]]
+    prompt["padding_mask"] = prompt["token_ids"] > 0
+    return prompt
+
+
 @case("hub", layout=hub_layout("gemma"))
 def gemma_1x2_heads_miscounted():
     """Generation's safety net: without ``query_head_dim_normalize`` (Gemma 2's
@@ -239,9 +247,7 @@ def gemma_1x2_heads_miscounted():
     for block in model.backbone.transformer_layers:  # GemmaDecoderBlock sets True
         block.attention.query_head_dim_normalize = False
     model.compile(sampler="greedy")
-    prompt = {"token_ids": np.zeros((2, 12), "int32"), "padding_mask": None}
-    prompt["token_ids"][:, :5] = [[3, 9, 27, 14, 5], [8, 1, 60, 33, 2]]
-    prompt["padding_mask"] = prompt["token_ids"] > 0
+    prompt = short_prompts()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -28,7 +28,9 @@ CORE = ("slice_update",)
 
 
 def _static(value: Any) -> bool:
-    return isinstance(value, int) or type(value).__name__ == "SymInt"
+    import torch
+
+    return isinstance(value, (int, torch.SymInt))
 
 
 def _slice_wrapper(convert_to_tensor: Any) -> Any:
@@ -67,9 +69,9 @@ def _slice(convert_to_tensor: Any, wrapped: Any, args: tuple, kwargs: dict) -> A
             if isinstance(start, DTensor):  # a 0-d value: whole on every rank
                 start = start.full_tensor()
             # narrow counts a negative start from the end
-            start = start.to(torch.int64)
+            start = start.to(device=result.device, dtype=torch.int64)
             start = torch.where(start < 0, start + result.shape[dim], start)
-            rows = start + torch.arange(length, device=start.device)
+            rows = start + torch.arange(length, device=result.device)
             if isinstance(result, DTensor):
                 rows = replicate(rows, result.device_mesh)
             result = torch.index_select(result, dim, rows)
