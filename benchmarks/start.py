@@ -16,9 +16,13 @@ each in its own processes:
 and prints each first epoch (build, compile, ``--steps`` steps), the second
 epoch (the steady state), the ratios to eager's first epoch paired by round,
 and where a compiled start goes (dynamo's ``compile_times``, rank 0: tracing,
-AOT autograd, inductor).
+AOT autograd, inductor). ``--sources`` also splits dynamo's tracing by the
+code it traced (rank 0): Keras, keras-hub, the plugin, torch, the rest,
+each bytecode's time charged to the function it is in (a clock read around
+each traced instruction).
 
     python benchmarks/start.py [--rounds 2] [--models gpt,gemma] [--single]
+        [--layers 4] [--sources]
 """
 
 from __future__ import annotations
@@ -40,6 +44,48 @@ CONFIGS = ("eager", "cold", "warm")
 #: ``--single``: the same model compiled on one process with no distribution
 #: (plain Keras), cold then warm: what tracing costs without DTensor.
 SINGLE = ("single-cold", "single-warm")
+
+
+def source_of(filename: str) -> str:
+    """The package a traced function's file belongs to (``--sources``)."""
+    for marker, name in (
+        ("keras_dtensor_fix", "plugin"),
+        ("keras_hub", "keras-hub"),
+        (f"{os.sep}keras{os.sep}", "keras"),
+        (f"{os.sep}torch{os.sep}", "torch"),
+    ):
+        if marker in filename:
+            return name
+    return "other"
+
+
+def trace_by_source() -> dict[str, float]:
+    """Charge each instruction dynamo traces to its function's package.
+
+    Returns the dict it fills: seconds by package, the instruction's own time
+    (an inlined call's instructions count for the callee, not the caller).
+    """
+    from torch._dynamo import symbolic_convert
+
+    seconds: dict[str, float] = {}
+    stack: list[list] = []  # [package, seconds spent in nested instructions]
+    step = symbolic_convert.InstructionTranslatorBase.step
+    clock = time.perf_counter
+
+    def timed_step(self):
+        stack.append([source_of(self.f_code.co_filename), 0.0])
+        began = clock()
+        try:
+            return step(self)
+        finally:
+            spent = clock() - began
+            source, nested = stack.pop()
+            seconds[source] = seconds.get(source, 0.0) + spent - nested
+            if stack:
+                stack[-1][1] += spent
+
+    symbolic_convert.InstructionTranslatorBase.step = timed_step
+    return seconds
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -75,6 +121,7 @@ def worker(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - (begin if epoch == 0 else self.start))
 
     times: list[float] = []
+    sources = trace_by_source() if args.sources and args.compiled else {}
     rng = np.random.default_rng(0)
     n = args.batch * args.steps
     ids = rng.integers(1, hub.VOCAB, size=(n, args.seq)).astype("int32")
@@ -114,6 +161,7 @@ def worker(args: argparse.Namespace) -> None:
                         if "cache" in k
                     },
                     "loss": model.history.history["loss"] if model.history else None,
+                    "sources": {k: round(v, 2) for k, v in sources.items()},
                 }
             )
         )
@@ -137,6 +185,7 @@ def launch(args: argparse.Namespace, model: str, config: str, cache: str) -> dic
         f"--batch={args.batch}",
         f"--steps={args.steps}",
     ] + (["--compiled"] if config != "eager" else [])
+    command += ["--sources"] if args.sources else []
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.exists():
         return {"error": proc.stderr[-2000:]}
@@ -158,6 +207,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--single", action="store_true", help="add " + str(SINGLE))
     parser.add_argument("--json", help="write every run here")
+    parser.add_argument(
+        "--sources", action="store_true", help="split dynamo's tracing by package"
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -218,6 +270,11 @@ def report(runs: dict[str, dict[str, list[dict]]]) -> None:
                 top = sorted(phases.items(), key=lambda kv: -kv[1])[:6]
                 shown = ", ".join(f"{name} {secs:.1f}" for name, secs in top)
                 print(f"  {model} {config} compile phases (s, rank 0): {shown}")
+                traced = ok[-1].get("sources", {})
+                traced = sorted(traced.items(), key=lambda kv: -kv[1])
+                if traced:
+                    shown = ", ".join(f"{name} {secs:.1f}" for name, secs in traced)
+                    print(f"  {model} {config} traced code (s, rank 0): {shown}")
 
 
 if __name__ == "__main__":

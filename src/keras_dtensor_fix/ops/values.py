@@ -12,6 +12,9 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+import torch
+
 from keras_dtensor_fix.dtensor import (
     DTensor,
     PromotionError,
@@ -90,16 +93,14 @@ def variable_class() -> type:
 
 def resolve(value: Any) -> Any:
     """A Keras variable as its tensor, a numpy array as a tensor, lists inside."""
-    if isinstance(value, variable_class()):
+    if isinstance(value, torch.Tensor):  # most operands: one check (traced too)
+        return value
+    variable = variable_class()
+    if isinstance(value, variable):
         return value.value
-    np = sys.modules.get("numpy")
-    if np is not None and isinstance(value, np.ndarray) and value.ndim:
-        import torch
-
+    if isinstance(value, np.ndarray) and value.ndim:
         return torch.as_tensor(value)
-    if isinstance(value, (list, tuple)) and any(
-        isinstance(v, variable_class()) for v in value
-    ):
+    if isinstance(value, (list, tuple)) and any(isinstance(v, variable) for v in value):
         return type(value)(resolve(v) for v in value)
     return value
 

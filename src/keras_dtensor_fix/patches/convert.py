@@ -41,22 +41,35 @@ def _convert_to_numpy(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def _convert_to_tensor(wrapped, instance, args, kwargs):
-    # Under torch.compile a numpy value goes in as the tensor torch makes of
-    # it (same dtype, so the same result as Keras's numpy path); dynamo traces
-    # torch.as_tensor of a numpy array. Eager calls take Keras's own path.
-    if args and torch.compiler.is_compiling():
-        if isinstance(args[0], (np.ndarray, np.generic)):
-            tensor = torch.as_tensor(args[0])
-            if tensor.dtype == torch.uint32:  # as Keras: torch lacks uint32 ops
-                tensor = tensor.to(torch.int64)
-            args = (tensor,) + args[1:]
-        elif isinstance(args[0], DTensor) and _unchanged(wrapped, args, kwargs):
-            return args[0]
-    return wrapped(*args, **kwargs)
+def _convert_to_tensor_in(core: types.ModuleType) -> Any:
+    """The ``convert_to_tensor`` wrapper of Keras's torch ``core`` module.
+
+    Its device and dtype helpers are read here, once: a traced step converts
+    hundreds of values, and dynamo would trace each lookup again.
+    """
+    get_device = getattr(core, "get_device", None)
+    to_torch_dtype = getattr(core, "to_torch_dtype", None)
+
+    def convert_to_tensor(wrapped, instance, args, kwargs):
+        # Under torch.compile a numpy value goes in as the tensor torch makes
+        # of it (same dtype, so the same result as Keras's numpy path); dynamo
+        # traces torch.as_tensor of a numpy array. Eager calls take Keras's path.
+        if args and torch.compiler.is_compiling():
+            if isinstance(args[0], (np.ndarray, np.generic)):
+                tensor = torch.as_tensor(args[0])
+                if tensor.dtype == torch.uint32:  # as Keras: torch lacks uint32 ops
+                    tensor = tensor.to(torch.int64)
+                args = (tensor,) + args[1:]
+            elif isinstance(args[0], DTensor) and _unchanged(
+                args, kwargs, get_device, to_torch_dtype
+            ):
+                return args[0]
+        return wrapped(*args, **kwargs)
+
+    return convert_to_tensor
 
 
-def _unchanged(wrapped: Any, args: tuple, kwargs: dict) -> bool:
+def _unchanged(args: tuple, kwargs: dict, get_device: Any, to_torch_dtype: Any) -> bool:
     """Whether Keras's conversion of DTensor ``args[0]`` would return it as is.
 
     Eager, ``x.to(device)`` and ``x.to(dtype)`` return ``x`` itself when
@@ -64,14 +77,12 @@ def _unchanged(wrapped: Any, args: tuple, kwargs: dict) -> bool:
     keeps on an activation (``dtensor.placed``: the logits the loss gathered,
     which the accuracy metric reads through its own conversion) is lost.
     """
-    value = args[0]
-    dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
-    if len(args) > 2 or any(kwargs.get(k) for k in ("sparse", "ragged")):
-        return False
-    names = getattr(wrapped, "__globals__", {})  # Keras's core module
-    get_device, to_torch_dtype = names.get("get_device"), names.get("to_torch_dtype")
     if get_device is None or to_torch_dtype is None:
         return False
+    if len(args) > 2 or kwargs.get("sparse") or kwargs.get("ragged"):
+        return False
+    value = args[0]
+    dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
     if dtype is not None and to_torch_dtype(dtype) != value.dtype:
         return False
     return value.device == torch.device(get_device())
@@ -82,7 +93,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
         Patch(
             module.__name__,
             "convert_to_tensor",
-            _convert_to_tensor,
+            _convert_to_tensor_in(module),
             also_in=targets.aliases("core_by_name"),
             gated=True,
         ),
