@@ -8,7 +8,8 @@ Modules, by job (each imports only those above it; collectives reads its
 setting from the package):
 
 - :mod:`.spec`: the DTensorSpec cache.
-- :mod:`.collectives`: the one all-reduce path, polled on CPU.
+- :mod:`.collectives`: the one all-reduce path (and generation's all-gather),
+  polled on CPU.
 - :mod:`.placement`: mesh and placement checks, ``settle``, ``placed``,
   reducing Partial values.
 - :mod:`.planner`: the one rule for running on local tensors: may a layer,
@@ -40,6 +41,7 @@ from __future__ import annotations
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor_fix.dtensor.collectives import (
+    all_gather_last,
     all_reduce_sum,
     all_reduce_sums,
     poll_work,  # the polling wait, for tests (it reads POLL_SECONDS here)
@@ -87,6 +89,7 @@ __all__ = [
     "DTensor",
     "POLL_SECONDS",
     "PromotionError",
+    "all_gather_last",
     "all_reduce_sum",
     "all_reduce_sums",
     "batch_parallel_call",

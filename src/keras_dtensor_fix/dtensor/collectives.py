@@ -1,5 +1,8 @@
 """The one all-reduce path: c10d all-reduces, polled on CPU (gloo) eagerly.
 
+Also the one all-gather of eager generation's vocabulary-split logits
+(``all_gather_last``), polled alike.
+
 ``all_reduce_sum`` (Megatron's "g") and ``all_reduce_sums`` (one all-reduce
 per dtype) go through ``_reduce_in_place``, as do the plugin's reductions of
 Partial values and gradients (:mod:`.placement`, :mod:`.local`). An eager CPU
@@ -59,6 +62,23 @@ def all_reduce_sums(values: Sequence[torch.Tensor], group: Any) -> list[torch.Te
             out[i] = flat[start : start + size].reshape(values[i].shape)
             start += size
     return out
+
+
+def all_gather_last(value: torch.Tensor, mesh: Any, axis: int) -> torch.Tensor:
+    """Every rank's ``value`` (plain, no gradient) side by side along its last
+    dim, in their order along mesh ``axis``: vocabulary-split logits made whole."""
+    size = mesh.size(axis)
+    if size == 1:
+        return value
+    value = value.contiguous()
+    parts = [torch.empty_like(value) for _ in range(size)]
+    work = torch.distributed.all_gather(
+        parts, value, group=mesh.get_group(axis), async_op=True
+    )
+    if value.device.type == "cpu":
+        poll_work(work)
+    work.wait()
+    return torch.cat(parts, dim=-1)
 
 
 def _reduce_in_place(value: torch.Tensor, group: Any) -> None:

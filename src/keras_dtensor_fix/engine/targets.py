@@ -149,6 +149,10 @@ OBJECTS: dict[str, tuple[str, str]] = {
     "activations": ("keras.src.activations", "activations"),
     "Dense": ("keras.src.layers.core.dense", "Dense"),
     "EinsumDense": (EINSUM_DENSE, "EinsumDense"),
+    "ReversibleEmbedding": (
+        "keras.src.layers.core.reversible_embedding",
+        "ReversibleEmbedding",
+    ),
 }
 
 _HUB = "keras_hub.src"

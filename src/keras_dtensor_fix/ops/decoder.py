@@ -177,7 +177,7 @@ def _row_call(
 
 
 @contextlib.contextmanager
-def _swapped(found: Plan) -> Iterator[None]:
+def swapped(found: Plan) -> Iterator[None]:
     saved_weights = [(v, v._value) for v, _ in found.weights]
     saved_heads = [(layer, n, getattr(layer, n)) for layer, n, _ in found.heads]
     saved_specs = [(layer, layer._input_spec) for layer, _ in found.rows]
@@ -235,7 +235,7 @@ def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any
         )
     ):
         return NotImplemented
-    with _swapped(found):
+    with swapped(found):
         result = call(*local_args, **local_kwargs)
     if not (isinstance(result, tuple) and len(result) == 2):
         raise TypeError(

@@ -33,7 +33,7 @@ from typing import Any
 from keras_dtensor_fix.dtensor import one_rank_replicated
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import cache_key_tag, model_parallel
-from keras_dtensor_fix.ops import decoder
+from keras_dtensor_fix.ops import causal_lm, decoder
 
 #: CausalLM class -> ``torch.compile`` of its ``call_with_cache`` (one per class:
 #: dynamo guards on the model it is called with).
@@ -43,6 +43,9 @@ _EAGER: weakref.WeakSet = weakref.WeakSet()
 #: Decoder blocks whose local call matched the DTensor path's / did not.
 _CHECKED: weakref.WeakSet = weakref.WeakSet()
 _DTENSOR: weakref.WeakSet = weakref.WeakSet()
+#: Models whose whole token call on local tensors matched / did not.
+_WHOLE_CHECKED: weakref.WeakSet = weakref.WeakSet()
+_WHOLE_DTENSOR: weakref.WeakSet = weakref.WeakSet()
 
 
 def _compiles(model: Any) -> bool:
@@ -105,10 +108,10 @@ def _token_call(model: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _tokens_compiled(model: Any) -> Iterator[None]:
+def _tokens_compiled(model: Any) -> Iterator[Any]:
     model.call_with_cache = _token_call(model)
     try:
-        yield
+        yield None
     finally:
         vars(model).pop("call_with_cache", None)
 
@@ -130,29 +133,47 @@ def _block_call(block: Any, found: decoder.Plan) -> Any:
     return call
 
 
-def _checked(block: Any, found: decoder.Plan, original: Any, args, kwargs) -> Any:
-    """The block's first call, both ways: the local result where they agree
-    (every process decides alike); else the DTensor path's, from then on."""
-    expected = original(*args, **kwargs)
+def _compared(found: Any, expected: Any, attempt: Any, convert: Any = None) -> tuple:
+    """``attempt()`` (a local call) against ``expected``, as every process
+    finds (:func:`.decoder.agree`, which each calls even where its attempt
+    raised): ``(result, "")`` where they agree, ``(NotImplemented, "")`` where
+    the call has no local form, else ``(None, why)``."""
     try:
-        result = decoder.run(found, original, args, kwargs)
-    except Exception as err:  # noqa: BLE001 - the DTensor path is the fallback
+        result = attempt()
+    except Exception as err:  # noqa: BLE001 - the slower path is the fallback
         result, why = None, f"{type(err).__name__}: {str(err)[:200]}"
     else:
         why = "its results differ"
     if result is NotImplemented:
+        return NotImplemented, ""
+    local = result if result is None or convert is None else convert(result)
+    return (result, "") if decoder.agree(found, expected, local) else (None, why)
+
+
+def _checked(block: Any, found: decoder.Plan, original: Any, args, kwargs) -> Any:
+    """The block's first call, both ways: the local result where they agree
+    (every process decides alike); else the DTensor path's, from then on."""
+    expected = original(*args, **kwargs)
+    result, why = _compared(
+        found, expected, lambda: decoder.run(found, original, args, kwargs)
+    )
+    if result is NotImplemented:
         return expected
-    if decoder.agree(found, expected, result):
+    if result is not None:
         _CHECKED.add(block)
         return result
     _DTENSOR.add(block)
-    warnings.warn(
-        f"keras-dtensor-fix: decoder block {getattr(block, 'path', block.name)!r} "
-        f"generates on DTensors (slower, same tokens): its call on local "
-        f"tensors did not match ({why})",
-        stacklevel=2,
-    )
+    name = getattr(block, "path", block.name)
+    _slower(f"decoder block {name!r}", "on DTensors", "call", why)
     return expected
+
+
+def _slower(who: str, path: str, call: str, why: str) -> None:
+    warnings.warn(
+        f"keras-dtensor-fix: {who} generates {path} (slower, same tokens): its "
+        f"{call} on local tensors did not match ({why})",
+        stacklevel=4,
+    )
 
 
 @contextlib.contextmanager
@@ -171,17 +192,78 @@ def _blocks_local(model: Any) -> Iterator[None]:
             vars(block).pop("call", None)
 
 
+def _local_token_call(model: Any, found: causal_lm.ModelPlan) -> Any:
+    """``model.call_with_cache``: one token on local tensors, the prompt's
+    pass block by block; the first token both ways (:func:`_model_checked`)."""
+    eager = model.call_with_cache
+
+    def call_with_cache(token_ids, cache, cache_update_index):
+        args = (token_ids, cache, cache_update_index)
+        shape = getattr(token_ids, "shape", ())
+        if model in _WHOLE_DTENSOR or len(shape) != 2 or shape[1] != 1:
+            return eager(*args)
+        if model not in _WHOLE_CHECKED:
+            return _model_checked(model, found, eager, *args)
+        result = causal_lm.run(found, eager, *args)
+        return eager(*args) if result is NotImplemented else result
+
+    return call_with_cache
+
+
+def _model_checked(model: Any, found: causal_lm.ModelPlan, eager: Any, *args) -> Any:
+    """The first token's call, both ways: the local result where they agree
+    (every process decides alike); else block by block from then on."""
+    expected = eager(*args)
+    if any(block in _DTENSOR for block, _ in found.blocks):
+        _WHOLE_DTENSOR.add(model)  # the prompt's pass found a block differ
+        return expected
+    result, why = _compared(
+        found,
+        expected,
+        lambda: causal_lm.run(found, eager, *args),
+        lambda local: causal_lm.as_dtensors(found, local),
+    )
+    if result is not None and result is not NotImplemented:
+        _WHOLE_CHECKED.add(model)
+        return result
+    _WHOLE_DTENSOR.add(model)
+    if result is None:  # NotImplemented: no local form, nothing to warn about
+        _slower(type(model).__name__, "block by block", "token call", why)
+    return expected
+
+
+@contextlib.contextmanager
+def _eager_local(model: Any) -> Iterator[Any]:
+    """Blocks on local tensors, and where :mod:`.causal_lm` can, each token's
+    whole call; yields what to do with ``generate_step``'s inputs (or None)."""
+    with _blocks_local(model):
+        blocks = getattr(getattr(model, "backbone", None), "transformer_layers", ())
+        found = None
+        if model not in _WHOLE_DTENSOR and not any(b in _DTENSOR for b in blocks):
+            found = causal_lm.plan(model)
+        if found is None:
+            yield None
+            return
+        model.call_with_cache = _local_token_call(model, found)
+        try:
+            yield causal_lm.whole_inputs
+        finally:
+            vars(model).pop("call_with_cache", None)
+
+
 def _make_generate_function(wrapped, instance, args, kwargs):
     function = wrapped(*args, **kwargs)
     if _compiles(instance):
         context = _tokens_compiled
     elif model_parallel() is not None:
-        context = _blocks_local
+        context = _eager_local
     else:
         return function
 
     def generate_function(*call_args: Any, **call_kwargs: Any) -> Any:
-        with context(instance):
+        with context(instance) as inputs:
+            if inputs is not None:
+                call_args = inputs(call_args)
             return function(*call_args, **call_kwargs)
 
     return generate_function
@@ -202,6 +284,8 @@ def _forget() -> None:
     _COMPILED.clear()
     _CHECKED.clear()
     _DTENSOR.clear()
+    _WHOLE_CHECKED.clear()
+    _WHOLE_DTENSOR.clear()
 
 
 IMPLEMENTATION = Implementation(patches, after_revert=_forget)

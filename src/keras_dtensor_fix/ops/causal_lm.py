@@ -1,0 +1,222 @@
+"""A keras-hub causal LM's one-token call on local tensors (eager generation).
+
+:mod:`.decoder` runs each decoder block's cached call on local tensors. What
+surrounds the blocks in ``call_with_cache`` still ran as dispatched DTensor
+ops: the token embedding's lookup and scale, each block's slice of the cache
+and their stack, the final norm, the logits (about 30 per token, most of a
+token's time outside the blocks at small sizes). Where the whole model
+allows it, the whole one-token call runs on local tensors:
+
+- every decoder block has a :func:`.decoder.plan` on the same mesh axis, and
+  every other mesh axis has one rank (so a whole value is each rank's own);
+- the token embedding (Keras's ``ReversibleEmbedding``, tied, no mask, no
+  reverse dtype, one dtype) is replicated or split by vocabulary on that
+  axis: split, each rank looks up the ids in its own rows (one all-reduce)
+  and computes its own logits, gathered once (one all-gather);
+- every other DTensor weight of the model is replicated.
+
+The sampler's loop gets the prompt, its mask and the position as plain
+tensors (:func:`whole_inputs`: each process holds them whole). The
+key/value cache stays split by heads from one token to the next: the
+call hands back this rank's part, which the sampler passes in again (only
+keras-hub's samplers that pass it on untouched: :data:`SAMPLERS`; the
+prompt's pass, many tokens at once, keeps the block-by-block path). The
+generate family checks the first token's call against the block-by-block
+path (:func:`.decoder.agree`) and keeps that path where they differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from keras_dtensor_fix.dtensor import DTensor, all_gather_last, all_reduce_sum, megatron
+from keras_dtensor_fix.dtensor.placement import same_mesh
+from keras_dtensor_fix.dtensor.planner import shard_dim
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.ops import decoder
+from keras_dtensor_fix.ops.values import walk
+
+
+@dataclass
+class ModelPlan:
+    """How one model's token call runs locally."""
+
+    mesh: Any
+    axis: int
+    blocks: list[tuple[Any, decoder.Plan]]
+    #: every other DTensor variable, with its local tensor
+    weights: list[tuple[Any, Any]]
+    #: (the token embedding, its local call) where its table is split
+    embedding: tuple[Any, Callable[..., Any]] | None = None
+    #: the cache this plan's last call returned (this rank's heads)
+    last_cache: Callable[[], Any] = field(default=lambda: None)
+
+
+#: keras-hub samplers that pass each token call's cache to the next call as
+#: it came back (beam and contrastive search repeat and reorder it).
+SAMPLERS = frozenset({"GreedySampler", "TopKSampler", "TopPSampler", "RandomSampler"})
+
+
+def plan(model: Any) -> ModelPlan | None:
+    """The local plan of ``model``'s one-token call, or None (see the module)."""
+    sampler = type(getattr(model, "sampler", None))
+    if sampler.__name__ not in SAMPLERS or not sampler.__module__.startswith(
+        "keras_hub."
+    ):
+        return None
+    backbone = getattr(model, "backbone", None)
+    blocks = list(getattr(backbone, "transformer_layers", None) or ())
+    embedding = getattr(backbone, "token_embedding", None)
+    if not blocks or embedding is None:
+        return None
+    plans = [decoder.plan(block) for block in blocks]
+    if any(found is None for found in plans):
+        return None
+    mesh, axis = plans[0].mesh, plans[0].axis
+    if any(not same_mesh(p.mesh, mesh) or p.axis != axis for p in plans):
+        return None
+    if any(mesh.size(i) != 1 for i in range(mesh.ndim) if i != axis):
+        return None
+    owned = {id(v) for found in plans for v, _ in found.weights}
+    table = getattr(embedding, "_embeddings", None)
+    result = ModelPlan(mesh, axis, list(zip(blocks, plans, strict=True)), [])
+    for variable in model.weights:
+        value = getattr(variable, "_value", None)
+        if id(variable) in owned or not isinstance(value, DTensor):
+            continue
+        if not same_mesh(value.device_mesh, mesh):
+            return None
+        if variable is table and shard_dim(value, axis) is not None:
+            call = _embedding_call(embedding, value, mesh, axis)
+            if call is None:
+                return None
+            result.embedding = (embedding, call)
+        elif any(not p.is_replicate() for p in value.placements):
+            return None  # a weight split outside the blocks and the table
+        result.weights.append((variable, value.to_local()))
+    return result
+
+
+def _embedding_call(
+    layer: Any, table: DTensor, mesh: Any, axis: int
+) -> Callable[..., Any] | None:
+    """The token embedding's call on its vocabulary rows, or None."""
+    try:
+        reversible = targets.keras_object("ReversibleEmbedding")
+    except (ImportError, AttributeError):  # an older Keras
+        return None
+    if (
+        not isinstance(layer, reversible)
+        or not getattr(layer, "tie_weights", False)
+        or getattr(layer, "mask_zero", False)
+        or getattr(layer, "reverse_dtype", None) is not None
+        or getattr(layer, "quantization_mode", None) is not None
+        or layer.compute_dtype != layer.variable_dtype
+        or shard_dim(table, axis) != 0
+        or table.shape[0] % mesh.size(axis)
+    ):
+        return None
+    local = table.to_local()
+    rows = local.shape[0]
+    start = mesh.get_local_rank(axis) * rows
+    soft_cap = getattr(layer, "logit_soft_cap", None)
+
+    def call(inputs: Any, reverse: bool = False) -> torch.Tensor:
+        if not reverse:  # vocabulary-parallel lookup
+            ids = inputs.to(torch.int64) - start
+            inside = (ids >= 0) & (ids < rows)
+            found = torch.nn.functional.embedding(torch.where(inside, ids, 0), local)
+            found = found * inside.unsqueeze(-1).to(found.dtype)
+            return all_reduce_sum(found, mesh, (axis,))
+        logits = all_gather_last(torch.matmul(inputs, local.T), mesh, axis)
+        if soft_cap is not None:
+            logits = torch.tanh(logits / soft_cap) * soft_cap
+        return logits
+
+    return call
+
+
+@contextlib.contextmanager
+def _swapped(found: ModelPlan) -> Iterator[None]:
+    """Every weight local, the embedding's call local, the blocks' own calls."""
+    blocks = [block for block, _ in found.blocks]
+    overridden = [(block, vars(block).pop("call", None)) for block in blocks]
+    saved = [(v, v._value) for v, _ in found.weights]
+    with contextlib.ExitStack() as stack:
+        for _, block_plan in found.blocks:
+            stack.enter_context(decoder.swapped(block_plan))
+        try:
+            for variable, value in found.weights:
+                variable._value = value
+            if found.embedding is not None:
+                layer, call = found.embedding
+                object.__setattr__(layer, "call", call)
+            yield
+        finally:
+            for variable, value in saved:
+                variable._value = value
+            if found.embedding is not None:
+                vars(found.embedding[0]).pop("call", None)
+            for block, call in overridden:
+                if call is not None:
+                    object.__setattr__(block, "call", call)
+
+
+def run(
+    found: ModelPlan, call: Callable[..., Any], token_ids: Any, cache: Any, index: Any
+) -> Any:
+    """``call(token_ids, cache, index)`` (the model's own ``call_with_cache``)
+    on local tensors: (logits, hidden states) whole, the cache this rank's
+    heads; :data:`NotImplemented` where an input has no local form."""
+    mesh, axis = found.mesh, found.axis
+    if not (isinstance(cache, DTensor) or cache is found.last_cache()):
+        return NotImplemented  # a plain cache that this plan did not make
+    ours = not isinstance(cache, DTensor)
+    if not ours:
+        heads = cache.ndim + decoder.CACHE_HEADS
+        cache = megatron.local_part(cache, mesh, axis, heads)
+    token_ids = megatron.local_part(token_ids, mesh, axis, None)
+    index = megatron.local_part(index, mesh, axis, None)
+    if cache is None or token_ids is None or index is None:
+        if ours:  # the cache is this rank's heads: no other path can take it
+            raise RuntimeError(
+                "keras-dtensor-fix: a token of generate() has no local form on "
+                "this model; set KERAS_DTENSOR_FIX_DISABLE=generate and report it"
+            )
+        return NotImplemented
+    with _swapped(found):
+        logits, hidden, new_cache = call(token_ids, cache, index)
+    found.last_cache = weakref.ref(new_cache)
+    return logits, hidden, new_cache
+
+
+def as_dtensors(found: ModelPlan, result: Any) -> tuple[Any, ...]:
+    """:func:`run`'s result with the cache as the DTensor it is a part of (for
+    :func:`.decoder.agree`)."""
+    logits, hidden, cache = result
+    heads = cache.ndim + decoder.CACHE_HEADS
+    placements = megatron.with_split(None, found.mesh, found.axis, heads)
+    return logits, hidden, DTensor.from_local(cache, found.mesh, placements)
+
+
+def whole_inputs(args: tuple) -> tuple:
+    """``generate_step``'s arguments with each DTensor that every process
+    holds whole (replicated, or split over one rank) as its local tensor: the
+    sampler's loop around the token calls (its prompt, mask and position)
+    then runs plain torch ops too."""
+
+    def leaf(value: Any, _layout: Any) -> Any:
+        if isinstance(value, DTensor) and all(
+            p.is_replicate() or value.device_mesh.size(i) == 1
+            for i, p in enumerate(value.placements)
+        ):
+            return value.to_local()
+        return value
+
+    return walk(args, None, leaf)
