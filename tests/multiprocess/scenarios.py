@@ -22,8 +22,8 @@ says which case and exits, which makes torchrun stop them all.
 Compiled cases run torch.compile's ``aot_eager`` backend (dynamo, AOT
 autograd and the plugin's traced paths, no code generation) unless registered
 with ``inductor=True``: the cases where inductor's code generation is the
-point (the toy MLP, QwenMoe, a keras-hub LLM which the warm-cache test
-launches again, Gemma on (2, 1) in the slow tier, and the (2, 2) MLP), or when
+point (the toy MLP, a keras-hub LLM (Gemma), QwenMoe, which the warm-cache
+test launches again, and the (2, 2) MLP), or when
 ``SCENARIO_COMPILE_BACKEND`` names another backend for every case.
 
 Environment: ``SCENARIO_CASES`` (comma list) limits the cases run;

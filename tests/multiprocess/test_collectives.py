@@ -71,9 +71,9 @@ HUB = {
 }
 EXTRA = {"eager": 0, "compiled": 1}
 #: COMPILED_BOUND: a compiled keras-hub step runs at most its HUB count. The
-#: count depends on the backend, the bound does not: Gemma's step runs 11
-#: under aot_eager (its scenario case's backend) and 12 under inductor
-#: (measured 2026-11-26).
+#: count depends on the backend, the bound does not: Gemma's step, which its
+#: scenario case compiles with inductor, runs 12; under aot_eager (the other
+#: cases' backend) it ran 11, one fewer (measured 2026-11-26).
 
 #: Most DTensor-dispatched ops per eager step.
 DTENSOR_OPS = {"mlp": 4, "transformer": 20, "gemma": 160, "llama": 85, "gpt": 75}

@@ -41,13 +41,16 @@ def cases(group: str) -> list[str]:
 
 def check(name: str, ranks: list[dict], single: dict) -> None:
     """Parity, greedy tokens, and (where the processes share every row) a
-    seeded top-k sampler's tokens equal one process's."""
+    seeded top-k sampler's tokens, stopped at a stop token or not, equal one
+    process's."""
     assert_parity(name, ranks, single)
     for rank, result in enumerate(ranks):
         assert result[name]["tokens"] == single[name]["tokens"], f"rank {rank}"
         if "top_k_tokens" in result[name]:
             drawn = single[name]["top_k_tokens"]
             assert result[name]["top_k_tokens"] == drawn, f"rank {rank}"
+            stopped = single[name]["stopped"]
+            assert result[name]["stopped"] == stopped, f"rank {rank}"
 
 
 MISCOUNTED = "gemma_1x2_heads_miscounted"
@@ -176,7 +179,8 @@ def test_warm_launches_compile_nothing(runs, tmp_path) -> None:
     measured the same day) Gemma's warm launch misses the FX graph cache and
     bypasses AOT autograd's (the numpy operator in its step), Llama's misses
     both (the mesh its graphs take); GPT's hits either way. Slow tier: the
-    default run compiles these with aot_eager, which has no such cache."""
+    default run compiles Llama and GPT with aot_eager, which has no such
+    cache."""
     single = runs.get("hub_compiled", world=1)[0]
     env = {
         "SCENARIO_CASES": ",".join(WARM),

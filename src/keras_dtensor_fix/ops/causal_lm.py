@@ -97,7 +97,10 @@ def plan(model: Any) -> ModelPlan | None:
             if call is None:
                 return None
             result.embedding = (embedding, call)
-        elif any(not p.is_replicate() for p in value.placements):
+        elif any(
+            not p.is_replicate() and mesh.size(i) > 1
+            for i, p in enumerate(value.placements)
+        ):
             return None  # a weight split outside the blocks and the table
         result.weights.append((variable, value.to_local()))
     return result
