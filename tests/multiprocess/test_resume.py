@@ -267,7 +267,10 @@ def test_elastic_a_machine_lost(tmp_path, references) -> None:
         SCRIPT,
         str(tmp_path),
         env=env,
-        launcher=("--max-restarts=1",),
+        # How long a round that has its minimum of machines waits for more:
+        # 15 s, not torchrun's 30 (the second agent joins the first round
+        # within the stagger and a start; the survivor's round waits it out).
+        launcher=("--max-restarts=1", "--rdzv_conf=last_call_timeout=15"),
         timeout=TIMEOUT,
         nnodes="1:2",
         each=({"RESUME_KILL_RANK": "none"}, {"RESUME_KILL_RANK": "all"}),
