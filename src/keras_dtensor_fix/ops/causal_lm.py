@@ -37,10 +37,10 @@ import torch
 
 from keras_dtensor_fix.dtensor import DTensor, all_gather_last, all_reduce_sum, megatron
 from keras_dtensor_fix.dtensor.placement import same_mesh
-from keras_dtensor_fix.dtensor.planner import shard_dim
+from keras_dtensor_fix.dtensor.planner import shard_dim, whole
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.ops import decoder
-from keras_dtensor_fix.ops.values import walk
+from keras_dtensor_fix.ops.values import local_tensors, walk
 
 
 @dataclass
@@ -50,8 +50,8 @@ class ModelPlan:
     mesh: Any
     axis: int
     blocks: list[tuple[Any, decoder.Plan]]
-    #: every other DTensor variable, with its local tensor
-    weights: list[tuple[Any, Any]]
+    #: every other DTensor variable
+    weights: list[Any]
     #: (the token embedding, its local call) where its table is split
     embedding: tuple[Any, Callable[..., Any]] | None = None
     #: the cache this plan's last call returned (this rank's heads)
@@ -97,12 +97,9 @@ def plan(model: Any) -> ModelPlan | None:
             if call is None:
                 return None
             result.embedding = (embedding, call)
-        elif any(
-            not p.is_replicate() and mesh.size(i) > 1
-            for i, p in enumerate(value.placements)
-        ):
+        elif not whole(value):
             return None  # a weight split outside the blocks and the table
-        result.weights.append((variable, value.to_local()))
+        result.weights.append(variable)
     return result
 
 
@@ -150,20 +147,16 @@ def _swapped(found: ModelPlan) -> Iterator[None]:
     """Every weight local, the embedding's call local, the blocks' own calls."""
     blocks = [block for block, _ in found.blocks]
     overridden = [(block, vars(block).pop("call", None)) for block in blocks]
-    saved = [(v, v._value) for v, _ in found.weights]
     with contextlib.ExitStack() as stack:
         for _, block_plan in found.blocks:
             stack.enter_context(decoder.swapped(block_plan))
+        stack.enter_context(local_tensors(found.weights))
         try:
-            for variable, value in found.weights:
-                variable._value = value
             if found.embedding is not None:
                 layer, call = found.embedding
                 object.__setattr__(layer, "call", call)
             yield
         finally:
-            for variable, value in saved:
-                variable._value = value
             if found.embedding is not None:
                 vars(found.embedding[0]).pop("call", None)
             for block, call in overridden:
@@ -215,10 +208,7 @@ def whole_inputs(args: tuple) -> tuple:
     then runs plain torch ops too."""
 
     def leaf(value: Any, _layout: Any) -> Any:
-        if isinstance(value, DTensor) and all(
-            p.is_replicate() or value.device_mesh.size(i) == 1
-            for i, p in enumerate(value.placements)
-        ):
+        if isinstance(value, DTensor) and whole(value):
             return value.to_local()
         return value
 

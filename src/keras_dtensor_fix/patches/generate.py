@@ -227,7 +227,7 @@ def _model_checked(model: Any, found: causal_lm.ModelPlan, eager: Any, *args) ->
         _WHOLE_CHECKED.add(model)
         return result
     _WHOLE_DTENSOR.add(model)
-    if result is None:  # NotImplemented: no local form, nothing to warn about
+    if result is None:  # it raised or differed (NotImplemented: no local form)
         _slower(type(model).__name__, "block by block", "token call", why)
     return expected
 

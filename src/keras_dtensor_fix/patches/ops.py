@@ -18,6 +18,8 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import torch
+
 from keras_dtensor_fix.dtensor import DTensor, replicate
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
@@ -28,8 +30,6 @@ CORE = ("slice_update",)
 
 
 def _static(value: Any) -> bool:
-    import torch
-
     return isinstance(value, (int, torch.SymInt))
 
 
@@ -44,8 +44,6 @@ def _slice_wrapper(convert_to_tensor: Any) -> Any:
 
 def _slice(convert_to_tensor: Any, wrapped: Any, args: tuple, kwargs: dict) -> Any:
     """``slice(inputs, start_indices, shape)``: a tensor start, traced, gathers."""
-    import torch
-
     if not torch.compiler.is_compiling():
         return wrapped(*args, **kwargs)
     names = ("inputs", "start_indices", "shape")
@@ -79,8 +77,6 @@ def _slice(convert_to_tensor: Any, wrapped: Any, args: tuple, kwargs: dict) -> A
 
 
 def _scalar(value: Any) -> bool:
-    import torch
-
     return isinstance(value, torch.Tensor) and value.ndim == 0
 
 
