@@ -372,21 +372,23 @@ def gpt2_1x2():
     return fit_and_generate("gpt2")
 
 
-def tiny_gpt():
+def tiny_gpt(depth: int = 2):
     """A GPT-style decoder from keras_hub.layers (causal self-attention)."""
     import keras_hub
 
     ids = keras.Input((12,), dtype="int32", name="token_ids")
     x = keras_hub.layers.TokenAndPositionEmbedding(64, 12, 32, name="embedding")(ids)
-    for i in range(2):
+    for i in range(depth):
         x = keras_hub.layers.TransformerDecoder(64, 4, name=f"decoder_{i}")(x)
     return keras.Model(ids, layers.Dense(64, name="lm_head")(x))
 
 
-def fit_gpt(jit_compile: bool = False, batch_ranks: int = 1, collectives=False):
+def fit_gpt(
+    jit_compile: bool = False, batch_ranks: int = 1, collectives=False, depth: int = 2
+):
     """:func:`tiny_gpt` trained for two epochs (with ``collectives``,
     counting the last one's: :class:`CountCollectives`)."""
-    model = tiny_gpt()
+    model = tiny_gpt(depth)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

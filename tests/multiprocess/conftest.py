@@ -80,6 +80,7 @@ BATCH: list[str] = []
 #: The groups whose upstream run (``KERAS_DTENSOR_FIX=0``) tests read: those
 #: of BATCH go together in one upstream launch too.
 UPSTREAM = (
+    "blocks",
     "dropin",
     "dropin_compiled",
     "hub",

@@ -49,9 +49,11 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
 import torch  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cases_dropin  # noqa: E402, F401  (each registers its cases)
+import cases_blocks  # noqa: E402, F401  (each registers its cases)
+import cases_dropin  # noqa: E402, F401
 import cases_generate  # noqa: E402, F401
 import cases_hub  # noqa: E402, F401
 import cases_layers  # noqa: E402, F401
@@ -106,6 +108,12 @@ def run_case(name: str) -> dict:
     # shared by every model, and dynamo stops compiling a code object after
     # its recompile limit.
     torch._dynamo.reset()
+    # DTensor's sharding cache hands out output specs by value: a mesh equal
+    # to an earlier case's would come back as that case's object, and dynamo
+    # guards on a mesh's identity.
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        getattr(getattr(propagator, cached, None), "cache_clear", lambda: None)()
     # reset() keeps dynamo's counters (graph breaks, cache hits): each case
     # counts its own, whichever cases ran before it in the process.
     torch._dynamo.utils.counters.clear()

@@ -45,7 +45,8 @@ def wrap_local(value: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> DTe
         or (grad and any(p.is_partial() for p in placements))
     ):
         return DTensor.from_local(value, mesh, placements, run_check=False)
-    key = (mesh, placements, value.shape, value.stride(), value.dtype)
+    # by the mesh's identity, as cached_spec
+    key = (id(mesh), placements, value.shape, value.stride(), value.dtype)
     spec = SPECS.get(key)
     if spec is None:
         _, meta_class, global_info = INTERNALS

@@ -35,8 +35,14 @@ def remember(key: tuple, spec: Any) -> Any:
 
 
 def cached_spec(mesh: Any, placements: tuple, meta: Any) -> Any:
-    """The (cached) DTensorSpec of ``mesh``, ``placements`` and a TensorMeta."""
-    key = (mesh, placements, meta)
+    """The (cached) DTensorSpec of ``mesh``, ``placements`` and a TensorMeta.
+
+    Keyed by the mesh's identity: an equal mesh of another distribution
+    (DeviceMesh compares by value) gets a spec of its own, which dynamo's
+    guards on a DTensor's mesh object then find. The spec holds its mesh, so
+    an id in the cache is never reused.
+    """
+    key = (id(mesh), placements, meta)
     spec = SPECS.get(key)
     if spec is None:
         spec = remember(key, INTERNALS[0](mesh, placements, tensor_meta=meta))

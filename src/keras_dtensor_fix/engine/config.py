@@ -4,8 +4,9 @@
 ``KERAS_DTENSOR_FIX_DISABLE`` turns off single patch families and
 ``KERAS_DTENSOR_FIX_STRICT`` makes a patch that cannot apply raise instead of
 warn; ``KERAS_DTENSOR_FIX_SAVE_TIMEOUT`` is how long processes wait for the one
-writing a shared save. This module imports nothing but the standard library: it runs at
-interpreter start.
+writing a shared save; ``KERAS_DTENSOR_FIX_COMPILE`` chooses what
+``jit_compile=True`` compiles. This module imports nothing but the standard
+library: it runs at interpreter start.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ ENV_ENABLE = "KERAS_DTENSOR_FIX"
 ENV_DISABLE = "KERAS_DTENSOR_FIX_DISABLE"
 ENV_STRICT = "KERAS_DTENSOR_FIX_STRICT"
 ENV_SAVE_TIMEOUT = "KERAS_DTENSOR_FIX_SAVE_TIMEOUT"
+ENV_COMPILE = "KERAS_DTENSOR_FIX_COMPILE"
+#: What ``jit_compile=True`` compiles under ModelParallel: the whole step (the
+#: default: the fastest steps) or each repeated block once (the fastest start).
+COMPILE_MODES: tuple[str, ...] = ("step", "blocks")
 DEFAULT_SAVE_SECONDS = 900.0
 
 #: Every patch family's name (the table is :mod:`keras_dtensor_fix.engine.families`).
@@ -140,3 +145,23 @@ def save_seconds(environ: Mapping[str, str] | None = None) -> float:
         stacklevel=2,
     )
     return DEFAULT_SAVE_SECONDS
+
+
+def compile_mode(environ: Mapping[str, str] | None = None) -> str:
+    """``KERAS_DTENSOR_FIX_COMPILE``: one of :data:`COMPILE_MODES`.
+
+    Read when a model builds its step, so a script may set it late; a value
+    not understood warns and the default (``step``) stands.
+    """
+    raw = (os.environ if environ is None else environ).get(ENV_COMPILE, "")
+    value = raw.strip().lower()
+    if not value:
+        return COMPILE_MODES[0]
+    if value in COMPILE_MODES:
+        return value
+    warnings.warn(
+        f"keras-dtensor-fix: {ENV_COMPILE}={raw!r} is not understood; accepted "
+        f"values are {', '.join(COMPILE_MODES)}; using {COMPILE_MODES[0]}.",
+        stacklevel=2,
+    )
+    return COMPILE_MODES[0]

@@ -81,7 +81,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "compile",
-        ("trainer",),
+        ("trainer", "layer_base"),
         "compile",
         "jit_compile=True compiles ModelParallel steps (or says why not)",
     ),

@@ -2,7 +2,9 @@
 
 Upstream refuses it ("Running without `torch.compile`") because its promotion
 mode makes dynamo skip every frame. With the mode kept off (``promotion``
-family) the step compiles to a graph like any other.
+family) the step compiles to a graph like any other. With
+``KERAS_DTENSOR_FIX_COMPILE=blocks`` the step runs eagerly and each repeated
+block compiles once for all its instances (:mod:`keras_dtensor_fix.ops.blocks`).
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import sys
 import types
 
-from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.engine import config, state, targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import model_parallel
+from keras_dtensor_fix.ops import blocks
 
 
 def _use_torch_compile(wrapped, instance, args, kwargs):
@@ -59,6 +62,8 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
             stacklevel=2,
         )
         return False
+    if config.compile_mode() == "blocks" and blocks.install(instance, compile_failure):
+        return False  # the step runs eagerly, its blocks compiled
     return True
 
 
@@ -371,6 +376,11 @@ FIRST_COMPILING_NIGHTLY = "3.16.0.dev2026102704"
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
+    if targets.is_kind(module.__name__, "layer_base"):
+        # traced: a region's trace must run it (one frame per layer call, and
+        # one guard, in a whole step's trace).
+        scope, wrapper = "Layer._open_name_scope", blocks.name_scope
+        return [Patch(module.__name__, scope, wrapper, gated=True, traced=True)]
     cls = targets.trainer_class(module)
     if not targets.trainer_compiles_model_parallel(module):
         return [
@@ -406,4 +416,4 @@ def notes() -> list[str]:
     return []
 
 
-IMPLEMENTATION = Implementation(patches, notes=notes)
+IMPLEMENTATION = Implementation(patches, after_revert=blocks.forget, notes=notes)

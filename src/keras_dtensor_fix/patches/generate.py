@@ -179,17 +179,20 @@ def _slower(who: str, path: str, call: str, why: str) -> None:
 @contextlib.contextmanager
 def _blocks_local(model: Any) -> Iterator[None]:
     blocks = getattr(getattr(model, "backbone", None), "transformer_layers", None)
-    installed = []
+    installed = []  # each with the call it had (a compiled region's, say)
     try:
         for block in blocks or ():
             found = None if block in _DTENSOR else decoder.plan(block)
             if found is not None:
+                installed.append((block, vars(block).get("call")))
                 object.__setattr__(block, "call", _block_call(block, found))
-                installed.append(block)
         yield
     finally:
-        for block in installed:
-            vars(block).pop("call", None)
+        for block, call in installed:
+            if call is None:
+                vars(block).pop("call", None)
+            else:
+                object.__setattr__(block, "call", call)
 
 
 def _local_token_call(model: Any, found: causal_lm.ModelPlan) -> Any:

@@ -1,0 +1,205 @@
+"""Repeated blocks compiled once (``KERAS_DTENSOR_FIX_COMPILE=blocks``).
+
+A compiled step traces every decoder block of a model again, although all
+run the same code: its start grows with the depth. In blocks mode the step
+runs eagerly, as upstream runs it, and each repeated block (the outermost
+layers with sublayers whose class the model holds at least twice: keras-hub's
+decoder blocks) calls one ``torch.compile``'d function shared by every
+instance of its class. dynamo traces it once and guards on what the instances
+share (their shapes, placements and settings), so every block runs the same
+graph, as torchtitan compiles one transformer block at a time.
+
+Two things would make each instance a graph of its own:
+
+- Keras's name scope: each sublayer's call pushes its name and reads the
+  path of the layers around it. Inside a region the scope is skipped
+  (:func:`name_scope`) and the path is empty; within a step a path decides
+  only an output's layout (a LayoutMap key ``<path>/output``), so a block with
+  such a layout inside it is not compiled (:func:`refusal`).
+- Megatron's "f" (:func:`~keras_dtensor_fix.dtensor.reducing_gradient`)
+  keeps its op on the value it reads: made inside a region for the block's
+  input, it would be set on a tensor from outside the graph, an extra output
+  that gets no gradient. It is made before the region, eagerly.
+
+Outside training (``torch.no_grad``: evaluation, prediction, generation),
+inside a compiled step, without a ModelParallel distribution and in Keras's
+symbolic calls the block's own ``call`` runs as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from keras_dtensor_fix.dtensor import DTensor, reducing_gradient
+from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.ops.values import flatten_call, output_laid_out
+
+#: True while a block's region runs: its sublayers open no name scope.
+REGION: list[bool] = []
+#: (block class, cache key tag) -> its compiled ``call``, shared by every instance.
+_COMPILED: dict[tuple[type, str], Callable[..., Any]] = {}
+#: Block classes whose compilation failed: they run eagerly from then on.
+_FAILED: set[type] = set()
+#: The attribute marking a block whose ``call`` this module installed.
+_INSTALLED = "_keras_dtensor_fix_block"
+
+
+def repeated(model: Any) -> list[Any]:
+    """The model's repeated blocks, outermost first, in the model's order.
+
+    Layers with sublayers whose class occurs at least twice, not nested in
+    another such layer; models (a functional backbone) are never blocks.
+    """
+    model_class = targets.keras_object("Model")
+    layers = list(model._flatten_layers(include_self=False, recursive=True))
+    composite = [
+        layer
+        for layer in layers
+        if not isinstance(layer, model_class)
+        and any(True for _ in layer._flatten_layers(include_self=False))
+    ]
+    counts = Counter(type(layer) for layer in composite)
+    candidates = [layer for layer in composite if counts[type(layer)] >= 2]
+    inner = {
+        id(sub)
+        for layer in candidates
+        for sub in layer._flatten_layers(include_self=False, recursive=True)
+    }
+    return [layer for layer in candidates if id(layer) not in inner]
+
+
+def refusal(block: Any) -> str | None:
+    """Why ``block`` cannot run as its class's shared graph, or None."""
+    if getattr(block, "_remat_mode", None) is not None:
+        return "it is rematerialized"
+    if getattr(block, "quantization_mode", None) is not None:
+        return "it is quantized"
+    distribution = targets.keras_object("distribution")()
+    if distribution is not None and distribution.get_tensor_layout("/output"):
+        return "the LayoutMap lays out the path '/output'"
+    for layer in block._flatten_layers(include_self=False, recursive=True):
+        if output_laid_out(layer):
+            return f"the LayoutMap lays out {layer.path}/output"
+        if getattr(layer, "activity_regularizer", None) is not None:
+            return f"{layer.name} has an activity regularizer"
+    return None
+
+
+def install(model: Any, failure: Callable[[BaseException], bool]) -> list[Any]:
+    """Route each repeated block of ``model`` through its class's region.
+
+    ``failure(error)`` says whether an error comes from torch.compile itself:
+    that class then runs eagerly (warned). Returns the blocks routed; a block
+    refused is named in one warning. Undone by deactivation.
+    """
+    routed, refused = [], []
+    for block in repeated(model):
+        if getattr(block, _INSTALLED, False):
+            routed.append(block)
+            continue
+        reason = refusal(block)
+        if reason is not None:
+            refused.append(f"{block.name} ({reason})")
+            continue
+        call = functools.partial(_region_call, block, type(block).call, failure)
+        state.set_attribute(block, "call", call)
+        state.set_attribute(block, _INSTALLED, True)
+        routed.append(block)
+    if refused:
+        warnings.warn(
+            "keras-dtensor-fix: KERAS_DTENSOR_FIX_COMPILE=blocks runs these "
+            f"blocks eagerly: {'; '.join(refused[:4])}. A block is compiled once "
+            "for every block of its class only where nothing depends on its "
+            "sublayers' paths.",
+            stacklevel=3,
+        )
+    return routed
+
+
+def _region_call(
+    block: Any,
+    original: Callable[..., Any],
+    failure: Callable[[BaseException], bool],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    cls = type(block)
+    if (
+        REGION
+        or cls in _FAILED
+        or not torch.is_grad_enabled()
+        or state.compiling()
+        or state.model_parallel() is None
+        or targets.keras_object("in_symbolic_scope")()
+        or targets.keras_object("in_stateless_scope")()
+    ):
+        return original(block, *args, **kwargs)
+    leaves, _ = flatten_call(args, kwargs)
+    for value in leaves:
+        if isinstance(value, DTensor):
+            reducing_gradient(value)
+    try:
+        with _region():
+            return _compiled(cls, original)(block, *args, **kwargs)
+    except Exception as error:
+        if not failure(error):
+            raise
+        _FAILED.add(cls)
+        first = (str(error).splitlines() or [""])[0][:200]
+        warnings.warn(
+            f"keras-dtensor-fix: torch.compile failed on {cls.__name__} "
+            f"({type(error).__name__}: {first}); its blocks run eagerly from now on.",
+            stacklevel=2,
+        )
+        return original(block, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _region() -> Iterator[None]:
+    """Inside: no name scope is open, and sublayers open none."""
+    stack = targets.keras_object("global_state").get_global_attribute(
+        "name_scope_stack"
+    )
+    saved = list(stack) if stack else []
+    if stack:
+        stack.clear()
+    REGION.append(True)
+    try:
+        yield
+    finally:
+        REGION.pop()
+        if stack is not None:
+            stack[:] = saved
+
+
+def _compiled(cls: type, original: Callable[..., Any]) -> Callable[..., Any]:
+    tag = state.cache_key_tag(
+        state.model_parallel(), torch.compiler.config.cache_key_tag
+    )
+    compiled = _COMPILED.get((cls, tag))
+    if compiled is None:
+        # Static shapes: DTensor sharding propagation fails on symbolic sizes.
+        compiled = torch.compile(original, dynamic=False)
+        compiled = torch.compiler.config.patch(cache_key_tag=tag)(compiled)
+        _COMPILED[(cls, tag)] = compiled
+    return compiled
+
+
+def forget() -> None:
+    """Drop the compiled regions and failures (on deactivation)."""
+    _COMPILED.clear()
+    _FAILED.clear()
+
+
+def name_scope(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict):
+    """``Layer._open_name_scope``'s wrapper: no scope inside a region."""
+    if REGION:
+        return contextlib.nullcontext()
+    return wrapped(*args, **kwargs)

@@ -1,0 +1,69 @@
+"""Scenarios: ``KERAS_DTENSOR_FIX_COMPILE=blocks`` (each repeated block
+compiled once for all its instances, the step eager around them)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+from cases_hub import GPT_LAYOUT, fit_and_generate, fit_gpt, hub_layout
+from scenario_kit import case
+
+
+@contextlib.contextmanager
+def blocks_mode():
+    """The mode a user sets in the environment, and what torch.compile got:
+    the qualified names of the functions compiled."""
+    compiled: list[str] = []
+    original = torch.compile
+
+    def compile_and_name(function=None, *args, **kwargs):
+        compiled.append(getattr(function, "__qualname__", repr(function)))
+        return original(function, *args, **kwargs)
+
+    os.environ["KERAS_DTENSOR_FIX_COMPILE"] = "blocks"
+    torch.compile = compile_and_name
+    try:
+        yield compiled
+    finally:
+        torch.compile = original
+        del os.environ["KERAS_DTENSOR_FIX_COMPILE"]
+
+
+def _blocks(fit) -> dict:
+    with warnings.catch_warnings(record=True) as caught, blocks_mode() as compiled:
+        warnings.simplefilter("always")
+        result = fit()
+    result["plugin_warnings"] = [
+        str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
+    ]
+    result["compiled"] = sorted(set(compiled))
+    result["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return result
+
+
+@case("blocks", layout=GPT_LAYOUT)
+def gpt_4_layers_blocks():
+    """Four keras-hub TransformerDecoder blocks, Megatron's layout by hand."""
+    return _blocks(lambda: fit_gpt(True, depth=4))
+
+
+def _hub_blocks(kind: str, **options) -> None:
+    def run():
+        return _blocks(
+            lambda: fit_and_generate(kind, jit_compile=True, compiled_generation=False)
+        )
+
+    run.__name__ = f"{kind}_blocks"
+    run.__doc__ = f"""{kind}'s CausalLM, its own get_layout_map (2-D layouts), then
+    greedy generation (eager: a compiled token step is the generate family's)."""
+    case("blocks", layout=hub_layout(kind), **options)(run)
+
+
+_hub_blocks("llama")
+# Gemma under aot_eager fails in torch's backward graph (a size-1 dim's stride
+# differs between fake and real tensors and CPU cat's memory format follows
+# it); inductor, which users get from jit_compile=True, compiles it right.
+_hub_blocks("gemma", inductor=True, slow=True)
