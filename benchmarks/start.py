@@ -12,6 +12,9 @@ each in its own processes:
           same script launched again
   single-cold, single-warm (``--single``)   the same on one process with no
           distribution: plain Keras's own compiled start
+  blocks-cold, blocks-warm (``--blocks``)   jit_compile=True with
+          KERAS_DTENSOR_FIX_COMPILE=blocks (the step eager, each repeated
+          block compiled once), on a cache of their own
 
 and prints each first epoch (build, compile, ``--steps`` steps), the second
 epoch (the steady state), the ratios to eager's first epoch paired by round,
@@ -23,7 +26,7 @@ each traced instruction; the time of an op dynamo runs on fake tensors goes
 to the code that called it), and the graph's backend apart.
 
     python benchmarks/start.py [--rounds 2] [--models gpt,gemma] [--single]
-        [--layers 4] [--sources]
+        [--blocks] [--no-step] [--layers 4] [--sources]
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ CONFIGS = ("eager", "cold", "warm")
 #: ``--single``: the same model compiled on one process with no distribution
 #: (plain Keras), cold then warm: what tracing costs without DTensor.
 SINGLE = ("single-cold", "single-warm")
+#: ``--blocks``: KERAS_DTENSOR_FIX_COMPILE=blocks, cold then warm.
+BLOCKS = ("blocks-cold", "blocks-warm")
 
 
 def source_of(filename: str) -> str:
@@ -186,6 +191,8 @@ def launch(args: argparse.Namespace, model: str, config: str, cache: str) -> dic
     out = Path(tempfile.mkdtemp()) / "result.json"
     env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
     env["TORCHINDUCTOR_CACHE_DIR"] = cache
+    if config.startswith("blocks"):
+        env["KERAS_DTENSOR_FIX_COMPILE"] = "blocks"
     ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     command = [
         sys.executable,
@@ -221,6 +228,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--single", action="store_true", help="add " + str(SINGLE))
+    parser.add_argument("--blocks", action="store_true", help="add " + str(BLOCKS))
+    parser.add_argument(
+        "--no-step", action="store_true", help="leave out cold and warm (eager stays)"
+    )
     parser.add_argument("--json", help="write every run here")
     parser.add_argument(
         "--sources", action="store_true", help="split dynamo's tracing by package"
@@ -240,12 +251,15 @@ def main() -> None:
     runs: dict[str, dict[str, list[dict]]] = {}
     for round_ in range(args.rounds):
         for model in args.models.split(","):
-            cache = tempfile.mkdtemp(prefix="start-cache-")
-            single = tempfile.mkdtemp(prefix="start-cache-")
-            for config in CONFIGS + (SINGLE if args.single else ()):
-                if config.startswith("single"):
-                    cache = single
-                result = launch(args, model, config, cache)
+            caches = {
+                kind: tempfile.mkdtemp(prefix="start-cache-")
+                for kind in ("step", "single", "blocks")
+            }
+            configs = ("eager",) if args.no_step else CONFIGS
+            configs += (SINGLE if args.single else ()) + (BLOCKS if args.blocks else ())
+            for config in configs:
+                kind = config.split("-")[0] if "-" in config else "step"
+                result = launch(args, model, config, caches[kind])
                 runs.setdefault(model, {}).setdefault(config, []).append(result)
                 shown = result.get("error", "")[-300:] or (
                     f"first {result['first']:.1f} s, second {result['second']:.1f}"
@@ -262,7 +276,7 @@ def report(runs: dict[str, dict[str, list[dict]]]) -> None:
     print("\nmodel | config | first epoch s | / eager first (paired) | 2nd epoch s")
     for model, configs in runs.items():
         eager = configs["eager"]
-        for config in [c for c in CONFIGS + SINGLE if c in configs]:
+        for config in [c for c in CONFIGS + SINGLE + BLOCKS if c in configs]:
             rows = configs[config]
             ok = [r for r in rows if "error" not in r]
             if not ok:

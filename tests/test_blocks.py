@@ -61,10 +61,13 @@ original = Block.call
 routed = [layer.name for layer in blocks.install(model, lambda error: False)]
 installed = all("call" in vars(layer) for layer in blocks.repeated(model))
 y = model(keras.ops.ones((2, 4)))   # no distribution: Keras's own call
+blocks.uninstall(model)
+uninstalled = all("call" not in vars(layer) for layer in model.layers)
+blocks.install(model, lambda error: False)
 kdf.deactivate()
 print(json.dumps({
     "found": found, "routed": routed, "installed": installed,
-    "shape": list(y.shape),
+    "shape": list(y.shape), "uninstalled": uninstalled,
     "restored": all("call" not in vars(layer) for layer in model.layers),
     "class": Block.call is original,
 }))
@@ -75,5 +78,5 @@ def test_blocks_are_the_repeated_composite_layers(run_py) -> None:
     out = last_json(run_py(REPEATED))
     assert out["found"] == ["b0", "b1"]
     assert out["routed"] == ["b0", "b1"] and out["installed"]
-    assert out["shape"] == [2, 4]
+    assert out["shape"] == [2, 4] and out["uninstalled"]
     assert out["restored"] and out["class"]

@@ -123,6 +123,15 @@ def install(model: Any, failure: Callable[[BaseException], bool]) -> list[Any]:
     return routed
 
 
+def uninstall(model: Any) -> None:
+    """Give the model's blocks their own ``call`` back (the mode or
+    ``jit_compile`` changed before a step was built again)."""
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if vars(layer).get(_INSTALLED):
+            vars(layer).pop("call", None)
+            vars(layer).pop(_INSTALLED, None)
+
+
 def _region_call(
     block: Any,
     original: Callable[..., Any],

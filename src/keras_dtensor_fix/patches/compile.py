@@ -24,6 +24,7 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
     if model_parallel() is None or state.promotion_modes():
         return wrapped(*args, **kwargs)
     if not instance.jit_compile or instance.run_eagerly:
+        blocks.uninstall(instance)
         return False
     import warnings
 
@@ -64,6 +65,7 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
         return False
     if config.compile_mode() == "blocks" and blocks.install(instance, compile_failure):
         return False  # the step runs eagerly, its blocks compiled
+    blocks.uninstall(instance)
     return True
 
 
