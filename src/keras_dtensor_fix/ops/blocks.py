@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -49,6 +50,8 @@ _COMPILED: dict[tuple[type, str], Callable[..., Any]] = {}
 _FAILED: set[type] = set()
 #: The attribute marking a block whose ``call`` this module installed.
 _INSTALLED = "_keras_dtensor_fix_block"
+#: Model -> its blocks routed through a region.
+_ROUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def repeated(model: Any) -> list[Any]:
@@ -112,6 +115,8 @@ def install(model: Any, failure: Callable[[BaseException], bool]) -> list[Any]:
         state.set_attribute(block, "call", call)
         state.set_attribute(block, _INSTALLED, True)
         routed.append(block)
+    if routed:
+        _ROUTED[model] = routed
     if refused:
         warnings.warn(
             "keras-dtensor-fix: KERAS_DTENSOR_FIX_COMPILE=blocks runs these "
@@ -126,10 +131,13 @@ def install(model: Any, failure: Callable[[BaseException], bool]) -> list[Any]:
 def uninstall(model: Any) -> None:
     """Give the model's blocks their own ``call`` back (the mode or
     ``jit_compile`` changed before a step was built again)."""
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if vars(layer).get(_INSTALLED):
-            vars(layer).pop("call", None)
-            vars(layer).pop(_INSTALLED, None)
+    try:
+        routed = _ROUTED.pop(model, ())
+    except TypeError:  # an object no weak reference can hold: nothing routed
+        return
+    for block in routed:
+        vars(block).pop("call", None)
+        vars(block).pop(_INSTALLED, None)
 
 
 def _region_call(
@@ -202,9 +210,10 @@ def _compiled(cls: type, original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def forget() -> None:
-    """Drop the compiled regions and failures (on deactivation)."""
+    """Drop the compiled regions, failures and routes (on deactivation)."""
     _COMPILED.clear()
     _FAILED.clear()
+    _ROUTED.clear()
 
 
 def name_scope(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict):
