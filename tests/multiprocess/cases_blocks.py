@@ -62,8 +62,11 @@ def _hub_blocks(kind: str, **options) -> None:
     case("blocks", layout=hub_layout(kind), **options)(run)
 
 
-_hub_blocks("llama")
+_hub_blocks("llama", slow=True)  # the GPT case's path, with a get_layout_map
 # Gemma under aot_eager fails in torch's backward graph (a size-1 dim's stride
 # differs between fake and real tensors and CPU cat's memory format follows
 # it); inductor, which users get from jit_compile=True, compiles it right.
 _hub_blocks("gemma", inductor=True, slow=True)
+# Experts routed with top_k and one_hot; the router's balancing loss comes out
+# of each block's region through add_loss.
+_hub_blocks("qwen_moe", slow=True)

@@ -2,9 +2,11 @@
 
 With ``jit_compile=True`` and the mode set, the step runs eagerly on 2 ranks
 and every decoder block runs one graph compiled for its class: the GPT
-decoder's 4 ``TransformerDecoder`` blocks, Llama's and Gemma's 2 blocks under
-their own ``get_layout_map`` (Gemma with inductor, in the slow tier: under
-``aot_eager`` torch's backward graph fails on a size-1 dimension's stride).
+decoder's 4 ``TransformerDecoder`` blocks (the default run); in the slow tier
+the 2 blocks of Llama, Gemma and QwenMoe under their own ``get_layout_map``
+(QwenMoe's router loss leaves each region through ``add_loss``; Gemma with
+inductor: under ``aot_eager`` torch's backward graph fails on a size-1
+dimension's stride).
 Each must equal one eager process (losses, weights, greedy tokens) with
 exactly one dynamo graph: the block's ``call``, nothing else compiled.
 
@@ -15,8 +17,9 @@ GPT decoder; with Megatron's "f" made inside the region the backward fails
 family off nothing compiles (upstream's behaviour, below).
 
 Upstream (``KERAS_DTENSOR_FIX=0``) ignores the mode and runs the step eagerly
-("Running without torch.compile"), and fails on these models (see
-``test_upstream_blocks``).
+("Running without torch.compile"), and fails on these models: GPT "must match
+the size of tensor b", Llama and QwenMoe "Unable to automatically build",
+Gemma's generate() "placement changes are not supported".
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ BLOCK = {
     "gpt_4_layers_blocks": "TransformerDecoder",
     "llama_blocks": "LlamaTransformerDecoder",
     "gemma_blocks": "GemmaDecoderBlock",
+    "qwen_moe_blocks": "QwenMoeTransformerDecoder",
 }
 
 
@@ -57,6 +61,7 @@ UPSTREAM = {
     "gpt_4_layers_blocks": "must match the size of tensor b",
     "llama_blocks": "Unable to automatically build",
     "gemma_blocks": "placement changes are not supported",
+    "qwen_moe_blocks": "Unable to automatically build",
 }
 
 
