@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 
 import torch
-from cases_hub import GPT_LAYOUT, fit_and_generate, fit_gpt, hub_layout
+from cases_hub import GPT_LAYOUT, fit_and_generate, fit_gpt, hub_layout, watched
 from scenario_kit import case
 
 
@@ -33,14 +32,9 @@ def blocks_mode():
 
 
 def _blocks(fit) -> dict:
-    with warnings.catch_warnings(record=True) as caught, blocks_mode() as compiled:
-        warnings.simplefilter("always")
-        result = fit()
-    result["plugin_warnings"] = [
-        str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
-    ]
+    with blocks_mode() as compiled:
+        result = watched(fit)
     result["compiled"] = sorted(set(compiled))
-    result["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     return result
 
 

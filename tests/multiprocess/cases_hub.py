@@ -269,6 +269,21 @@ def gemma_1x2_heads_miscounted():
     }
 
 
+def watched(fit) -> dict:
+    """``fit()``'s result with the plugin's warnings during it and dynamo's
+    graph breaks (the case's: counters are cleared per case)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fit()
+    result["plugin_warnings"] = [
+        str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
+    ]
+    result["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return result
+
+
 def _compiled(kind: str, batch_ranks: int = 1) -> dict:
     """jit_compile=True for real: dynamo graphs, no eager fallback (no warning).
 
@@ -279,26 +294,20 @@ def _compiled(kind: str, batch_ranks: int = 1) -> dict:
     ``fit()``'s last epoch, for test_collectives.py: the suite compiles each
     model once.
     """
-    import warnings
-
     count = WORLD > 1 and batch_ranks == 1
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if kind == "gpt":
-            result = fit_gpt(True, batch_ranks, collectives=count)
-        else:
-            result = fit_and_generate(
+    if kind == "gpt":
+        result = watched(lambda: fit_gpt(True, batch_ranks, collectives=count))
+    else:
+        result = watched(
+            lambda: fit_and_generate(
                 kind,
                 batch_ranks,
                 True,
                 collectives=count,
                 compiled_generation=kind in COMPILED_GENERATION,
             )
-    result["plugin_warnings"] = [
-        str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
-    ]
+        )
     counters = torch._dynamo.utils.counters
-    result["graph_breaks"] = sum(counters["graph_break"].values())
     result["compile_cache"] = {  # this case's
         **{k: v for k, v in counters["inductor"].items() if "fxgraph_cache" in k},
         **{k: v for k, v in counters["aot_autograd"].items() if "cache" in k},

@@ -25,7 +25,7 @@ Gemma's generate() "placement changes are not supported".
 from __future__ import annotations
 
 import pytest
-from test_hub import check
+from test_hub import assert_upstream_fails, check
 from test_parity import assert_parity
 
 from support import scenario_params
@@ -66,6 +66,4 @@ UPSTREAM = {
 
 
 def test_upstream_blocks(runs) -> None:
-    upstream = runs.get("blocks", world=2, KERAS_DTENSOR_FIX="0")[0]
-    for name in filter(runs.ran, UPSTREAM):
-        assert UPSTREAM[name] in upstream[name]["error"], name
+    assert_upstream_fails(runs, "blocks", UPSTREAM)

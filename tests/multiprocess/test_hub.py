@@ -39,6 +39,16 @@ def cases(group: str) -> list[str]:
     return [name for name, spec in CASES.items() if spec["group"] == group]
 
 
+def assert_upstream_fails(runs, group: str, expected: dict[str, str]) -> None:
+    """Upstream (``KERAS_DTENSOR_FIX=0``) on every case of ``group`` that this
+    session runs fails with the error fragment ``expected`` names for it;
+    ``expected`` names every case of the group."""
+    upstream = runs.get(group, world=2, KERAS_DTENSOR_FIX="0")[0]
+    assert set(expected) == set(cases(group))
+    for name in filter(runs.ran, expected):
+        assert expected[name] in upstream[name]["error"], name
+
+
 def check(name: str, ranks: list[dict], single: dict) -> None:
     """Parity, greedy tokens, and (where the processes share every row) a
     seeded top-k sampler's tokens, stopped at a stop token or not, equal one
@@ -261,10 +271,7 @@ UPSTREAM_GENERATE = {
 
 
 def test_upstream_generate(runs) -> None:
-    upstream = runs.get("generate_compiled", world=2, KERAS_DTENSOR_FIX="0")[0]
-    assert set(UPSTREAM_GENERATE) == set(cases("generate_compiled"))
-    for name in filter(runs.ran, UPSTREAM_GENERATE):
-        assert UPSTREAM_GENERATE[name] in upstream[name]["error"], name
+    assert_upstream_fails(runs, "generate_compiled", UPSTREAM_GENERATE)
 
 
 def test_upstream_hub(runs) -> None:
@@ -292,7 +299,4 @@ UPSTREAM_COMPILED = {
 def test_upstream_compiled(runs) -> None:
     """Upstream on the compiled cases this session runs (the slow ones in
     ``nox -s full``): every one fails."""
-    upstream = runs.get("hub_compiled", world=2, KERAS_DTENSOR_FIX="0")[0]
-    assert set(UPSTREAM_COMPILED) == set(cases("hub_compiled"))
-    for name in filter(runs.ran, UPSTREAM_COMPILED):
-        assert UPSTREAM_COMPILED[name] in upstream[name]["error"], name
+    assert_upstream_fails(runs, "hub_compiled", UPSTREAM_COMPILED)
