@@ -44,8 +44,9 @@ from keras_dtensor_fix.ops.values import flatten_call, output_laid_out
 
 #: True while a block's region runs: its sublayers open no name scope.
 REGION: list[bool] = []
-#: (block class, cache key tag) -> its compiled ``call``, shared by every instance.
-_COMPILED: dict[tuple[type, str], Callable[..., Any]] = {}
+#: Distribution -> (block class, the user's cache key tag) -> the class's compiled
+#: ``call``, shared by every instance (the process-keyed tag made once, not per call).
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: Block classes whose compilation failed: they run eagerly from then on.
 _FAILED: set[type] = set()
 #: The attribute marking a block whose ``call`` this module installed.
@@ -148,12 +149,13 @@ def _region_call(
     **kwargs: Any,
 ) -> Any:
     cls = type(block)
+    distribution = state.model_parallel()
     if (
         REGION
         or cls in _FAILED
         or not torch.is_grad_enabled()
         or state.compiling()
-        or state.model_parallel() is None
+        or distribution is None
         or targets.keras_object("in_symbolic_scope")()
         or targets.keras_object("in_stateless_scope")()
     ):
@@ -164,7 +166,7 @@ def _region_call(
             reducing_gradient(value)
     try:
         with _region():
-            return _compiled(cls, original)(block, *args, **kwargs)
+            return _compiled(cls, original, distribution)(block, *args, **kwargs)
     except Exception as error:
         if not failure(error):
             raise
@@ -196,16 +198,18 @@ def _region() -> Iterator[None]:
             stack[:] = saved
 
 
-def _compiled(cls: type, original: Callable[..., Any]) -> Callable[..., Any]:
-    tag = state.cache_key_tag(
-        state.model_parallel(), torch.compiler.config.cache_key_tag
-    )
-    compiled = _COMPILED.get((cls, tag))
+def _compiled(
+    cls: type, original: Callable[..., Any], distribution: Any
+) -> Callable[..., Any]:
+    user_tag = torch.compiler.config.cache_key_tag
+    by_class = _COMPILED.setdefault(distribution, {})
+    compiled = by_class.get((cls, user_tag))
     if compiled is None:
+        tag = state.cache_key_tag(distribution, user_tag)
         # Static shapes: DTensor sharding propagation fails on symbolic sizes.
         compiled = torch.compile(original, dynamic=False)
         compiled = torch.compiler.config.patch(cache_key_tag=tag)(compiled)
-        _COMPILED[(cls, tag)] = compiled
+        by_class[(cls, user_tag)] = compiled
     return compiled
 
 
