@@ -14,6 +14,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -35,7 +36,7 @@ def test_save_on_one_process_is_an_error(tmp_path) -> None:
 
 
 def test_upstream_waits(tmp_path) -> None:
-    """Upstream: process 0 is still waiting in the gather after 30 s (the
+    """Upstream: process 0 is still in its save 15 s after entering it (the
     plugin raises after its handshake's 5 s, set by the script)."""
     env = clean_env({"OMP_NUM_THREADS": "1", "KERAS_DTENSOR_FIX": "0"})
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -44,8 +45,15 @@ def test_upstream_waits(tmp_path) -> None:
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
+        # Timed from the save, not the launch: a slow start cannot pass for
+        # a wait.
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "saving").exists():
+            assert proc.poll() is None, "the launch ended before process 0 saved"
+            assert time.monotonic() < deadline, "process 0 never began its save"
+            time.sleep(0.2)
         with pytest.raises(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
+            proc.wait(timeout=15)
     finally:
         # torchrun runs its ranks in sessions of their own and stops them
         # when it is terminated; a killed torchrun would leave them waiting.
