@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import sys
 import time
@@ -78,6 +79,17 @@ def main() -> None:
     )
     parser.add_argument("--prompt", type=int, default=PROMPT)
     parser.add_argument("--length", type=int, default=LENGTH)
+    parser.add_argument(
+        "--table",
+        type=int,
+        default=0,
+        help="print the profiled call's N costliest ops by self time",
+    )
+    parser.add_argument(
+        "--timing-only",
+        action="store_true",
+        help="ms/token and the first call only (no counting or profiled calls)",
+    )
     args = parser.parse_args()
     import keras_hub
 
@@ -125,11 +137,12 @@ def main() -> None:
         out = generate()
         times.append(time.perf_counter() - start)
     count = Count()
-    if not args.compile:  # a dispatch mode would stop the compiled step
-        with count:
+    if not (args.compile or args.timing_only):  # a dispatch mode would stop
+        with count:  # the compiled step
             generate()
     with torch.profiler.profile() as profile:
-        generate()
+        if not args.timing_only:
+            generate()
     collectives = collections.Counter(
         e.name for e in profile.events() if e.name.startswith(("c10d::", "_c10d"))
     )
@@ -143,6 +156,18 @@ def main() -> None:
             f"{world} process(es), {compiled}, hidden {args.hidden}, "
             f"{prompt}/{tokens}: {ms:.1f} ms/token"
         )
+        record = {
+            "world": world,
+            "compiled": args.compile,
+            "hidden": args.hidden,
+            "prompt": prompt,
+            "new": tokens,
+            "ms_per_token": round(ms, 2),
+            "first_call_s": round(first_call, 1),
+            "tokens": tokens_now.tolist(),
+            "same_tokens": tokens_now.tolist() == first.tolist(),
+        }
+        print("RECORD " + json.dumps(record))
         print(f"first generated tokens: {shown}")
         print(
             f"first call {first_call:.1f} s (the compile, if any); same tokens "
@@ -157,6 +182,9 @@ def main() -> None:
             print(f"  {n / tokens:6.1f}  {name}")
         for name, n in collectives.most_common(8):
             print(f"  {n / tokens:6.2f}  {name} (collective)")
+        if args.table:
+            averages = profile.key_averages()
+            print(averages.table(sort_by="self_cpu_time_total", row_limit=args.table))
         if reduce_ms is not None:
             print(f"one all-reduce of (2, 1, {args.hidden}): {reduce_ms:.2f} ms")
     sys.stdout.flush()

@@ -63,6 +63,7 @@ from keras_dtensor_fix.dtensor.local import (
 )
 from keras_dtensor_fix.dtensor.placement import (
     is_replicated,
+    on_mesh,
     one_rank_replicated,
     placed,
     reduce_masked,
@@ -102,6 +103,7 @@ __all__ = [
     "implicit_replication",
     "is_replicated",
     "local_region",
+    "on_mesh",
     "one_rank_replicated",
     "per_element_call",
     "placed",

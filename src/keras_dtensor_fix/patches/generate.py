@@ -9,7 +9,10 @@ its shape and the position is a tensor, so one graph serves every position
 and every later ``generate()`` call. The prompt's pass (the cache's first
 fill) stays eager: it runs once per call, with the prompt's shape. Sharded,
 the graph holds this process's shards and collectives; its compile-cache key
-names the process, as the training steps' do (``state.cache_key_tag``).
+names the process, as the training steps' do (``state.cache_key_tag``); the
+prompt's pass runs its blocks on local tensors and the sampler's loop gets
+plain tensors, as eager generation does (below), so only the compiled token
+step touches DTensors.
 
 ``jit_compile`` False or "auto" (Keras's default, eager on torch) generates
 eagerly, and on a sharded model each decoder block's cached call runs on
@@ -30,7 +33,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from keras_dtensor_fix.dtensor import one_rank_replicated
+from keras_dtensor_fix.dtensor import DTensor, on_mesh, one_rank_replicated
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import cache_key_tag, model_parallel
 from keras_dtensor_fix.ops import causal_lm, decoder
@@ -72,6 +75,10 @@ def _token_call(model: Any) -> Any:
 
     The compiled call and its cache tag are made once per generation, not per
     token: the distribution does not change inside one ``generate()``.
+    Sharded, each token's logits and hidden states come back as the plain
+    tensors every process holds whole (the sampler's loop runs on plain
+    tensors: :func:`_tokens_compiled`); the cache stays the DTensor the next
+    token's graph takes.
     """
     import torch
 
@@ -81,15 +88,31 @@ def _token_call(model: Any) -> Any:
     if dist is not None:
         tag = cache_key_tag(dist, torch.compiler.config.cache_key_tag)
         compiled = torch.compiler.config.patch(cache_key_tag=tag)(compiled)
+        plain, prompt = causal_lm.whole_inputs, _blocks_local
+        # the weights' mesh: the graph guards on its identity
+        meshes = (getattr(v, "_value", None) for v in model.weights)
+        mesh = next((m.device_mesh for m in meshes if isinstance(m, DTensor)), None)
+    else:
+        plain, prompt, mesh = tuple, _no_context, None
 
     def call_with_cache(token_ids, cache, cache_update_index):
         shape = getattr(token_ids, "shape", ())
-        if model in _EAGER or len(shape) != 2 or shape[1] != 1:
+        if model in _EAGER:
             return eager(token_ids, cache, cache_update_index)
+        if len(shape) != 2 or shape[1] != 1:  # the prompt's pass
+            with prompt(model):
+                return eager(token_ids, cache, cache_update_index)
+        # The first token can come as a DTensor (the prompt's), the next
+        # ones plain: as the sampler's loop holds them, one graph for both.
+        token_ids, cache_update_index = plain((token_ids, cache_update_index))
+        logits, hidden, cache = _token(token_ids, cache, cache_update_index)
+        return (*plain((logits, hidden)), cache)  # the cache as the graph takes it
+
+    def _token(token_ids, cache, cache_update_index):
         # The prompt's last token comes batch-sharded, the sampler's next
         # ones replicated: on a one-rank batch axis that is one graph, not two.
         token_ids, cache, cache_update_index = (
-            one_rank_replicated(value)
+            one_rank_replicated(on_mesh(value, mesh))
             for value in (token_ids, cache, cache_update_index)
         )
         try:
@@ -100,7 +123,7 @@ def _token_call(model: Any) -> Any:
                 f"keras-dtensor-fix: generate() of this jit_compile=True model "
                 f"runs eagerly: its compiled token step failed "
                 f"({type(err).__name__}: {str(err)[:300]})",
-                stacklevel=2,
+                stacklevel=3,
             )
             return eager(token_ids, cache, cache_update_index)
 
@@ -108,10 +131,18 @@ def _token_call(model: Any) -> Any:
 
 
 @contextlib.contextmanager
+def _no_context(model: Any) -> Iterator[None]:
+    yield
+
+
+@contextlib.contextmanager
 def _tokens_compiled(model: Any) -> Iterator[Any]:
+    """Each new token compiled; sharded, the prompt's pass runs its blocks on
+    local tensors (:func:`_blocks_local`) and the sampler's loop gets plain
+    tensors where every process holds them whole (as eagerly)."""
     model.call_with_cache = _token_call(model)
     try:
-        yield None
+        yield None if model_parallel() is None else causal_lm.whole_inputs
     finally:
         vars(model).pop("call_with_cache", None)
 
