@@ -135,3 +135,22 @@ def test_placed_is_shared_by_an_activations_readers(mesh1) -> None:
         other.add_(1)
     after = placed(other, (Shard(0),))
     assert after is not before and torch.equal(after.full_tensor(), other.full_tensor())
+
+
+def test_on_mesh_moves_a_value_to_an_equal_mesh_object(mesh1) -> None:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from keras_dtensor_fix.dtensor import on_mesh
+
+    other = DeviceMesh("cpu", [0])  # equal to mesh1, another object
+    assert other == mesh1 and other is not mesh1
+    value = distribute_tensor(torch.arange(4.0), other, [Replicate()])
+    moved = on_mesh(value, mesh1)
+    assert moved.device_mesh is mesh1
+    assert moved._local_tensor.data_ptr() == value._local_tensor.data_ptr()  # no copy
+    assert moved.placements == value.placements and moved.shape == value.shape
+    assert on_mesh(moved, mesh1) is moved  # already there
+    plain = torch.ones(2)
+    assert on_mesh(plain, mesh1) is plain
