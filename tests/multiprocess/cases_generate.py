@@ -40,11 +40,19 @@ def generate_compiled(kind: str) -> dict:
         "tokens": np.asarray(tokens["token_ids"]).tolist(),
         "tokens_again": np.asarray(again["token_ids"]).tolist(),
         "graphs_again": stats["unique_graphs"] - graphs,
+        # the token graph is the whole call on local tensors (no DTensor)
+        "whole_local": model in _whole_checked(),
         "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
         "plugin_warnings": [
             str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
         ],
     }
+
+
+def _whole_checked():
+    from keras_dtensor_fix.patches import generate
+
+    return generate._WHOLE_CHECKED
 
 
 def _case(kind: str, layout, mesh=(1, 2), slow: bool = False) -> None:

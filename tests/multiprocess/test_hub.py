@@ -247,12 +247,16 @@ def test_generate_compiled(runs, name: str) -> None:
     (``as_strided not supported with DTensor``: it warns and generates
     eagerly); without the relabelled one-rank batch axis every model compiled
     its token step twice (the prompt's token is batch-sharded, the sampler's
-    replicated)."""
+    replicated). On a (1, 2) mesh the graph is the whole token call on local
+    tensors (``ops/causal_lm.py``; no DTensor goes in or out); on (2, 1),
+    where each process holds other rows, it takes the DTensors."""
     single = runs.get("generate_compiled", world=1)[0][name]
+    local = CASES[name]["mesh"][0] == 1
     for rank, result in enumerate(runs.get("generate_compiled", world=2)):
         mine = result[name]
         assert "error" not in mine, mine.get("traceback")
         assert mine["plugin_warnings"] == [], f"rank {rank}"
+        assert mine["whole_local"] == local, f"rank {rank}"
         assert (mine["dynamo_graphs"], mine["graphs_again"]) == (1, 0), f"rank {rank}"
         assert mine["graph_breaks"] == 0, f"rank {rank}"
         assert mine["tokens"] == mine["tokens_again"] == single["tokens"], rank

@@ -1,7 +1,8 @@
 """The one all-reduce path: c10d all-reduces, polled on CPU (gloo) eagerly.
 
-Also the one all-gather of eager generation's vocabulary-split logits
-(``all_gather_last``), polled alike.
+Also the one all-gather of generation's vocabulary-split logits
+(``all_gather_last``), polled alike eagerly, a functional all-gather in a
+compiled token step.
 
 ``all_reduce_sum`` (Megatron's "g") and ``all_reduce_sums`` (one all-reduce
 per dtype) go through ``_reduce_in_place``, as do the plugin's reductions of
@@ -71,6 +72,12 @@ def all_gather_last(value: torch.Tensor, mesh: Any, axis: int) -> torch.Tensor:
     if size == 1:
         return value
     value = value.contiguous()
+    if torch.compiler.is_compiling():  # a graph's collective: no polling
+        from torch.distributed import _functional_collectives as funcol
+
+        group = mesh.get_group(axis)
+        gathered = funcol.all_gather_tensor(value, 0, group)
+        return torch.cat(torch.chunk(gathered, size, dim=0), dim=-1)
     parts = [torch.empty_like(value) for _ in range(size)]
     work = torch.distributed.all_gather(
         parts, value, group=mesh.get_group(axis), async_op=True

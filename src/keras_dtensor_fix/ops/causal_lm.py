@@ -1,4 +1,4 @@
-"""A keras-hub causal LM's one-token call on local tensors (eager generation).
+"""A keras-hub causal LM's one-token call on local tensors (sharded generation).
 
 :mod:`.decoder` runs each decoder block's cached call on local tensors. What
 surrounds the blocks in ``call_with_cache`` still ran as dispatched DTensor
@@ -22,7 +22,9 @@ call hands back this rank's part, which the sampler passes in again (only
 keras-hub's samplers that pass it on untouched: :data:`SAMPLERS`; the
 prompt's pass, many tokens at once, keeps the block-by-block path). The
 generate family checks the first token's call against the block-by-block
-path (:func:`.decoder.agree`) and keeps that path where they differ.
+path (:func:`.decoder.agree`) and keeps that path where they differ. A
+model compiled with ``jit_compile=True`` compiles the call :func:`run` makes
+(every later token), so its graph holds plain tensors only.
 """
 
 from __future__ import annotations

@@ -70,15 +70,20 @@ def _compiled(cls: type) -> Any:
     return found
 
 
-def _token_call(model: Any) -> Any:
+def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
     """``model.call_with_cache``: one token compiled, the prompt's pass eager.
 
     The compiled call and its cache tag are made once per generation, not per
     token: the distribution does not change inside one ``generate()``.
-    Sharded, each token's logits and hidden states come back as the plain
-    tensors every process holds whole (the sampler's loop runs on plain
-    tensors: :func:`_tokens_compiled`); the cache stays the DTensor the next
-    token's graph takes.
+    Sharded, the prompt's pass runs its blocks on local tensors; with
+    ``found`` (the whole token call's local plan) the first token runs both
+    ways as eagerly (:func:`_model_checked`) and the next ones compile the
+    model's own call on local tensors (:func:`.causal_lm.run`: plain inputs,
+    weights and cache, the plugin's collectives in the graph); else the
+    graph takes the DTensors. Either way each token's logits and hidden
+    states come back as the plain tensors every process holds whole (the
+    sampler's loop runs on plain tensors: :func:`_tokens_compiled`) and the
+    cache as the next token's graph takes it.
     """
     import torch
 
@@ -97,37 +102,54 @@ def _token_call(model: Any) -> Any:
 
     def call_with_cache(token_ids, cache, cache_update_index):
         shape = getattr(token_ids, "shape", ())
-        if model in _EAGER:
-            return eager(token_ids, cache, cache_update_index)
         if len(shape) != 2 or shape[1] != 1:  # the prompt's pass
             with prompt(model):
                 return eager(token_ids, cache, cache_update_index)
         # The first token can come as a DTensor (the prompt's), the next
         # ones plain: as the sampler's loop holds them, one graph for both.
         token_ids, cache_update_index = plain((token_ids, cache_update_index))
-        logits, hidden, cache = _token(token_ids, cache, cache_update_index)
+        args = (token_ids, cache, cache_update_index)
+        if found is not None and model not in _WHOLE_DTENSOR:
+            if model not in _WHOLE_CHECKED:
+                return _model_checked(model, found, eager, *args)
+            result = causal_lm.run(found, _compiled_or_eager, *args)
+            if result is not NotImplemented:
+                return result
+        if model in _EAGER:
+            logits, hidden, cache = eager(*args)
+        else:
+            logits, hidden, cache = _token(*args)
         return (*plain((logits, hidden)), cache)  # the cache as the graph takes it
+
+    def _compiled_or_eager(*args: Any) -> Any:
+        if model in _EAGER:
+            return eager(*args)
+        try:
+            return compiled(model, *args)
+        except Exception as err:  # noqa: BLE001 - eager is the fallback
+            _failed(model, err)
+            return eager(*args)
 
     def _token(token_ids, cache, cache_update_index):
         # The prompt's last token comes batch-sharded, the sampler's next
         # ones replicated: on a one-rank batch axis that is one graph, not two.
-        token_ids, cache, cache_update_index = (
+        args = tuple(
             one_rank_replicated(on_mesh(value, mesh))
             for value in (token_ids, cache, cache_update_index)
         )
-        try:
-            return compiled(model, token_ids, cache, cache_update_index)
-        except Exception as err:  # noqa: BLE001 - eager is the fallback
-            _EAGER.add(model)
-            warnings.warn(
-                f"keras-dtensor-fix: generate() of this jit_compile=True model "
-                f"runs eagerly: its compiled token step failed "
-                f"({type(err).__name__}: {str(err)[:300]})",
-                stacklevel=3,
-            )
-            return eager(token_ids, cache, cache_update_index)
+        return _compiled_or_eager(*args)
 
     return call_with_cache
+
+
+def _failed(model: Any, err: Exception) -> None:
+    _EAGER.add(model)
+    warnings.warn(
+        f"keras-dtensor-fix: generate() of this jit_compile=True model runs "
+        f"eagerly: its compiled token step failed "
+        f"({type(err).__name__}: {str(err)[:300]})",
+        stacklevel=5,
+    )
 
 
 @contextlib.contextmanager
@@ -138,9 +160,13 @@ def _no_context(model: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def _tokens_compiled(model: Any) -> Iterator[Any]:
     """Each new token compiled; sharded, the prompt's pass runs its blocks on
-    local tensors (:func:`_blocks_local`) and the sampler's loop gets plain
-    tensors where every process holds them whole (as eagerly)."""
-    model.call_with_cache = _token_call(model)
+    local tensors (:func:`_blocks_local`), the tokens on local tensors where
+    :func:`.causal_lm.plan` fits the whole model, and the sampler's loop gets
+    plain tensors where every process holds them whole (as eagerly)."""
+    found = None
+    if model_parallel() is not None and model not in _WHOLE_DTENSOR:
+        found = causal_lm.plan(model)
+    model.call_with_cache = _token_call(model, found)
     try:
         yield None if model_parallel() is None else causal_lm.whole_inputs
     finally:
