@@ -72,16 +72,14 @@ def all_gather_last(value: torch.Tensor, mesh: Any, axis: int) -> torch.Tensor:
     if size == 1:
         return value
     value = value.contiguous()
+    group = mesh.get_group(axis)
     if torch.compiler.is_compiling():  # a graph's collective: no polling
         from torch.distributed import _functional_collectives as funcol
 
-        group = mesh.get_group(axis)
         gathered = funcol.all_gather_tensor(value, 0, group)
         return torch.cat(torch.chunk(gathered, size, dim=0), dim=-1)
     parts = [torch.empty_like(value) for _ in range(size)]
-    work = torch.distributed.all_gather(
-        parts, value, group=mesh.get_group(axis), async_op=True
-    )
+    work = torch.distributed.all_gather(parts, value, group=group, async_op=True)
     if value.device.type == "cpu":
         poll_work(work)
     work.wait()

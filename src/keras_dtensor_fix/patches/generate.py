@@ -109,16 +109,11 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
         # ones plain: as the sampler's loop holds them, one graph for both.
         token_ids, cache_update_index = plain((token_ids, cache_update_index))
         args = (token_ids, cache, cache_update_index)
-        if found is not None and model not in _WHOLE_DTENSOR:
-            if model not in _WHOLE_CHECKED:
-                return _model_checked(model, found, eager, *args)
-            result = causal_lm.run(found, _compiled_or_eager, *args)
+        if found is not None:
+            result = _whole_local(model, found, eager, _compiled_or_eager, args)
             if result is not NotImplemented:
                 return result
-        if model in _EAGER:
-            logits, hidden, cache = eager(*args)
-        else:
-            logits, hidden, cache = _token(*args)
+        logits, hidden, cache = _token(*args)
         return (*plain((logits, hidden)), cache)  # the cache as the graph takes it
 
     def _compiled_or_eager(*args: Any) -> Any:
@@ -163,12 +158,13 @@ def _tokens_compiled(model: Any) -> Iterator[Any]:
     local tensors (:func:`_blocks_local`), the tokens on local tensors where
     :func:`.causal_lm.plan` fits the whole model, and the sampler's loop gets
     plain tensors where every process holds them whole (as eagerly)."""
+    sharded = model_parallel() is not None
     found = None
-    if model_parallel() is not None and model not in _WHOLE_DTENSOR:
+    if sharded and model not in _WHOLE_DTENSOR:
         found = causal_lm.plan(model)
     model.call_with_cache = _token_call(model, found)
     try:
-        yield None if model_parallel() is None else causal_lm.whole_inputs
+        yield causal_lm.whole_inputs if sharded else None
     finally:
         vars(model).pop("call_with_cache", None)
 
@@ -260,14 +256,25 @@ def _local_token_call(model: Any, found: causal_lm.ModelPlan) -> Any:
     def call_with_cache(token_ids, cache, cache_update_index):
         args = (token_ids, cache, cache_update_index)
         shape = getattr(token_ids, "shape", ())
-        if model in _WHOLE_DTENSOR or len(shape) != 2 or shape[1] != 1:
+        if len(shape) != 2 or shape[1] != 1:
             return eager(*args)
-        if model not in _WHOLE_CHECKED:
-            return _model_checked(model, found, eager, *args)
-        result = causal_lm.run(found, eager, *args)
+        result = _whole_local(model, found, eager, eager, args)
         return eager(*args) if result is NotImplemented else result
 
     return call_with_cache
+
+
+def _whole_local(
+    model: Any, found: causal_lm.ModelPlan, eager: Any, call: Any, args: tuple
+) -> Any:
+    """One token's ``call`` on local tensors (:func:`.causal_lm.run`), the
+    first both ways (:func:`_model_checked`); :data:`NotImplemented` where
+    the model generates block by block or the token has no local form."""
+    if model in _WHOLE_DTENSOR:
+        return NotImplemented
+    if model not in _WHOLE_CHECKED:
+        return _model_checked(model, found, eager, *args)
+    return causal_lm.run(found, call, *args)
 
 
 def _model_checked(model: Any, found: causal_lm.ModelPlan, eager: Any, *args) -> Any:
