@@ -4,7 +4,9 @@ For each hidden size and prompt/new-token lengths, in this order (each a
 fresh process, so the runs interleave and share the machine's state): one
 process eager (no distribution), the plugin on 2 processes eager, the plugin
 on 2 processes with ``jit_compile=True`` (compiled token step), one process
-with ``jit_compile=True``, one process eager again. Each run is
+with ``jit_compile=True``, one process eager again, and two one-process eager
+runs at once (``--twins``: what a process gets of this machine when another
+runs beside it, as each of the 2 sharded processes does). Each run is
 ``generate_ops.py --timing-only`` (tiny random Gemma, 4 layers, greedy, Gemma's
 own ``get_layout_map`` on (1, 2)), on an empty compile cache of its own.
 Prints a Markdown table (ms/token, the ratio to the two one-process eager
@@ -33,10 +35,11 @@ RUNS = (
     ("one process, compiled", 1, True),
     ("one process, eager, again", 1, False),
 )
+TWINS = ("two one-process runs at once, eager (each)", 0, False)
 
 
-def run(world: int, compiled: bool, hidden: int, prompt: int, new: int) -> dict:
-    """One ``generate_ops.py`` run's record."""
+def command_for(world: int, compiled: bool, hidden: int, prompt: int, new: int):
+    """The ``generate_ops.py`` command of one run (``world`` 0: one process)."""
     command = [sys.executable]
     if world > 1:
         command += ["-m", "torch.distributed.run", "--standalone"]
@@ -45,10 +48,10 @@ def run(world: int, compiled: bool, hidden: int, prompt: int, new: int) -> dict:
     command += ["--prompt", str(prompt), "--length", str(prompt + new)]
     if compiled:
         command.append("--compile")
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
-        env["TORCHINDUCTOR_CACHE_DIR"] = cache
-        proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    return command
+
+
+def record_of(command: list[str], proc) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(
@@ -57,12 +60,47 @@ def run(world: int, compiled: bool, hidden: int, prompt: int, new: int) -> dict:
     return json.loads(lines[-1][len("RECORD ") :])
 
 
+def run(world: int, compiled: bool, hidden: int, prompt: int, new: int) -> dict:
+    """One ``generate_ops.py`` run's record; ``world`` 0: two one-process
+    runs at once, the slower one's record."""
+    command = command_for(world, compiled, hidden, prompt, new)
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        if world:
+            proc = subprocess.run(command, env=env, capture_output=True, text=True)
+            return record_of(command, proc)
+        twins = [
+            subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+            for _ in range(2)
+        ]
+        records = []
+        for twin in twins:
+            out, err = twin.communicate()
+            done = subprocess.CompletedProcess(
+                command, twin.returncode, out.decode(), err.decode()
+            )
+            records.append(record_of(command, done))
+    slower = max(records, key=lambda r: r["ms_per_token"])
+    return {
+        **slower,
+        "world": 0,
+        "twin_ms_per_token": [r["ms_per_token"] for r in records],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", default="256,1024")
     parser.add_argument("--lengths", default="16/48,128/128", help="prompt/new, ...")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--twins", action="store_true", help="two one-process eager runs at once too"
+    )
     args = parser.parse_args()
+    runs = RUNS + ((TWINS,) if args.twins else ())
     records = []
     print("| hidden | prompt/new | run | ms/token | x one process eager | first call |")
     print("| ---: | --- | --- | ---: | --- | ---: |")
@@ -70,7 +108,7 @@ def main() -> None:
         for lengths in args.lengths.split(","):
             prompt, new = (int(n) for n in lengths.split("/"))
             found = []
-            for name, world, compiled in RUNS:
+            for name, world, compiled in runs:
                 record = run(world, compiled, hidden, prompt, new)
                 record["run"] = name
                 found.append(record)

@@ -30,6 +30,8 @@ def case(group: str, mesh: tuple[int, int] = (1, 2), **options: object):
     ``slow=True``: a variant whose path another case of the default run
     already takes (another mesh, a sibling model or layer); it runs only where
     the tests select it (``nox -s full``), see ``support.scenario_params``.
+    ``upstream_slow=True``: its upstream run (``KERAS_DTENSOR_FIX=0``) fails
+    as another default case's does, and only the slow tier launches it.
     """
 
     def register(fn):
