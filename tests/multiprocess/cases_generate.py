@@ -6,7 +6,8 @@ Llama's (and, in the slow tier, Qwen's) compiled generation runs after its
 compiled training in ``cases_hub.py``; these cases cover the other decoders:
 GPT-2 (a learned position embedding sliced at the cache index, a tensor),
 and in the slow tier Gemma and QwenMoe (about 40 s of tracing each on 2
-cores) and all three on a (2, 1) mesh.
+cores) and all three on a (2, 1) mesh; all three on (2, 2) in
+``nox -s tests4`` (group ``generate4_compiled``).
 """
 
 from __future__ import annotations
@@ -55,12 +56,14 @@ def _whole_checked():
     return generate._WHOLE_CHECKED
 
 
-def _case(kind: str, layout, mesh=(1, 2), slow: bool = False) -> None:
+def _case(
+    kind: str, layout, mesh=(1, 2), slow: bool = False, group="generate_compiled"
+) -> None:
     def run():
         return generate_compiled(kind)
 
     run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}_generate_compiled"
-    case("generate_compiled", mesh=mesh, layout=layout, slow=slow)(run)
+    case(group, mesh=mesh, layout=layout, slow=slow)(run)
 
 
 # GPT-2 has no get_layout_map: Megatron's by hand, its LM head tied to the
@@ -74,3 +77,5 @@ _case("qwen_moe", hub_layout("qwen_moe"), slow=True)
 for _kind in ("gpt2", "gemma", "qwen_moe"):
     _layout = GPT2_LAYOUT if _kind == "gpt2" else hub_layout(_kind)
     _case(_kind, _layout, mesh=(2, 1), slow=True)
+    # (2, 2): 4 processes (nox -s tests4)
+    _case(_kind, _layout, mesh=(2, 2), group="generate4_compiled")
