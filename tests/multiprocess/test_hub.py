@@ -39,11 +39,13 @@ def cases(group: str) -> list[str]:
     return [name for name, spec in CASES.items() if spec["group"] == group]
 
 
-def assert_upstream_fails(runs, group: str, expected: dict[str, str]) -> None:
+def assert_upstream_fails(
+    runs, group: str, expected: dict[str, str], world: int = 2
+) -> None:
     """Upstream (``KERAS_DTENSOR_FIX=0``) on every case of ``group`` that this
     session runs fails with the error fragment ``expected`` names for it;
     ``expected`` names every case of the group."""
-    upstream = runs.get(group, world=2, KERAS_DTENSOR_FIX="0")[0]
+    upstream = runs.get(group, world=world, KERAS_DTENSOR_FIX="0")[0]
     assert set(expected) == set(cases(group))
     for name in filter(runs.ran, expected):
         assert expected[name] in upstream[name]["error"], name
@@ -252,9 +254,16 @@ def test_generate_compiled(runs, name: str) -> None:
     token call on local tensors (``ops/causal_lm.py``; no DTensor goes in or
     out); QwenMoe's expert blocks have no Megatron plan, and on (2, 1) each
     process holds other rows: those graphs take the DTensors."""
-    single = runs.get("generate_compiled", world=1)[0][name]
     local = CASES[name]["mesh"][0] == 1 and not name.startswith("qwen_moe")
-    for rank, result in enumerate(runs.get("generate_compiled", world=2)):
+    check_generated(runs, "generate_compiled", name, world=2, local=local)
+
+
+def check_generated(runs, group: str, name: str, *, world: int, local: bool) -> None:
+    """Every rank of ``name``: no error or warning, one graph for both calls,
+    no break, the token graph local or not as ``local`` says, one process's
+    tokens on both calls."""
+    single = runs.get(group, world=1)[0][name]
+    for rank, result in enumerate(runs.get(group, world=world)):
         mine = result[name]
         assert "error" not in mine, mine.get("traceback")
         assert mine["plugin_warnings"] == [], f"rank {rank}"
@@ -271,15 +280,7 @@ def test_generate_compiled_four_ranks(runs, name: str) -> None:
     holding other rows and splitting heads: one graph, no break, no warning,
     one process's tokens (a (2, 2) token graph takes the DTensors: each
     process holds other rows)."""
-    single = runs.get("generate4_compiled", world=1)[0][name]
-    for rank, result in enumerate(runs.get("generate4_compiled", world=4)):
-        mine = result[name]
-        assert "error" not in mine, mine.get("traceback")
-        assert mine["plugin_warnings"] == [], f"rank {rank}"
-        assert (mine["dynamo_graphs"], mine["graphs_again"]) == (1, 0), f"rank {rank}"
-        assert mine["graph_breaks"] == 0, f"rank {rank}"
-        assert not mine["whole_local"], f"rank {rank}"
-        assert mine["tokens"] == mine["tokens_again"] == single["tokens"], rank
+    check_generated(runs, "generate4_compiled", name, world=4, local=False)
 
 
 @pytest.mark.skipif(not FOUR, reason="4 processes: KERAS_DTENSOR_FIX_FOUR_RANKS=1")
@@ -287,15 +288,12 @@ def test_upstream_generate_four_ranks(runs) -> None:
     """Upstream on (2, 2) (measured 2026-11-28): GPT-2 fails as on (1, 2);
     Gemma and QwenMoe fail at once, their prompt's padding mask indexed
     against batch-split hidden states."""
-    upstream = runs.get("generate4_compiled", world=4, KERAS_DTENSOR_FIX="0")[0]
     expected = {
         "gpt2_2x2_generate_compiled": "must match the size of tensor b",
         "gemma_2x2_generate_compiled": "The shape of the mask [1, 12] at index 0",
         "qwen_moe_2x2_generate_compiled": "The shape of the mask [1, 12] at index 0",
     }
-    assert set(expected) == set(cases("generate4_compiled"))
-    for name, fragment in expected.items():
-        assert fragment in upstream[name]["error"], name
+    assert_upstream_fails(runs, "generate4_compiled", expected, world=4)
 
 
 #: Upstream on the generate_compiled cases (it generates eagerly on torch).
