@@ -12,7 +12,8 @@ the graph holds this process's shards and collectives; its compile-cache key
 names the process, as the training steps' do (``state.cache_key_tag``); the
 prompt's pass runs its blocks on local tensors and the sampler's loop gets
 plain tensors, as eager generation does (below), so only the compiled token
-step touches DTensors.
+step touches DTensors. Within one generation, tokens skip dynamo's guard
+checks once two in a row compiled nothing (``ops/steady.py``).
 
 ``jit_compile`` False or "auto" (Keras's default, eager on torch) generates
 eagerly, and on a sharded model each decoder block's cached call runs on
@@ -37,6 +38,7 @@ from keras_dtensor_fix.dtensor import DTensor, on_mesh, one_rank_replicated
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import cache_key_tag, model_parallel
 from keras_dtensor_fix.ops import causal_lm, decoder
+from keras_dtensor_fix.ops.steady import Steady, code_of
 
 #: CausalLM class -> ``torch.compile`` of its ``call_with_cache`` (one per class:
 #: dynamo guards on the model it is called with).
@@ -93,6 +95,9 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
     if dist is not None:
         tag = cache_key_tag(dist, torch.compiler.config.cache_key_tag)
         compiled = torch.compiler.config.patch(cache_key_tag=tag)(compiled)
+    # this generation's tokens skip dynamo's guards once they have settled
+    compiled = Steady(compiled, code_of(type(model).call_with_cache))
+    if dist is not None:
         plain, prompt = causal_lm.whole_inputs, _blocks_local
         # the weights' mesh: the graph guards on its identity
         meshes = (getattr(v, "_value", None) for v in model.weights)

@@ -1,0 +1,121 @@
+"""A compiled function called in a loop, its dynamo guards skipped once settled.
+
+Every call of a ``torch.compile``'d function first evaluates dynamo's guards
+on what the trace read: for a keras-hub model's one-token call that is every
+layer attribute and weight on the way, about 2 ms of each new token at the
+sizes of ``benchmarks/generate_matrix.py``. Inside one ``generate()`` the
+sampler's loop calls the same function on the same model with arguments of
+the same kind at every position; nothing the guards check changes from one
+token to the next.
+
+:class:`Steady` wraps the compiled function for one such loop. Its calls run
+with guards until a call with the same argument signature as the call before
+it (:func:`signature`: each tensor's type, shape, strides, dtype, device and
+``requires_grad``, each other argument's identity, and grad mode) ran
+without dynamo converting a frame (a guard that failed would have: a new
+graph, or a frame marked to run eagerly). From then on calls with that
+signature run under torch's ``skip_guard_eval_unsafe`` stance, which
+evaluates only the guards that tell the function's cache entries apart.
+A call with another signature runs with guards again and must settle again.
+Not used where the function's code has reached dynamo's recompile limit
+(its misses would run eagerly, unseen), nor where the stance is not the
+default (a user's ``force_eager``, say) or is set inside a compiled region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import CodeType
+from typing import Any
+
+import torch
+
+__all__ = ["Steady", "code_of", "signature"]
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (
+            type(value),
+            tuple(value.shape),
+            value.stride() if value.layout == torch.strided else None,
+            value.dtype,
+            value.device,
+            value.requires_grad,
+            getattr(value, "placements", None),
+            id(getattr(value, "device_mesh", None)),
+        )
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_meta(item) for item in value))
+    return (type(value), id(value))
+
+
+def signature(args: tuple) -> tuple:
+    """What a call's guards depend on from its arguments (see the module)."""
+    return (torch.is_grad_enabled(), tuple(_meta(arg) for arg in args))
+
+
+def _frames_converted() -> int:
+    return torch._dynamo.utils.counters["frames"]["total"]
+
+
+def _below_recompile_limit(code: CodeType | None) -> bool:
+    try:
+        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)
+        limit = torch._dynamo.config.recompile_limit
+    except (AttributeError, TypeError):  # another torch: guards stay on
+        return False
+    return 0 < len(entries) < limit
+
+
+def _unguarded() -> Any:
+    """torch's stance as it is, with guard evaluation skipped; or None."""
+    try:
+        current = torch._dynamo.eval_frame._stance
+        if current.stance != "default" or current.skip_guard_eval_unsafe:
+            return None
+        stance = torch.compiler.set_stance(
+            "default", skip_guard_eval_unsafe=True, force_backend=current.backend
+        )
+    except (AttributeError, RuntimeError, TypeError):
+        return None  # another torch, or inside a compiled region
+    return stance
+
+
+class Steady:
+    """``compiled`` (a ``torch.compile`` of ``code``'s function) for one loop."""
+
+    def __init__(self, compiled: Callable[..., Any], code: CodeType | None) -> None:
+        self._compiled = compiled
+        self._code = code
+        self._last: tuple | None = None
+        self._settled: tuple | None = None
+
+    @property
+    def settled(self) -> bool:
+        """Whether calls with the last signature skip their guards."""
+        return self._settled is not None and self._settled == self._last
+
+    def __call__(self, *args: Any) -> Any:
+        key = signature(args)
+        if key == self._settled:
+            stance = _unguarded()
+            if stance is not None:
+                with stance:
+                    return self._compiled(*args)
+        before = _frames_converted()
+        result = self._compiled(*args)
+        if (
+            key == self._last
+            and _frames_converted() == before
+            and _below_recompile_limit(self._code)
+        ):
+            self._settled = key
+        self._last = key
+        return result
+
+
+def code_of(function: Any) -> CodeType | None:
+    """The code object ``torch.compile`` keys its cache entries by."""
+    function = getattr(function, "__func__", function)
+    return getattr(function, "__code__", None)

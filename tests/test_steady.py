@@ -1,0 +1,88 @@
+"""``ops.steady.Steady``: a compiled function's guards skipped once it settles.
+
+The generate family wraps each generation's compiled token call in it. A
+global the function reads is one of dynamo's guards: changed after the calls
+settled, a skipped guard keeps the old graph (which shows the guards are not
+evaluated); in every other case the guards run and the function compiles
+again. dynamo's ``eager`` backend: guards and cache entries, no code generation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from keras_dtensor_fix.ops.steady import Steady, code_of
+
+SCALE = 1.0
+
+
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * SCALE
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    global SCALE
+    SCALE = 1.0
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def steady() -> Steady:
+    return Steady(torch.compile(scaled, backend="eager"), code_of(scaled))
+
+
+def test_settled_calls_skip_their_guards() -> None:
+    global SCALE
+    call, x = steady(), torch.ones(3)
+    call(x)
+    assert not call.settled  # one call: nothing to compare with yet
+    call(x)
+    assert call.settled
+    SCALE = 2.0
+    assert call(x).tolist() == [1.0] * 3  # the guard on SCALE was skipped
+    # the next generation's wrapper evaluates its guards again
+    assert steady()(x).tolist() == [2.0] * 3
+
+
+def test_another_signature_runs_with_guards() -> None:
+    global SCALE
+    call = steady()
+    call(torch.ones(3))
+    call(torch.ones(3))
+    SCALE = 2.0
+    assert call(torch.ones(4)).tolist() == [2.0] * 4
+    assert call(torch.ones(3, requires_grad=True)).tolist() == [2.0] * 3
+    assert not call.settled
+
+
+def test_a_call_that_compiles_again_does_not_settle() -> None:
+    global SCALE
+    call, x = steady(), torch.ones(3)
+    call(x)
+    SCALE = 2.0
+    assert call(x).tolist() == [2.0] * 3  # compiled again: not settled
+    assert not call.settled
+    SCALE = 3.0
+    assert call(x).tolist() == [3.0] * 3
+
+
+def test_a_users_stance_is_kept() -> None:
+    global SCALE
+    call, x = steady(), torch.ones(3)
+    call(x)
+    call(x)
+    SCALE = 2.0
+    with torch.compiler.set_stance("force_eager"):
+        assert call(x).tolist() == [2.0] * 3  # eager, as the user asked
+
+
+def test_nothing_settles_at_the_recompile_limit() -> None:
+    global SCALE
+    with torch._dynamo.config.patch(recompile_limit=1):
+        call, x = steady(), torch.ones(3)
+        call(x)
+        call(x)
+        assert not call.settled  # a later miss would run eagerly, unseen
