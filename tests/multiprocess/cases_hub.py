@@ -216,7 +216,7 @@ def fit_and_generate(
     return result
 
 
-def _hub_case(group: str, kind: str, mesh: tuple[int, int]) -> None:
+def _hub_case(group: str, kind: str, mesh: tuple[int, int], slow: bool = False) -> None:
     def run():
         return fit_and_generate(kind, batch_ranks=mesh[0] if WORLD > 1 else 1)
 
@@ -224,13 +224,14 @@ def _hub_case(group: str, kind: str, mesh: tuple[int, int]) -> None:
     # Upstream fails (2, 1) where it fails (1, 2), after training Gemma
     # through its per-op DTensor path for half a minute: the slow tier's.
     options = {"per_rank": mesh[0] > 1, "upstream_slow": mesh[0] > 1}
-    case(group, mesh=mesh, layout=hub_layout(kind), **options)(run)
+    case(group, mesh=mesh, layout=hub_layout(kind), slow=slow, **options)(run)
 
 
 for _kind in ("gemma", "llama", "qwen"):
     _hub_case("hub", _kind, (1, 2))
-for _kind in ("gemma", "llama"):
-    _hub_case("hub", _kind, (2, 1))
+# Qwen is Llama's layers with biases: its (2, 1) case is the slow tier's.
+for _kind in ("gemma", "llama", "qwen"):
+    _hub_case("hub", _kind, (2, 1), slow=_kind == "qwen")
 for _kind in ("gemma", "llama", "qwen"):
     _hub_case("hub4", _kind, (2, 2))
 
@@ -353,13 +354,13 @@ def _compiled_case(
 # run compiles each family once: Gemma (inductor), Llama and GPT on (1, 2),
 # QwenMoe (inductor, warm again); the batch-split compiled step is the
 # compiled_batch_axis toy's. Qwen (Llama's layers with biases), Qwen3Moe
-# (QwenMoe's routing) and Gemma, Llama and GPT on (2, 1) are the slow tier's
+# (QwenMoe's routing) and Gemma, Llama, Qwen and GPT on (2, 1) are the slow tier's
 # (nox -s full).
 for _kind in ("gemma", "llama", "qwen"):
     _compiled_case(
         "hub_compiled", _kind, (1, 2), inductor=_kind == "gemma", slow=_kind == "qwen"
     )
-for _kind in ("gemma", "llama"):
+for _kind in ("gemma", "llama", "qwen"):
     _compiled_case("hub_compiled", _kind, (2, 1), slow=True)
 for _kind in ("gemma", "llama", "qwen"):
     _compiled_case("hub4_compiled", _kind, (2, 2))
