@@ -35,17 +35,17 @@ def timed_run(command: list[str], what: str, **kwargs) -> subprocess.CompletedPr
         LAUNCHES.append((time.perf_counter() - start, what))
 
 
-def scenario_params(group: str) -> list:
-    """The scenario cases of ``group`` as pytest parameters, a case registered
-    ``slow=True`` marked ``slow`` (``nox -s tests`` leaves those out, ``nox -s
-    full`` runs them)."""
+def scenario_params(group: str, leave_out: tuple[str, ...] = ()) -> list:
+    """The scenario cases of ``group`` but ``leave_out`` as pytest parameters,
+    a case registered ``slow=True`` marked ``slow`` (``nox -s tests`` leaves
+    those out, ``nox -s full`` runs them)."""
     import pytest
     from scenarios import CASES
 
     return [
         pytest.param(name, marks=pytest.mark.slow) if spec.get("slow") else name
         for name, spec in CASES.items()
-        if spec["group"] == group
+        if spec["group"] == group and name not in leave_out
     ]
 
 

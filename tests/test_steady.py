@@ -80,7 +80,6 @@ def test_a_users_stance_is_kept() -> None:
 
 
 def test_nothing_settles_at_the_recompile_limit() -> None:
-    global SCALE
     with torch._dynamo.config.patch(recompile_limit=1):
         call, x = steady(), torch.ones(3)
         call(x)

@@ -95,15 +95,14 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
     if dist is not None:
         tag = cache_key_tag(dist, torch.compiler.config.cache_key_tag)
         compiled = torch.compiler.config.patch(cache_key_tag=tag)(compiled)
-    # this generation's tokens skip dynamo's guards once they have settled
-    compiled = Steady(compiled, code_of(type(model).call_with_cache))
-    if dist is not None:
         plain, prompt = causal_lm.whole_inputs, _blocks_local
         # the weights' mesh: the graph guards on its identity
         meshes = (getattr(v, "_value", None) for v in model.weights)
         mesh = next((m.device_mesh for m in meshes if isinstance(m, DTensor)), None)
     else:
         plain, prompt, mesh = tuple, _no_context, None
+    # this generation's tokens skip dynamo's guards once they have settled
+    compiled = Steady(compiled, code_of(type(model).call_with_cache))
 
     def call_with_cache(token_ids, cache, cache_update_index):
         shape = getattr(token_ids, "shape", ())
