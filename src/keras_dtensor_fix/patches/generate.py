@@ -13,7 +13,8 @@ names the process, as the training steps' do (``state.cache_key_tag``); the
 prompt's pass runs its blocks on local tensors and the sampler's loop gets
 plain tensors, as eager generation does (below), so only the compiled token
 step touches DTensors. Within one generation, tokens skip dynamo's guard
-checks once two in a row compiled nothing (``ops/steady.py``).
+checks once one compiled nothing right after a token of the same kind
+(``ops/steady.py``).
 
 ``jit_compile`` False or "auto" (Keras's default, eager on torch) generates
 eagerly, and on a sharded model each decoder block's cached call runs on
