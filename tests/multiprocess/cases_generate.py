@@ -16,7 +16,13 @@ import warnings
 
 import numpy as np
 import torch
-from cases_hub import GPT_LAYOUT, hub_layout, short_prompts, tiny_causal_lm
+from cases_hub import (
+    COMPILED_LAYERS,
+    GPT_LAYOUT,
+    hub_layout,
+    short_prompts,
+    tiny_causal_lm,
+)
 from scenario_kit import case
 
 
@@ -28,7 +34,7 @@ def generate_compiled(kind: str) -> dict:
     import keras
 
     keras.utils.set_random_seed(1)
-    model = tiny_causal_lm(kind)
+    model = tiny_causal_lm(kind, COMPILED_LAYERS)
     model.compile(sampler="greedy", jit_compile=True)
     prompt = short_prompts()
     stats = torch._dynamo.utils.counters["stats"]

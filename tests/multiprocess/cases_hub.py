@@ -294,7 +294,15 @@ def watched(fit) -> dict:
     return result
 
 
-def _compiled(kind: str, batch_ranks: int = 1, layers: int = 2) -> dict:
+#: Decoder blocks in the compiled keras-hub cases (and ``cases_generate``'s).
+#: Dynamo traces each block again, and one block runs every op and layout a
+#: second one would (QwenMoe: the router, top_k, one_hot, the experts and the
+#: balancing loss): the eager cases keep 2 blocks, and compiling repeated
+#: blocks once is the ``blocks`` group's (4 layers).
+COMPILED_LAYERS = 1
+
+
+def _compiled(kind: str, batch_ranks: int = 1, layers: int = COMPILED_LAYERS) -> dict:
     """jit_compile=True for real: dynamo graphs, no eager fallback (no warning).
 
     The one-process reference runs eagerly: the compiled ranks must equal it,
@@ -306,7 +314,9 @@ def _compiled(kind: str, batch_ranks: int = 1, layers: int = 2) -> dict:
     """
     count = WORLD > 1 and batch_ranks == 1
     if kind == "gpt":
-        result = watched(lambda: fit_gpt(True, batch_ranks, collectives=count))
+        result = watched(
+            lambda: fit_gpt(True, batch_ranks, collectives=count, depth=layers)
+        )
     else:
         result = watched(
             lambda: fit_and_generate(
@@ -340,7 +350,7 @@ def _compiled_case(
     mesh: tuple[int, int],
     inductor: bool = False,
     slow: bool = False,
-    layers: int = 2,
+    layers: int = COMPILED_LAYERS,
 ) -> None:
     def run():
         return _compiled(kind, batch_ranks=mesh[0] if WORLD > 1 else 1, layers=layers)
@@ -350,7 +360,7 @@ def _compiled_case(
     case(group, mesh=mesh, inductor=inductor, slow=slow, **options)(run)
 
 
-# A compiled keras-hub case traces for about a minute on 2 cores. The default
+# A compiled keras-hub case traces for most of a minute on 2 cores. The default
 # run compiles each family once: Gemma (inductor), Llama and GPT on (1, 2),
 # QwenMoe (inductor, warm again); the batch-split compiled step is the
 # compiled_batch_axis toy's. Qwen (Llama's layers with biases), Qwen3Moe
@@ -371,10 +381,6 @@ for _kind in ("qwen_moe", "qwen3_moe"):
         (1, 2),
         inductor=_kind == "qwen_moe",
         slow=_kind == "qwen3_moe",
-        # One MoE block: the router, top_k, one_hot, the experts and the
-        # balancing loss all run; a second identical block only doubled the
-        # trace and inductor's code generation (150 s to compile cold).
-        layers=1,
     )
 
 

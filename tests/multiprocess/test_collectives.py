@@ -29,7 +29,9 @@ Upstream runs 105 on Gemma and cannot build Llama.
 
 Compiled, the same models run the eager count plus the metric all-reduce
 (above), counted by the ``hub_compiled`` scenario cases during ``fit()``'s last
-epoch (``cases_hub.CountCollectives``): the suite compiles each model once.
+epoch (``cases_hub.CountCollectives``): the suite compiles each model once,
+with one decoder block (``cases_hub.COMPILED_LAYERS``), so the per-layer
+counts above are taken once: Gemma 4 + 3, Llama 8 + 1, GPT 4 + 2.
 Before the optimizer's wrapper ran in the trace (``traced=True``) and the
 traced "f" (``reducing_gradient`` as ``redistribute`` to the same placements),
 Gemma's compiled step ran 28 and Llama's 30: Adam reduced each Partial norm-
@@ -56,20 +58,23 @@ from __future__ import annotations
 import importlib.util
 import json
 
+from cases_hub import COMPILED_LAYERS
+
 from support import ROOT, run_ranks
 
 SCRIPT = ROOT / "tests" / "ranks" / "collectives.py"
 MEGATRON = {"mlp": 1, "transformer": 3}
-#: Tiny keras-hub models: the hand counts eager; compiled, see the docstring.
-HUB = {
-    "gemma/eager": 11,
-    "llama/eager": 17,
-    "gemma/compiled": 11 + 1,
-    "llama/compiled": 17 + 1,
-    "gpt/eager": 10,
-    "gpt/compiled": 10 + 1,
-}
+#: Tiny keras-hub models, counted by hand (see the docstring): collectives
+#: per decoder block, and those of the rest of the step.
+PER_LAYER = {"gemma": (4, 3), "llama": (8, 1), "gpt": (4, 2)}
 EXTRA = {"eager": 0, "compiled": 1}
+#: Eager with 2 blocks (``collectives.py``); compiled with the scenario
+#: cases' blocks, plus the metric all-reduce.
+HUB = {
+    f"{model}/{config}": block * layers + rest + EXTRA[config]
+    for model, (block, rest) in PER_LAYER.items()
+    for config, layers in (("eager", 2), ("compiled", COMPILED_LAYERS))
+}
 #: COMPILED_BOUND: a compiled keras-hub step runs at most its HUB count. The
 #: count depends on the backend, the bound does not: Gemma's step, which its
 #: scenario case compiles with inductor, runs 12; under aot_eager (the other

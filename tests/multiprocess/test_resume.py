@@ -268,9 +268,10 @@ def test_elastic_a_machine_lost(tmp_path, references) -> None:
         str(tmp_path),
         env=env,
         # How long a round that has its minimum of machines waits for more:
-        # 15 s, not torchrun's 30 (the second agent joins the first round
-        # within the stagger and a start; the survivor's round waits it out).
-        launcher=("--max-restarts=1", "--rdzv_conf=last_call_timeout=15"),
+        # 8 s, not torchrun's 30 (the second agent joins the first round
+        # within the stagger and its own start, about 5 s; the survivor's
+        # round waits it out).
+        launcher=("--max-restarts=1", "--rdzv_conf=last_call_timeout=8"),
         timeout=TIMEOUT,
         nnodes="1:2",
         each=({"RESUME_KILL_RANK": "none"}, {"RESUME_KILL_RANK": "all"}),
