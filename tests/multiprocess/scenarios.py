@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cases_blocks  # noqa: E402, F401  (each registers its cases)
+import cases_collectives  # noqa: E402, F401
 import cases_dropin  # noqa: E402, F401
 import cases_generate  # noqa: E402, F401
 import cases_hub  # noqa: E402, F401

@@ -1,6 +1,6 @@
 """ModelParallel steps run as few collectives as Megatron-style tensor parallel.
 
-Counted on two ranks with torch's profiler (``tests/ranks/collectives.py``), for
+Counted on two ranks with torch's profiler (``cases_collectives.py``), for
 the benchmark's models, eager and compiled. The MLP (column- then row-parallel
 Dense) needs one all-reduce per step: the row-parallel output. The transformer
 block needs three: the attention and FFN row-parallel outputs, and the
@@ -56,19 +56,18 @@ the column-parallel head's input gradient, the logits' all-gather.
 from __future__ import annotations
 
 import importlib.util
-import json
 
+import pytest
 from cases_hub import COMPILED_LAYERS
 
-from support import ROOT, run_ranks
+from support import scenario_params
 
-SCRIPT = ROOT / "tests" / "ranks" / "collectives.py"
 MEGATRON = {"mlp": 1, "transformer": 3}
 #: Tiny keras-hub models, counted by hand (see the docstring): collectives
 #: per decoder block, and those of the rest of the step.
 PER_LAYER = {"gemma": (4, 3), "llama": (8, 1), "gpt": (4, 2)}
 EXTRA = {"eager": 0, "compiled": 1}
-#: Eager with 2 blocks (``collectives.py``); compiled with the scenario
+#: Eager with 2 blocks (``cases_collectives.py``); compiled with the scenario
 #: cases' blocks, plus the metric all-reduce.
 HUB = {
     f"{model}/{config}": block * layers + rest + EXTRA[config]
@@ -93,11 +92,10 @@ HUB_COMPILED = {
 }
 
 
-def test_collectives_per_step(runs, tmp_path) -> None:
-    out = tmp_path / "collectives.json"
-    proc = run_ranks(SCRIPT, str(out), timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    counts = json.loads(out.read_text())
+@pytest.mark.parametrize("name", scenario_params("collectives"))
+def test_collectives_per_step(runs, name: str) -> None:
+    counts = dict(runs.get("collectives", world=2)[0][name])
+    assert "error" not in counts, counts.get("traceback")
     hub = importlib.util.find_spec("keras_hub") is not None
     compiled = runs.get("hub_compiled", world=2)[0] if hub else {}
     for key, case in HUB_COMPILED.items():

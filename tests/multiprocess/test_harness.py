@@ -17,7 +17,7 @@ from conftest import launch
 
 def test_case_failing_on_one_rank_ends_the_run(tmp_path) -> None:
     with pytest.raises(AssertionError) as raised:
-        launch("harness", tmp_path, world=2, env={"SCENARIO_PEER_WAIT": "5"})
+        launch("harness", tmp_path, world=2, env={"SCENARIO_PEER_WAIT": "2"})
     message = str(raised.value)
     assert "scenario 'one_rank_fails': rank 1 finished it (failed)" in message
     assert "this rank fails alone" in message

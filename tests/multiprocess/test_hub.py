@@ -48,7 +48,16 @@ def assert_upstream_fails(
     upstream = runs.get(group, world=world, KERAS_DTENSOR_FIX="0")[0]
     assert set(expected) == set(cases(group))
     for name in filter(runs.ran, expected):
-        assert expected[name] in upstream[name]["error"], name
+        if expected[name] is EAGERLY:
+            assert "error" not in upstream[name], (name, upstream[name]["error"])
+            assert upstream[name]["dynamo_graphs"] == 0, name
+            continue
+        assert expected[name] in upstream[name].get("error", ""), name
+
+
+#: What ``assert_upstream_fails`` expects of a case that upstream runs without
+#: an error but eagerly: its ``jit_compile=True`` compiles nothing.
+EAGERLY = None
 
 
 def check(name: str, ranks: list[dict], single: dict) -> None:
@@ -339,15 +348,19 @@ UPSTREAM_COMPILED = {
     "gemma_1x2_compiled": "placement changes are not supported",
     "gemma_2x1_compiled": "placement changes are not supported",
     "llama_1x2_compiled": "Unable to automatically build",
-    "llama_2x1_compiled": "Unable to automatically build",
+    # on (2, 1) Llama's and Qwen's one block builds, then mixes shapes
+    "llama_2x1_compiled": "must match the size of tensor b",
     "qwen_1x2_compiled": "Unable to automatically build",
-    "qwen_2x1_compiled": "Unable to automatically build",
-    "gpt_1x2_compiled": "must match the size of tensor b",
+    "qwen_2x1_compiled": "must match the size of tensor b",
+    # One block of the GPT decoder trains eagerly on (1, 2); two or more
+    # fail (4: test_upstream_blocks), and so does the batch split.
+    "gpt_1x2_compiled": EAGERLY,
     "gpt_2x1_compiled": "must match the size of tensor b",
 }
 
 
 def test_upstream_compiled(runs) -> None:
     """Upstream on the compiled cases this session runs (the slow ones in
-    ``nox -s full``): every one fails."""
+    ``nox -s full``): none compiles (Keras runs them eagerly), and all but
+    one fail."""
     assert_upstream_fails(runs, "hub_compiled", UPSTREAM_COMPILED)

@@ -1,43 +1,45 @@
-"""Collectives per ModelParallel train step on two ranks, for test_collectives.py.
+"""Scenario case: collectives per ModelParallel train step on two ranks,
+for test_collectives.py.
 
-Run as ``torch.distributed.run --nproc_per_node=2 collectives.py OUT``. Trains
-the benchmark's MLP and transformer block (Megatron layouts) eagerly and with
-``jit_compile=True``, and tiny keras-hub models eagerly (their compiled steps
-are counted by the ``hub_compiled`` scenario cases), and writes, from rank 0,
+Trains the benchmark's MLP and transformer block (Megatron layouts) eagerly
+and with ``jit_compile=True``, and tiny keras-hub models eagerly (their
+compiled steps are counted by the ``hub_compiled`` cases), and returns
 collectives per step (counted with torch's profiler, as the benchmark does),
-dynamo's graph count, and the ops that an eager step dispatches on DTensors
-(each costs DTensor's dispatch).
-
-Compiled steps run torch.compile's ``aot_eager`` backend (the graph dynamo
-and AOT autograd make, with the plugin's collectives in it, run without code
-generation), or ``COLLECTIVES_COMPILE_BACKEND`` (e.g. ``inductor``).
+dynamo's graph count, and the ops an eager step dispatches on DTensors (each
+costs DTensor's dispatch). Compiled steps run the case's backend
+(``aot_eager``: the graph dynamo and AOT autograd make, with the plugin's
+collectives in it, without code generation; ``SCENARIO_COMPILE_BACKEND``
+names another). One case in the batch's launch, not a launch of its own: the
+counts need no fresh process, each model sets its own distribution. The
+one-process run has nothing to count.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import json
-import os
 import sys
 from pathlib import Path
 
+import keras
+import numpy
+import torch
+from scenario_kit import WORLD, DTensorOps, case
+
+from keras_dtensor_fix.demo import set_model_parallel
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_steps as bench  # noqa: E402  (collectives(), LAYOUTS, KERAS_MODELS)
-import keras  # noqa: E402
-import numpy  # noqa: E402
-import torch  # noqa: E402
-
-import keras_dtensor_fix  # noqa: E402, F401  (activates, also without the .pth)
-from keras_dtensor_fix.demo import set_model_parallel  # noqa: E402
-
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "multiprocess"))  # scenarios: tiny hub models
-from scenario_kit import DTensorOps  # noqa: E402
+import bench_steps as bench  # noqa: E402  (collectives(), LAYOUTS, KERAS_MODELS)
 
-from support import compiles_model_parallel, leave  # noqa: E402
+from support import compiles_model_parallel  # noqa: E402
+
+
+@case("collectives")
+def collectives_per_step() -> dict:
+    """Every model's collectives (and eager DTensor ops) per step, on (1, 2)."""
+    return counts() if WORLD > 1 else {}
 
 
 def dtensor_ops(step) -> int:
@@ -84,19 +86,6 @@ def hub_counts(name: str) -> tuple[float, int] | None:
     return bench.collectives(step), dtensor_ops(step)
 
 
-def main(out: Path) -> int:
-    from scenarios import compile_backend
-
-    backend = os.environ.get("COLLECTIVES_COMPILE_BACKEND", "aot_eager")
-    with compile_backend(backend):
-        results = counts()
-    if torch.distributed.get_rank() == 0:
-        out.write_text(json.dumps(results))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    return 0
-
-
 def counts() -> dict:
     """Every model's collectives (and eager DTensor ops) per step."""
     results = {}
@@ -125,7 +114,3 @@ def counts() -> dict:
         results[f"{name}/dtensor_ops"] = None if counts is None else counts[1]
     results["compiles"] = compiles_model_parallel()
     return results
-
-
-if __name__ == "__main__":
-    leave(main(Path(sys.argv[1])))  # skips a teardown that can abort: see leave()
