@@ -75,7 +75,10 @@ def run_suite(session: nox.Session, marks: str) -> None:
     # above. They come in afterwards, for the tests marked ``jax`` (Keras's
     # jax and numpy backends), which the runs above skipped.
     session.install(JAX)
-    session.run("pytest", "-m", "jax", env=ENV)
+    # Single-process tests only: collecting tests/multiprocess imports the
+    # scenario cases (Keras, keras-hub and now jax) for nothing.
+    jax_tests = ("tests", "--ignore=tests/multiprocess")
+    session.run("pytest", "-m", "jax", *jax_tests, env=ENV)
 
 
 @nox.session
