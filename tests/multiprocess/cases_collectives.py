@@ -4,14 +4,15 @@ for test_collectives.py.
 Trains the benchmark's MLP and transformer block (Megatron layouts) eagerly
 and with ``jit_compile=True``, and tiny keras-hub models eagerly (their
 compiled steps are counted by the ``hub_compiled`` cases), and returns
-collectives per step (counted with torch's profiler, as the benchmark does),
-dynamo's graph count, and the ops an eager step dispatches on DTensors (each
-costs DTensor's dispatch). Compiled steps run the case's backend
-(``aot_eager``: the graph dynamo and AOT autograd make, with the plugin's
-collectives in it, without code generation; ``SCENARIO_COMPILE_BACKEND``
-names another). One case in the batch's launch, not a launch of its own: the
-counts need no fresh process, each model sets its own distribution. The
-one-process run has nothing to count.
+collectives per step (counted with torch's profiler, as the benchmark does)
+and the ops an eager step dispatches on DTensors (each costs DTensor's
+dispatch); the runner adds the case's dynamo graphs (``dynamo_graphs``).
+Compiled steps run the case's backend (``aot_eager``: the graph dynamo and
+AOT autograd make, with the plugin's collectives in it, without code
+generation; ``SCENARIO_COMPILE_BACKEND`` names another). One case in the
+batch's launch, not a launch of its own: the counts need no fresh process,
+each model sets its own distribution. The one-process run has nothing to
+count.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from pathlib import Path
 
 import keras
 import numpy
-import torch
 from scenario_kit import WORLD, DTensorOps, case
 
 from keras_dtensor_fix.demo import set_model_parallel
@@ -105,7 +105,6 @@ def counts() -> dict:
             results[f"{model_name}/{config}"] = bench.collectives(step)
             if config == "eager":
                 results[f"{model_name}/dtensor_ops"] = dtensor_ops(step)
-    results["graphs"] = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
     # The compiled keras-hub steps are counted by their scenario cases
     # (cases_hub.CountCollectives), which compile them anyway.
     for name in ("gemma", "llama", "gpt"):

@@ -348,7 +348,7 @@ UPSTREAM_COMPILED = {
     "gemma_1x2_compiled": "placement changes are not supported",
     "gemma_2x1_compiled": "placement changes are not supported",
     "llama_1x2_compiled": "Unable to automatically build",
-    # on (2, 1) Llama's and Qwen's one block builds, then mixes shapes
+    # on (2, 1) one-block Llama and Qwen fail on mixed shapes, not in build()
     "llama_2x1_compiled": "must match the size of tensor b",
     "qwen_1x2_compiled": "Unable to automatically build",
     "qwen_2x1_compiled": "must match the size of tensor b",
