@@ -29,11 +29,13 @@ USER_PROGRAM = """
 import json, sys
 import keras
 from keras.src.backend.torch import distribution_lib as dl, trainer
-kdf = sys.modules["keras_dtensor_fix"]  # loaded by the .pth, not by us
+woken = "keras_dtensor_fix" in sys.modules  # by the .pth's watcher, not by us
+import keras_dtensor_fix as kdf
 status = kdf.status()
 from keras_dtensor_fix.engine import patcher
 print(json.dumps({
     "file": kdf.__file__,
+    "woken": woken,
     "active": status["enabled"],
     "ddi_chain": patcher.chain_length(dl.distribute_data_input),
     "trainer_same": trainer.distribute_data_input is dl.distribute_data_input,
@@ -55,13 +57,14 @@ def test_wheel_contents_and_metadata(wheel) -> None:
     )
     lines = [line for line in pth.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("import ")
-    assert "keras_dtensor_fix._bootstrap" in lines[0] and "except" in lines[0]
+    assert "_keras_dtensor_fix_boot" in lines[0] and "except" in lines[0]
+    assert "_keras_dtensor_fix_boot.py" in names  # the hook, outside the package
     entries = [
         line.strip()
         for line in start.splitlines()
         if line.strip() and not line.lstrip().startswith("#")
     ]
-    assert entries == ["keras_dtensor_fix._bootstrap:boot"]
+    assert entries == ["_keras_dtensor_fix_boot:boot"]
     requires = re.findall(r"^Requires-Dist: ([A-Za-z0-9_.-]+)(.*)$", metadata, re.M)
     runtime = {name.lower() for name, rest in requires if "extra ==" not in rest}
     assert runtime == {"wrapt", "numpy", "torch"}
@@ -73,13 +76,13 @@ def test_wheel_contents_and_metadata(wheel) -> None:
 def test_start_entry_point_resolves(wheel_venv, run_py) -> None:
     code = """
 import pkgutil
-boot = pkgutil.resolve_name("keras_dtensor_fix._bootstrap:boot")
+boot = pkgutil.resolve_name("_keras_dtensor_fix_boot:boot")
 boot(); boot()
 print(boot.__module__)
 """
     proc = run_py(code, python=wheel_venv, src=False)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "keras_dtensor_fix._bootstrap"
+    assert proc.stdout.strip() == "_keras_dtensor_fix_boot"
 
 
 def test_import_keras_alone_patches(wheel_venv, run_py) -> None:
@@ -95,7 +98,7 @@ def test_import_keras_alone_patches(wheel_venv, run_py) -> None:
     finally:
         (site_packages / "zz_startup_family.pth").unlink()
     assert str(site_packages) in out["file"]
-    assert out["active"]
+    assert out["active"] and out["woken"]
     assert out["ddi_chain"] == 1 and out["trainer_same"]
     applied = {tuple(row) for row in out["applied"]}
     for family, expected in EXPECTED_AFTER_IMPORT_KERAS.items():
@@ -115,7 +118,7 @@ def test_env_off_with_pth_patches_nothing(wheel_venv, run_py) -> None:
             USER_PROGRAM, python=wheel_venv, src=False, env={"KERAS_DTENSOR_FIX": "0"}
         )
     )
-    assert not out["active"]
+    assert not out["active"] and not out["woken"]
     assert out["ddi_chain"] == 0 and out["applied"] == []
 
 
@@ -127,30 +130,77 @@ def _imported(stderr: str) -> set[str]:
     return names
 
 
-def test_start_is_cheap(wheel_venv, run_py) -> None:
-    proc = run_py(args=["-X", "importtime", "-c", "pass"], python=wheel_venv, src=False)
+def _imported_by(stderr: str, top: str) -> list[str]:
+    """The modules first imported under ``top`` (``-X importtime`` prints a
+    module's imports just before it, indented deeper), ``top`` included."""
+    entries = []
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            field = line.rsplit("|", 1)[1]
+            entries.append((len(field) - len(field.lstrip()), field.strip()))
+    for index, (depth, name) in enumerate(entries):
+        if name == top:
+            gained = [name]
+            for child_depth, child in reversed(entries[:index]):
+                if child_depth <= depth:
+                    break
+                gained.append(child)
+            return gained
+    return []
+
+
+#: Everything a bare ``python -c pass`` may import because the plugin is
+#: installed: the ``.pth``'s hook module. The package, wrapt and the engine
+#: wait for Keras or torch.
+BOOT_MODULES = {"_keras_dtensor_fix_boot"}
+
+
+@pytest.mark.parametrize("switch", ["on", "off"])
+def test_start_imports_only_the_hook(wheel_venv, run_py, switch) -> None:
+    proc = run_py(
+        args=["-X", "importtime", "-c", "pass"],
+        python=wheel_venv,
+        src=False,
+        env={"KERAS_DTENSOR_FIX": switch},
+    )
     assert proc.returncode == 0, proc.stderr
+    gained = _imported_by(proc.stderr, "_keras_dtensor_fix_boot")
+    assert gained, "the .pth did not run"
+    assert set(gained) <= BOOT_MODULES, sorted(set(gained) - BOOT_MODULES)
     imported = _imported(proc.stderr)
-    assert "keras_dtensor_fix" in imported  # the .pth ran
-    assert "keras_dtensor_fix.engine.patcher" in imported  # and registered the hooks
+    assert not {"wrapt", "keras_dtensor_fix"} & imported
     heavy = {
         name for name in imported if name.split(".")[0] in {"torch", "keras", "numpy"}
     }
     assert heavy == set()
 
 
-def test_start_is_cheap_when_off(wheel_venv, run_py) -> None:
-    proc = run_py(
-        args=["-X", "importtime", "-c", "pass"],
-        python=wheel_venv,
-        src=False,
-        env={"KERAS_DTENSOR_FIX": "off"},
+WAKE_PROGRAM = """
+import json, sys
+before = "keras_dtensor_fix" in sys.modules
+import {module}
+from keras_dtensor_fix.engine import patcher
+ours = [f for f in sys.meta_path if type(f).__module__.startswith("_keras_dtensor")]
+print(json.dumps({{"before": before, "active": patcher.is_active(),
+                  "watchers": [type(f).__name__ for f in ours]}}))
+"""
+
+
+@pytest.mark.parametrize("module", ["keras", "torch", "keras_dtensor_fix"])
+def test_first_watched_import_activates(wheel_venv, run_py, module) -> None:
+    """Keras or torch wakes the fix; importing the package activates it at once."""
+    out = last_json(
+        run_py(WAKE_PROGRAM.format(module=module), python=wheel_venv, src=False)
     )
-    imported = _imported(proc.stderr)
-    assert "keras_dtensor_fix" in imported
-    assert (
-        "keras_dtensor_fix.engine.patcher" not in imported and "wrapt" not in imported
-    )
+    assert out == {"before": False, "active": True, "watchers": []}
+
+
+def test_boot_reads_the_same_off_values() -> None:
+    import _keras_dtensor_fix_boot as boot
+    from keras_dtensor_fix.engine import config
+
+    assert boot.OFF_VALUES == config.OFF_VALUES
+    assert boot.ENV_ENABLE == config.ENV_ENABLE
 
 
 def test_status_json_from_wheel(wheel_venv, run_py) -> None:
