@@ -2,8 +2,9 @@
 
 The cases live in ``cases_training.py`` (optimizers, data feeds, custom
 loops), ``cases_layers.py`` (layers, compiled steps, the harness's case),
-``cases_dropin.py`` (what runs on upstream too) and ``cases_hub.py``
-(keras-hub models); what they share (the registry, data, models, layouts) in
+``cases_dropin.py`` (what runs on upstream too), ``cases_hub.py``
+(keras-hub models) and ``cases_layouts.py`` (keras-hub models on the
+``layouts`` family's maps); what they share (the registry, data, models, layouts) in
 ``scenario_kit.py``. Run as ``torchrun --nproc_per_node=2 scenarios.py
 GROUP[,GROUP...] OUT_DIR`` for the sharded run, or ``python scenarios.py
 GROUP[,GROUP...] OUT_DIR`` for the single-process reference (the tests launch
@@ -59,6 +60,7 @@ import cases_dropin  # noqa: E402, F401
 import cases_generate  # noqa: E402, F401
 import cases_hub  # noqa: E402, F401
 import cases_layers  # noqa: E402, F401
+import cases_layouts  # noqa: E402, F401
 import cases_training  # noqa: E402, F401
 from scenario_kit import CASES, RANK, SEED, WORLD, distribute  # noqa: E402
 

@@ -134,6 +134,12 @@ FAMILIES: tuple[Family, ...] = (
         "keras-hub generate() compiled per token when jit_compile=True",
     ),
     Family(
+        "layouts",
+        ("hub_backbone",),
+        "layouts",
+        "get_layout_map(mesh) for keras-hub causal LM backbones without one",
+    ),
+    Family(
         "restarts",
         ("rendezvous", "elastic_agent"),
         "restarts",

@@ -170,7 +170,11 @@ def undo_attributes() -> None:
         for name, value in before.items():
             try:
                 if value is _ABSENT:
-                    getattr(obj, "__dict__", {}).pop(name, None)
+                    namespace = getattr(obj, "__dict__", {})
+                    if isinstance(namespace, dict):
+                        namespace.pop(name, None)
+                    elif name in namespace:  # a class: a read-only mapping
+                        delattr(obj, name)
                 else:
                     setattr(obj, name, value)
             except (AttributeError, TypeError):

@@ -94,6 +94,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "epoch_iterator": ("keras.src.trainers.epoch_iterator",),
     # keras-hub's, where a causal LM builds its generate function.
     "causal_lm": ("keras_hub.src.models.causal_lm",),
+    # keras-hub's, the base class of every backbone (the layouts family).
+    "hub_backbone": ("keras_hub.src.models.backbone",),
     # torch's, where every env:// and tcp:// process group makes its store.
     "rendezvous": ("torch.distributed.rendezvous",),
     # torch's, where torchrun's agent starts its workers (the rendezvous round).

@@ -1,0 +1,173 @@
+"""Tensor-parallel layouts for keras-hub causal LM backbones without their own.
+
+keras-hub ships ``get_layout_map(mesh)`` on Gemma, Llama (and Llama3), Qwen,
+QwenMoe and Qwen3Moe backbones. :data:`ROWS` gives every other causal LM
+backbone one in the same shape: Megatron's split on the model axis
+(column-parallel Q/K/V, MLP in and expert in-projections, with their biases;
+row-parallel attention and MLP out), and the batch axis on the other weight
+axis where keras-hub's own maps put it (the hidden axis), so a ``(N, 1)``
+mesh shards weights too. Embeddings split by vocabulary on the model axis.
+Weights no rule names (norms, routers, position embeddings, Qwen3.5's linear
+attention, vision encoders) are replicated.
+
+A rule is ``(regex, axes)``; ``axes`` holds :data:`MODEL`, :data:`DATA` or
+``None`` per weight axis. Keys are ``re.fullmatch`` regexes, as LayoutMap's,
+and no two rules of a row match one path (LayoutMap refuses that).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MODEL, DATA = "model", "data"
+Rule = tuple[str, tuple[str | None, ...]]
+
+_EMBEDDING: tuple[Rule, ...] = (
+    (r"(.*/)?token_embedding/embeddings", (MODEL, DATA)),
+    (r"(.*/)?token_embedding/reverse_embeddings", (DATA, MODEL)),
+)
+_BLOCK = r"transformer_layer_\d+/"
+# Q/K/V kernels (hidden, heads, head_dim) and attention out (heads, head_dim,
+# hidden): keras-hub's Llama-style attention, GPT-2's and OPT's too.
+_ATTENTION: tuple[Rule, ...] = (
+    (_BLOCK + r"(self_)?attention/(query|key|value)/kernel", (DATA, MODEL, None)),
+    (_BLOCK + r"(self_)?attention/(query|key|value)/bias", (MODEL, None)),
+    (_BLOCK + r"(self_)?attention/attention_output/kernel", (MODEL, None, DATA)),
+)
+_MLP: tuple[Rule, ...] = (
+    (_BLOCK + r"(.*/)?feedforward_(intermediate|gate)_dense/kernel", (DATA, MODEL)),
+    (_BLOCK + r"(.*/)?feedforward_intermediate_dense/bias", (MODEL,)),
+    (_BLOCK + r"(.*/)?feedforward_output_dense/kernel", (MODEL, DATA)),
+)
+# Stacked expert kernels (experts, hidden, ffn) and (experts, ffn, hidden).
+_EXPERT = _BLOCK + r".*experts/expert_feedforward_"
+_EXPERTS: tuple[Rule, ...] = (
+    (_EXPERT + r"(gate|intermediate)_dense", (None, DATA, MODEL)),
+    (_EXPERT + r"output_dense", (None, MODEL, DATA)),
+)
+LLAMA_STYLE = _EMBEDDING + _ATTENTION + _MLP
+GEMMA_STYLE: tuple[Rule, ...] = (
+    *_EMBEDDING,
+    # Q/K/V (heads, hidden, head_dim), as keras-hub's Gemma map splits them.
+    (r"decoder_block_\d+/attention/(query|key|value)/kernel", (MODEL, DATA, None)),
+    (r"decoder_block_\d+/attention/attention_output/kernel", (MODEL, None, DATA)),
+    (r"decoder_block_\d+/ffw_gating(_2)?/kernel", (DATA, MODEL)),
+    (r"decoder_block_\d+/ffw_linear/kernel", (MODEL, DATA)),
+)
+GPT_OSS: tuple[Rule, ...] = (
+    *_EMBEDDING,
+    *_ATTENTION,
+    (_BLOCK + r"self_attention/sinks", (MODEL,)),  # one per query head
+    (_BLOCK + r"sparse_moe_block/experts/gate_up_proj", (None, DATA, MODEL)),
+    (_BLOCK + r"sparse_moe_block/experts/gate_up_proj_bias", (None, MODEL)),
+    (_BLOCK + r"sparse_moe_block/experts/down_proj", (None, MODEL, DATA)),
+)
+# Separate Q/K/V Dense-like layers with a 2-D output projection.
+FALCON: tuple[Rule, ...] = (
+    *_EMBEDDING,
+    (_BLOCK + r"attention/(query|key|value)_dense/kernel", (DATA, MODEL, None)),
+    (_BLOCK + r"attention/(query|key|value)_dense/bias", (MODEL, None)),
+    (_BLOCK + r"attention/output_dense/kernel", (MODEL, DATA)),
+    (_BLOCK + r"dense_h_to_4h/kernel", (DATA, MODEL)),
+    (_BLOCK + r"dense_h_to_4h/bias", (MODEL,)),
+    (_BLOCK + r"dense_4h_to_h/kernel", (MODEL, DATA)),
+)
+BLOOM: tuple[Rule, ...] = (
+    *_EMBEDDING,
+    (_BLOCK + r"self_attention/(query|key|value)_dense/kernel", (DATA, MODEL, None)),
+    (_BLOCK + r"self_attention/(query|key|value)_dense/bias", (MODEL, None)),
+    (_BLOCK + r"self_attention/output_dense/kernel", (MODEL, DATA)),
+    (_BLOCK + r"mlp_intermediate_dense/kernel", (DATA, MODEL)),
+    (_BLOCK + r"mlp_intermediate_dense/bias", (MODEL,)),
+    (_BLOCK + r"mlp_output_dense/kernel", (MODEL, DATA)),
+)
+# One fused Q/K/V kernel (hidden, heads, 3 * head_dim), split by heads.
+GPT_NEOX: tuple[Rule, ...] = (
+    *_EMBEDDING,
+    (_BLOCK + r"self_attention/query_key_value/kernel", (DATA, MODEL, None)),
+    (_BLOCK + r"self_attention/query_key_value/bias", (MODEL, None)),
+    (_BLOCK + r"self_attention/attention_output/kernel", (MODEL, DATA)),
+    *_MLP,
+)
+# Q/K/V Dense kernels (hidden, heads * head_dim); o_proj's path has no block.
+SMOLLM3: tuple[Rule, ...] = (
+    *_EMBEDDING,
+    (_BLOCK + r"self_attn/(q|k|v)_proj/kernel", (DATA, MODEL)),
+    (r"(.*/)?o_proj/kernel", (MODEL, None, DATA)),
+    (_BLOCK + r"mlp/(gate|up)_proj/kernel", (DATA, MODEL)),
+    (_BLOCK + r"mlp/down_proj/kernel", (MODEL, DATA)),
+)
+
+_MODELS = "keras_hub.src.models"
+#: ``(backbone module, class name)`` -> its rules: every keras-hub causal LM
+#: backbone without a ``get_layout_map`` of its own.
+ROWS: dict[tuple[str, str], tuple[Rule, ...]] = {
+    (f"{_MODELS}.gemma3.gemma3_backbone", "Gemma3Backbone"): GEMMA_STYLE,
+    (f"{_MODELS}.gemma4.gemma4_backbone", "Gemma4Backbone"): GEMMA_STYLE,
+    (f"{_MODELS}.mistral.mistral_backbone", "MistralBackbone"): LLAMA_STYLE,
+    (f"{_MODELS}.mixtral.mixtral_backbone", "MixtralBackbone"): LLAMA_STYLE + _EXPERTS,
+    (f"{_MODELS}.phi3.phi3_backbone", "Phi3Backbone"): LLAMA_STYLE,
+    (f"{_MODELS}.qwen3.qwen3_backbone", "Qwen3Backbone"): LLAMA_STYLE,
+    (f"{_MODELS}.qwen3_5.qwen3_5_backbone", "Qwen3_5Backbone"): LLAMA_STYLE,
+    (f"{_MODELS}.qwen3_5_moe.qwen3_5_moe_backbone", "Qwen3_5MoeBackbone"): (
+        LLAMA_STYLE + _EXPERTS
+    ),
+    (f"{_MODELS}.smollm3.smollm3_backbone", "SmolLM3Backbone"): SMOLLM3,
+    (f"{_MODELS}.gpt_oss.gpt_oss_backbone", "GptOssBackbone"): GPT_OSS,
+    (f"{_MODELS}.falcon.falcon_backbone", "FalconBackbone"): FALCON,
+    (f"{_MODELS}.opt.opt_backbone", "OPTBackbone"): LLAMA_STYLE,
+    (f"{_MODELS}.bloom.bloom_backbone", "BloomBackbone"): BLOOM,
+    (f"{_MODELS}.gpt_neo_x.gpt_neo_x_backbone", "GPTNeoXBackbone"): GPT_NEOX,
+    (f"{_MODELS}.gpt2.gpt2_backbone", "GPT2Backbone"): LLAMA_STYLE,
+}
+
+
+class NoLayoutError(NotImplementedError):
+    """A backbone with no known tensor-parallel layout."""
+
+
+def rules_for(cls: type) -> tuple[Rule, ...] | None:
+    """The rules of ``cls`` or of the nearest base class with a row."""
+    for klass in cls.__mro__:
+        rules = ROWS.get((klass.__module__, klass.__qualname__))
+        if rules is not None:
+            return rules
+    return None
+
+
+def get_layout_map(
+    cls: type,
+    device_mesh: Any,
+    model_parallel_dim_name: str = "model",
+    data_parallel_dim_name: str = "batch",
+) -> Any:
+    """``cls.get_layout_map(mesh)`` for a backbone with a row, as keras-hub's own."""
+    import keras
+
+    if not isinstance(device_mesh, keras.distribution.DeviceMesh):
+        raise ValueError(
+            "Invalid device_mesh type. Expected `keras.distribution.DeviceMesh`, "
+            f"got {type(device_mesh)}"
+        )
+    for name in (model_parallel_dim_name, data_parallel_dim_name):
+        if name not in device_mesh.axis_names:
+            raise ValueError(
+                f"{name!r} is not an axis of the device mesh "
+                f"(its axes: {list(device_mesh.axis_names)}); pass "
+                "model_parallel_dim_name= and data_parallel_dim_name= "
+                "naming two of them"
+            )
+    rules = rules_for(cls)
+    if rules is None:
+        raise NoLayoutError(
+            f"keras-dtensor-fix knows no tensor-parallel layout for "
+            f"{cls.__qualname__}. Write a keras.distribution.LayoutMap by hand: "
+            "its keys are re.fullmatch regexes over the variable paths "
+            "(print [(v.path, v.shape) for v in backbone.weights]), its "
+            "values one mesh axis name or None per weight axis."
+        )
+    names = {MODEL: model_parallel_dim_name, DATA: data_parallel_dim_name}
+    layout_map = keras.distribution.LayoutMap(device_mesh)
+    for regex, axes in rules:
+        layout_map[regex] = tuple(names.get(axis) for axis in axes)
+    return layout_map

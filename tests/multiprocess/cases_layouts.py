@@ -1,0 +1,137 @@
+"""Scenarios: keras-hub causal LMs sharded by the layouts family's
+``get_layout_map(mesh)`` (backbones that ship none: ``hub/layouts.py``)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from scenario_kit import WORLD, batch_rows, case, weights  # noqa: E402
+
+_BASE = {"vocabulary_size": 64, "num_layers": 2, "hidden_dim": 32}
+_GQA = {"num_query_heads": 4, "num_key_value_heads": 2}
+_FFN = {"intermediate_dim": 64}
+_GPT = {"num_heads": 4, "max_sequence_length": 16, **_FFN}
+#: kind -> (keras_hub.models prefix, backbone arguments): tiny, random, no
+#: preprocessor. Dropout off: an unseeded one draws per process.
+CAUSAL_LMS: dict[str, tuple[str, dict]] = {
+    "gemma3": (
+        "Gemma3",
+        {**_GQA, **_FFN, "head_dim": 8, "image_size": 16, "vision_encoder": None},
+    ),
+    "gemma4": (
+        "Gemma4",
+        {**_GQA, **_FFN, "head_dim": 8, "image_size": 16, "vision_encoder": None},
+    ),
+    "mistral": ("Mistral", {**_GQA, **_FFN}),
+    "mixtral": ("Mixtral", {**_GQA, **_FFN, "num_experts": 4}),
+    "phi3": ("Phi3", {**_GQA, **_FFN}),
+    "qwen3": ("Qwen3", {**_GQA, **_FFN, "head_dim": 8}),
+    # layer 1 of 2 is linear attention (replicated), layer 2 full attention
+    "qwen3_5": (
+        "Qwen3_5",
+        {
+            **_GQA,
+            **_FFN,
+            "head_dim": 8,
+            "layer_types": ["linear_attention", "full_attention"],
+        },
+    ),
+    "qwen3_5_moe": (
+        "Qwen3_5Moe",
+        {
+            **_GQA,
+            "head_dim": 8,
+            "moe_intermediate_dim": 16,
+            "shared_expert_intermediate_size": 32,
+            "num_experts": 4,
+            "top_k": 2,
+            "layer_types": ["linear_attention", "full_attention"],
+        },
+    ),
+    "smollm3": (
+        "SmolLM3",
+        {
+            **_FFN,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "rope_layer_enabled_list": [True, True],
+            "layer_types": ["full_attention"] * 2,
+            "mlp_bias": False,
+            "layer_norm_epsilon": 1e-6,
+            "max_position_embeddings": 16,
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 1.0,
+        },
+    ),
+    "gpt_oss": ("GptOss", {**_GQA, **_FFN, "num_experts": 4}),
+    "falcon": ("Falcon", {**_FFN, "num_attention_heads": 4}),
+    "opt": ("OPT", {**_GPT, "dropout": 0.0}),
+    "bloom": ("Bloom", {**_FFN, "num_heads": 4}),
+    "gpt_neo_x": ("GPTNeoX", {**_GPT, "dropout": 0.0}),
+    "gpt2": ("GPT2", {**_GPT, "dropout": 0.0}),
+}
+
+
+def _classes(kind: str):
+    import keras_hub
+
+    prefix = CAUSAL_LMS[kind][0]
+    models = keras_hub.models
+    return getattr(models, f"{prefix}Backbone"), getattr(models, f"{prefix}CausalLM")
+
+
+def layout_of(kind: str):
+    """The backbone's ``get_layout_map`` as a function of the mesh."""
+    return lambda mesh: _classes(kind)[0].get_layout_map(mesh)
+
+
+def fit_generate(kind: str, batch_ranks: int) -> dict:
+    """Two epochs of fit() on token ids, then one greedy generate()."""
+    backbone_cls, causal_lm_cls = _classes(kind)
+    model = causal_lm_cls(
+        backbone=backbone_cls(**_BASE, **CAUSAL_LMS[kind][1]), preprocessor=None
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        sampler="greedy",
+    )
+    ids = np.random.default_rng(0).integers(1, 64, size=(8, 12)).astype("int32")
+    inputs = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    history = model.fit(
+        {k: batch_rows(v, 4, batch_ranks) for k, v in inputs.items()},
+        batch_rows(np.roll(ids, -1, axis=1), 4, batch_ranks),
+        batch_size=4 // batch_ranks,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+    )
+    prompt = {"token_ids": ids[:2].copy(), "padding_mask": np.zeros((2, 12), "int32")}
+    prompt["padding_mask"][:, :5] = 1
+    prompt["token_ids"][:, 5:] = 0
+    tokens = model.generate(prompt, max_length=12, stop_token_ids=None)
+    return {
+        "losses": history.history["loss"],
+        "weights": weights(model),
+        "tokens": np.asarray(tokens["token_ids"]).tolist(),
+    }
+
+
+def _layout_case(kind: str, mesh: tuple[int, int]) -> None:
+    def run():
+        return fit_generate(kind, batch_ranks=mesh[0] if WORLD > 1 else 1)
+
+    run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}"
+    case("layouts", mesh=mesh, layout=layout_of(kind), per_rank=mesh[0] > 1)(run)
+
+
+for _kind in CAUSAL_LMS:
+    _layout_case(_kind, (1, 2))
+for _kind in CAUSAL_LMS:
+    _layout_case(_kind, (2, 1))
