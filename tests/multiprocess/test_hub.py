@@ -262,8 +262,16 @@ def test_generate_compiled(runs, name: str) -> None:
     replicated). On a (1, 2) mesh GPT-2's and Gemma's graph is the whole
     token call on local tensors (``ops/causal_lm.py``; no DTensor goes in or
     out); QwenMoe's expert blocks have no Megatron plan, and on (2, 1) each
-    process holds other rows: those graphs take the DTensors."""
-    local = CASES[name]["mesh"][0] == 1 and not name.startswith("qwen_moe")
+    process holds other rows: those graphs take the DTensors. Gemma3, Gemma4
+    and Qwen3.5 (Megatron's layout by hand) call ``call_with_cache`` with
+    more arguments (image embeddings, masks, by keyword: the token step
+    raised a TypeError before it forwarded them) and hold other caches
+    (Gemma3's per-block pairs, Qwen3.5's three tensors); their blocks have no
+    local plan, so their graphs take the DTensors. Gemma4's head-split
+    attention logits are a batched matmul of DTensors: it compiles as one
+    local einsum (``dtensor/einsum.batched_equation``), not DTensor's
+    strided-shard ``bmm``."""
+    local = CASES[name]["mesh"][0] == 1 and name.split("_")[0] in ("gpt2", "gemma")
     check_generated(runs, "generate_compiled", name, world=2, local=local)
 
 
@@ -314,6 +322,11 @@ UPSTREAM_GENERATE = {
     "gpt2_2x1_generate_compiled": "Attempting to broadcast a dimension",
     "gemma_2x1_generate_compiled": "placement changes are not supported",
     "qwen_moe_2x1_generate_compiled": "placement changes are not supported",
+    # measured 2026-11-28: the sharded cache's in-place update, as Gemma's
+    "gemma3_1x2_generate_compiled": "placement changes are not supported",
+    "gemma4_1x2_generate_compiled": "placement changes are not supported",
+    # its attention's split heads meet whole ones in scaled_dot_product_attention
+    "qwen3_5_1x2_generate_compiled": "must match the size of tensor b",
 }
 
 
