@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from cases_fallback import FALLBACKS
 from cases_hub import COMPILED_GENERATION
 from scenarios import CASES
 from test_parity import assert_parity
@@ -77,7 +78,9 @@ def check(name: str, ranks: list[dict], single: dict) -> None:
 MISCOUNTED = "gemma_1x2_heads_miscounted"
 
 
-@pytest.mark.parametrize("name", scenario_params("hub", leave_out=(MISCOUNTED,)))
+@pytest.mark.parametrize(
+    "name", scenario_params("hub", leave_out=(MISCOUNTED, *FALLBACKS))
+)
 def test_hub_parity(runs, name: str) -> None:
     check(name, runs.get("hub", world=2), runs.get("hub", world=1)[0])
 
@@ -114,6 +117,26 @@ def test_generation_check_falls_back(runs) -> None:
         assert result[MISCOUNTED]["tokens"] == single["tokens"]
         warned = result[MISCOUNTED]["plugin_warnings"]
         assert warned and all("generates on DTensors" in w for w in warned), warned
+
+
+@pytest.mark.parametrize("name", sorted(FALLBACKS))
+def test_generation_fast_paths_fall_back(runs, name: str) -> None:
+    """A local fast path of eager generation that fails where its plan could
+    not foresee it (``cases_fallback.py``: ``decoder.plan``,
+    ``causal_lm.plan`` or ``causal_lm.run`` made to raise): every process
+    warns once, naming the cause, and generates on the DTensor path, one
+    process's tokens on both calls (the second one warns no more). Without
+    the family's guard around the plans generate() raised the plan's
+    error."""
+    single = runs.get("hub", world=1)[0][name]
+    for rank, result in enumerate(runs.get("hub", world=2)):
+        mine = result[name]
+        assert "error" not in mine, mine.get("traceback")
+        assert mine["tokens"] == mine["tokens_again"] == single["tokens"], rank
+        warned = mine["plugin_warnings"]
+        assert warned and all(FALLBACKS[name] in w for w in warned), warned
+        # one warning per block or model, not per call
+        assert len(warned) == len(set(warned)), warned
 
 
 def check_compiled(name: str, ranks: list[dict], single: dict) -> None:
