@@ -7,7 +7,10 @@ compiled training in ``cases_hub.py``; these cases cover the other decoders:
 GPT-2 (a learned position embedding sliced at the cache index, a tensor),
 and in the slow tier Gemma and QwenMoe (about 40 s of tracing each on 2
 cores) and all three on a (2, 1) mesh; all three on (2, 2) in
-``nox -s tests4`` (group ``generate4_compiled``).
+``nox -s tests4`` (group ``generate4_compiled``). Gemma3, Gemma4 and
+Qwen3.5 (no get_layout_map: Megatron's layout by hand) call
+``call_with_cache`` with more arguments than the others, by keyword (image
+embeddings, masks): on (1, 2), and on (2, 1) in the slow tier.
 """
 
 from __future__ import annotations
@@ -131,7 +134,9 @@ _case("gpt2", GPT2_LAYOUT)
 _case("gemma", hub_layout("gemma"), slow=True)
 _case("qwen_moe", hub_layout("qwen_moe"), slow=True)
 for _kind in ("gemma3", "gemma4", "qwen3_5"):
-    _case(_kind, QWEN3_5_LAYOUT if _kind == "qwen3_5" else GEMMA3_LAYOUT)
+    _layout = QWEN3_5_LAYOUT if _kind == "qwen3_5" else GEMMA3_LAYOUT
+    _case(_kind, _layout)
+    _case(_kind, _layout, mesh=(2, 1), slow=True)
 # (2, 1): every process generates the same prompts, its weights sharded on
 # the batch axis where keras-hub's 2-D layouts put them
 for _kind in ("gpt2", "gemma", "qwen_moe"):

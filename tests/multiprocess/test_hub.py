@@ -350,6 +350,9 @@ UPSTREAM_GENERATE = {
     "gemma4_1x2_generate_compiled": "placement changes are not supported",
     # its attention's split heads meet whole ones in scaled_dot_product_attention
     "qwen3_5_1x2_generate_compiled": "must match the size of tensor b",
+    "gemma3_2x1_generate_compiled": "placement changes are not supported",
+    "gemma4_2x1_generate_compiled": "placement changes are not supported",
+    "qwen3_5_2x1_generate_compiled": "Attempting to broadcast a dimension",
 }
 
 
