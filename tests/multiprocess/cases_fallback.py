@@ -27,19 +27,24 @@ def _broken(*args, **kwargs):
     raise RuntimeError("defeated on purpose")
 
 
+def _uncompilable(cls: type) -> Callable:
+    return _broken
+
+
 def _generate_with(module: str, name: str) -> dict:
     """Gemma's greedy tokens (twice) with ``module.name`` raising."""
     from keras_dtensor_fix.ops import causal_lm, decoder
+    from keras_dtensor_fix.patches import generate
 
-    owner = {"causal_lm": causal_lm, "decoder": decoder}[module]
+    owner = {"causal_lm": causal_lm, "decoder": decoder, "generate": generate}[module]
     original: Callable = getattr(owner, name)
-    setattr(owner, name, _broken)
+    setattr(owner, name, _uncompilable if module == "generate" else _broken)
     try:
         import keras
 
         keras.utils.set_random_seed(1)
         model = tiny_causal_lm("gemma")
-        model.compile(sampler="greedy")
+        model.compile(sampler="greedy", jit_compile=module == "generate")
         prompt = short_prompts()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -60,7 +65,7 @@ def _fallback_case(module: str, name: str, expected: str) -> None:
     def run() -> dict:
         return _generate_with(module, name)
 
-    run.__name__ = f"gemma_1x2_{module}_{name}_raises"
+    run.__name__ = f"gemma_1x2_{module}_{name.lstrip('_')}_raises"
     FALLBACKS[run.__name__] = expected
     # upstream cannot generate on (1, 2) at all (test_upstream_hub)
     case("hub", layout=hub_layout("gemma"), upstream_slow=True)(run)
@@ -72,5 +77,9 @@ _fallback_case("decoder", "plan", "decoder.plan raised (RuntimeError")
 _fallback_case("causal_lm", "plan", "causal_lm.plan raised (RuntimeError")
 # causal_lm.run raises on the first token: its check keeps block by block
 _fallback_case("causal_lm", "run", "did not match (RuntimeError")
+# jit_compile=True, its compiled token call raising (nothing compiles): from
+# the second token on, where the first token's whole call proved local and
+# the cache is this rank's heads, the eager call runs inside causal_lm.run
+_fallback_case("generate", "_compiled", "runs eagerly: its compiled token step")
 # decoder.run raises on a block's first call: its check keeps it on DTensors
 _fallback_case("decoder", "run", "did not match (RuntimeError")

@@ -116,7 +116,9 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
         if given is None or len(shape) != 2 or shape[1] != 1:  # the prompt's pass
             with prompt(model):
                 return eager(*args, **kwargs)
-        if model in _EAGER:
+        if model in _EAGER and model not in _WHOLE_CHECKED:
+            # A checked model's cache is this rank's heads: only
+            # causal_lm.run takes it (its compiled call falls back inside).
             return given.call(eager)
         if not first[0]:
             return _step(given)
@@ -124,6 +126,8 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
         try:
             return _step(given)
         except Exception as err:  # noqa: BLE001 - upstream's eager call is the fallback
+            _WHOLE_CHECKED.discard(model)  # the cache stays a DTensor from here
+            _WHOLE_DTENSOR.add(model)
             _failed(model, f"{type(err).__name__}: {str(err)[:300]}")
             return given.call(eager)
 
