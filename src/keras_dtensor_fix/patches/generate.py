@@ -20,8 +20,12 @@ checks once one compiled nothing right after a token of the same kind
 eagerly, and on a sharded model each decoder block's cached call runs on
 local tensors where its layout allows (``ops/decoder.py``: Megatron's
 per-token collectives, the cache split by heads), checked once per block
-against the DTensor path. A compiled call that raises warns once, and that
-model generates eagerly from then on. Nothing stays set on the model: its
+against the DTensor path. Each fast path steps aside, with one warning
+naming the cause, where it fails: a compiled call or first token that
+raises, or a ``call_with_cache`` whose token, cache and index it cannot
+read (``ops/token_args.py``), and that model generates eagerly from then
+on; a block's or the whole call's local plan that raises, and that block
+or model generates on DTensors. Nothing stays set on the model: its
 ``call_with_cache`` (compiled) or its blocks' ``call`` (eager, sharded) are
 replaced for the length of one generation.
 """
