@@ -41,7 +41,9 @@ def generate_compiled(kind: str) -> dict:
     model = build(kind, COMPILED_LAYERS)
     model.compile(sampler="greedy", jit_compile=True)
     prompt = short_prompts()
-    if kind == "gemma3":  # its generate() hands "images" back: none, text only
+    if kind == "gemma3":
+        # generate() returns inputs["images"] and cannot concatenate a None
+        # (keras-hub, without a preprocessor, on one process too): no image
         prompt["images"] = np.zeros((2, 0, 16, 16, 3), "float32")
     stats = torch._dynamo.utils.counters["stats"]
     with warnings.catch_warnings(record=True) as caught:
