@@ -78,6 +78,74 @@ def test_a_failed_compile_generates_eagerly_and_leaves_nothing(run_py) -> None:
     assert out["restored"] is True
 
 
+DEFEATED = r"""
+import json, warnings
+import numpy as np
+import keras, keras_hub
+import keras_dtensor_fix
+from keras_dtensor_fix.patches import generate as family
+
+
+class Opaque(keras_hub.models.GemmaCausalLM):
+    def call_with_cache(self, *args, **kwargs):  # no token, cache, index to read
+        return super().call_with_cache(*args, **kwargs)
+
+
+def model(cls, jit_compile):
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=64, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, head_dim=8,
+    )
+    lm = cls(backbone=backbone, preprocessor=None)
+    lm.compile(sampler="greedy", jit_compile=jit_compile)
+    return lm
+
+
+def broken(*args, **kwargs):
+    raise RuntimeError("defeated on purpose")
+
+
+ids = np.zeros((2, 10), "int32")
+ids[:, :4] = 5
+prompt = {"token_ids": ids, "padding_mask": ids > 0}
+eager = model(keras_hub.models.GemmaCausalLM, False).generate(
+    prompt, stop_token_ids=None
+)["token_ids"]
+out = {}
+for name in ("signature", "first_token"):
+    lm = model(Opaque if name == "signature" else keras_hub.models.GemmaCausalLM, True)
+    if name == "first_token":  # the step raises before its compiled call
+        family.on_mesh = broken
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tokens = [lm.generate(prompt, stop_token_ids=None)["token_ids"] for _ in "ab"]
+    out[name] = {
+        "warnings": [str(w.message) for w in caught if "dtensor-fix" in str(w.message)],
+        "equal": [np.asarray(t).tolist() == np.asarray(eager).tolist() for t in tokens],
+    }
+print(json.dumps(out))
+"""
+
+
+def test_a_defeated_token_step_generates_eagerly(run_py) -> None:
+    """The compiled token step met where it cannot go: a ``call_with_cache``
+    whose token, cache and index it cannot tell (``*args``: refused before it
+    runs), or a first token whose step raises outside the compiled call.
+    Either warns once, naming the cause, and generates as upstream does
+    (eagerly), the same tokens as an eager model on both calls. Before the
+    token step read the model's signature, the first raised a TypeError from
+    the step; before it caught its first token's failure, the second raised
+    its error."""
+    out = last_json(run_py(DEFEATED, timeout=300))
+    causes = {"signature": "does not take", "first_token": "defeated on purpose"}
+    for name, cause in causes.items():
+        warned = out[name]["warnings"]
+        assert len(warned) == 1, (name, warned)
+        assert "runs eagerly" in warned[0] and cause in warned[0], warned
+        assert out[name]["equal"] == [True, True], name
+
+
 SLICE = r"""
 import json
 import torch, keras

@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cases_blocks  # noqa: E402, F401  (each registers its cases)
 import cases_collectives  # noqa: E402, F401
 import cases_dropin  # noqa: E402, F401
+import cases_fallback  # noqa: E402, F401
 import cases_generate  # noqa: E402, F401
 import cases_hub  # noqa: E402, F401
 import cases_layers  # noqa: E402, F401

@@ -193,13 +193,28 @@ def check(name: str, mesh, seed: int) -> str:
 
 
 def check_matmul(mesh) -> str:
-    """``local_matmul`` takes 3-d by 2-d products and leaves 2-d ones to DTensor."""
+    """``local_matmul`` takes 3-d by 2-d and batched products (values and
+    gradients) and leaves 2-d ones to DTensor."""
     x = distribute_tensor(torch.randn(4, 3, 6), mesh, [R])
     w = distribute_tensor(torch.randn(6, 8), mesh, [Shard(1)])
     got = local_matmul(x, w)
     assert got is not None and tuple(got.placements) == (Shard(2),)
     torch.testing.assert_close(got.full_tensor(), x.full_tensor() @ w.full_tensor())
     assert local_matmul(distribute_tensor(torch.randn(4, 6), mesh, [R]), w) is None
+    # batched, broadcast on a size-1 dim: grouped attention's logits, heads split
+    torch.manual_seed(0)  # every rank holds the same whole operands
+    q = torch.randn(2, 2, 3, 1, 8, requires_grad=True)
+    k = torch.randn(2, 2, 1, 8, 5, requires_grad=True)
+    dq, dk = (
+        distribute_tensor(t.detach(), mesh, [Shard(1)]).requires_grad_() for t in (q, k)
+    )
+    got = local_matmul(dq, dk)
+    assert got is not None and tuple(got.placements) == (Shard(1),)
+    torch.testing.assert_close(got.full_tensor(), q @ k)
+    got.full_tensor().sum().backward()
+    (q @ k).sum().backward()
+    torch.testing.assert_close(dq.grad.full_tensor(), q.grad)
+    torch.testing.assert_close(dk.grad.full_tensor(), k.grad)
     return "local"
 
 

@@ -118,17 +118,54 @@ def _traced_einsum(
 
 
 def local_matmul(x: Any, w: Any) -> DTensor | None:
-    """``x @ w`` for a ``(..., k)`` by ``(k, n)`` product, as :func:`local_einsum`.
+    """``x @ w`` as :func:`local_einsum`: a ``(..., k)`` by ``(k, n)``
+    product, or a batched one (both 3 or more dims, their batch dims
+    broadcast as matmul does: :func:`batched_equation`).
 
     Only where ``x`` has batch dims of its own (3 or more dims): DTensor's
-    matmul flattens them with views, which take its slow path. A 2-d product
-    is one cached ``mm`` for DTensor, cheaper than this.
+    matmul flattens them with views, which take its slow path (and, compiled,
+    strided shards its ``bmm`` has no rule for: the head-split attention
+    logits of Gemma4). A 2-d product is one cached ``mm`` for DTensor,
+    cheaper than this.
     """
     if not (isinstance(x, DTensor) and isinstance(w, DTensor)):
         return None
-    if w.ndim != 2 or not 3 <= x.ndim <= 10:
+    if not 3 <= x.ndim <= 10:
         return None
-    return local_einsum(linear_equation(x.ndim), (x, w))
+    if w.ndim == 2:
+        return local_einsum(linear_equation(x.ndim), (x, w))
+    equation = batched_equation(tuple(x.shape), tuple(w.shape))
+    return None if equation is None else local_einsum(equation, (x, w))
+
+
+def batched_equation(left: tuple[int, ...], right: tuple[int, ...]) -> str | None:
+    """The einsum of ``matmul`` on a ``left`` by a ``right`` shape (both 3 to
+    10 dims), or None. A batch dim of size 1 that the other operand holds
+    larger gets a letter of its own, summed away (a sum over one element):
+    the planner refuses a letter of two sizes."""
+    if not (3 <= len(left) <= 10 and 3 <= len(right) <= 10):
+        return None
+    if left[-1] != right[-2]:
+        return None
+    letters = iter("abcdefghijlopqrtuvwxyzABCDEFGHIJ")
+    batch = max(len(left), len(right)) - 2
+    lhs, rhs, out = "", "", ""
+    for i in range(batch):
+        a = left[i - batch - 2] if i >= batch - (len(left) - 2) else None
+        b = right[i - batch - 2] if i >= batch - (len(right) - 2) else None
+        if a is not None and b is not None and a != b and 1 not in (a, b):
+            return None  # sizes matmul cannot broadcast
+        shared = next(letters)
+        if a is None or b is None or a == b:
+            lhs += "" if a is None else shared
+            rhs += "" if b is None else shared
+            out += shared
+            continue
+        own = next(letters)  # the size-1 side's letter, summed away
+        lhs += own if a == 1 else shared
+        rhs += own if b == 1 else shared
+        out += shared
+    return f"{lhs}mk,{rhs}kn->{out}mn"
 
 
 #: ``"...k,kn->...n"`` spelled out, by the input's number of dims (1 to 10).

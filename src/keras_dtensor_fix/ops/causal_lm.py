@@ -41,7 +41,7 @@ from keras_dtensor_fix.dtensor import DTensor, all_gather_last, all_reduce_sum, 
 from keras_dtensor_fix.dtensor.placement import same_mesh
 from keras_dtensor_fix.dtensor.planner import shard_dim, whole
 from keras_dtensor_fix.engine import targets
-from keras_dtensor_fix.ops import decoder
+from keras_dtensor_fix.ops import decoder, token_args
 from keras_dtensor_fix.ops.values import local_tensors, walk
 
 
@@ -72,6 +72,8 @@ def plan(model: Any) -> ModelPlan | None:
         "keras_hub."
     ):
         return None
+    if token_args.signature_of(getattr(model, "call_with_cache", None)) is None:
+        return None  # a call whose token, cache and index :func:`run` cannot tell
     backbone = getattr(model, "backbone", None)
     blocks = list(getattr(backbone, "transformer_layers", None) or ())
     embedding = getattr(backbone, "token_embedding", None)
@@ -167,11 +169,18 @@ def _swapped(found: ModelPlan) -> Iterator[None]:
 
 
 def run(
-    found: ModelPlan, call: Callable[..., Any], token_ids: Any, cache: Any, index: Any
+    found: ModelPlan,
+    call: Callable[..., Any],
+    token_ids: Any,
+    cache: Any,
+    index: Any,
+    **extra: Any,
 ) -> Any:
-    """``call(token_ids, cache, index)`` (the model's own ``call_with_cache``)
-    on local tensors: (logits, hidden states) whole, the cache this rank's
-    heads; :data:`NotImplemented` where an input has no local form."""
+    """``call(token_ids, cache, index, **extra)`` (the model's own
+    ``call_with_cache``, ``extra`` its other arguments) on local tensors:
+    (logits, hidden states) whole, the cache this rank's heads;
+    :data:`NotImplemented` where an input has no local form (a cache that
+    is not one tensor, an argument split on the plan's axis)."""
     mesh, axis = found.mesh, found.axis
     if not (isinstance(cache, DTensor) or cache is found.last_cache()):
         return NotImplemented  # a plain cache that this plan did not make
@@ -181,6 +190,9 @@ def run(
         cache = megatron.local_part(cache, mesh, axis, heads)
     token_ids = megatron.local_part(token_ids, mesh, axis, None)
     index = megatron.local_part(index, mesh, axis, None)
+    local = {k: megatron.local_part(v, mesh, axis, None) for k, v in extra.items()}
+    if any(local[k] is None and v is not None for k, v in extra.items()):
+        token_ids = None  # a whole value of each rank's has no local form
     if cache is None or token_ids is None or index is None:
         if ours:  # the cache is this rank's heads: no other path can take it
             raise RuntimeError(
@@ -189,7 +201,7 @@ def run(
             )
         return NotImplemented
     with _swapped(found):
-        logits, hidden, new_cache = call(token_ids, cache, index)
+        logits, hidden, new_cache = call(token_ids, cache, index, **local)
     found.last_cache = weakref.ref(new_cache)
     return logits, hidden, new_cache
 

@@ -11,10 +11,11 @@ token to the next.
 :class:`Steady` wraps the compiled function for one such loop. Its calls run
 with guards until a call with the same argument signature as the call before
 it (:func:`signature`: each tensor's type, shape, strides, dtype, device and
-``requires_grad``, each other argument's identity, and grad mode) ran
-without dynamo converting a frame (a guard that failed would have: a new
-graph, or a frame marked to run eagerly). From then on calls with that
-signature run under torch's ``skip_guard_eval_unsafe`` stance, which
+``requires_grad``, each other argument's identity, keyword arguments by
+name, and grad mode) ran without dynamo converting a frame (a guard that
+failed would have: a new graph, or a frame marked to run eagerly). From
+then on calls with that signature run under torch's
+``skip_guard_eval_unsafe`` stance, which
 evaluates only the guards that tell the function's cache entries apart.
 A call with another signature runs with guards again and must settle again.
 Not used where the function's code has reached dynamo's recompile limit
@@ -50,9 +51,10 @@ def _meta(value: Any) -> Any:
     return (type(value), id(value))
 
 
-def signature(args: tuple) -> tuple:
+def signature(args: tuple, kwargs: dict | None = None) -> tuple:
     """What a call's guards depend on from its arguments (see the module)."""
-    return (torch.is_grad_enabled(), tuple(_meta(arg) for arg in args))
+    named = tuple((name, _meta(value)) for name, value in (kwargs or {}).items())
+    return (torch.is_grad_enabled(), tuple(_meta(arg) for arg in args), named)
 
 
 def _frames_converted() -> int:
@@ -96,15 +98,15 @@ class Steady:
         """Whether calls with the last signature skip their guards."""
         return self._settled is not None and self._settled == self._last
 
-    def __call__(self, *args: Any) -> Any:
-        key = signature(args)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = signature(args, kwargs)
         if key == self._settled:
             stance = _unguarded()
             if stance is not None:
                 with stance:
-                    return self._compiled(*args)
+                    return self._compiled(*args, **kwargs)
         before = _frames_converted()
-        result = self._compiled(*args)
+        result = self._compiled(*args, **kwargs)
         if (
             key == self._last
             and _frames_converted() == before

@@ -20,8 +20,12 @@ checks once one compiled nothing right after a token of the same kind
 eagerly, and on a sharded model each decoder block's cached call runs on
 local tensors where its layout allows (``ops/decoder.py``: Megatron's
 per-token collectives, the cache split by heads), checked once per block
-against the DTensor path. A compiled call that raises warns once, and that
-model generates eagerly from then on. Nothing stays set on the model: its
+against the DTensor path. Each fast path steps aside, with one warning
+naming the cause, where it fails: a compiled call or first token that
+raises, or a ``call_with_cache`` whose token, cache and index it cannot
+read (``ops/token_args.py``), and that model generates eagerly from then
+on; a block's or the whole call's local plan that raises, and that block
+or model generates on DTensors. Nothing stays set on the model: its
 ``call_with_cache`` (compiled) or its blocks' ``call`` (eager, sharded) are
 replaced for the length of one generation.
 """
@@ -38,7 +42,7 @@ from typing import Any
 from keras_dtensor_fix.dtensor import DTensor, on_mesh, one_rank_replicated
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import cache_key_tag, model_parallel
-from keras_dtensor_fix.ops import causal_lm, decoder
+from keras_dtensor_fix.ops import causal_lm, decoder, token_args
 from keras_dtensor_fix.ops.steady import Steady, code_of
 
 #: CausalLM class -> ``torch.compile`` of its ``call_with_cache`` (one per class:
@@ -86,11 +90,15 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
     graph takes the DTensors. Either way each token's logits and hidden
     states come back as the plain tensors every process holds whole (the
     sampler's loop runs on plain tensors: :func:`_tokens_compiled`) and the
-    cache as the next token's graph takes it.
+    cache as the next token's graph takes it. Arguments past the first three
+    (image embeddings, masks) go on as given (:mod:`.token_args`). The first
+    token's step falls back to the eager call where it raises.
     """
     import torch
+    from torch.utils._pytree import tree_map
 
     eager = model.call_with_cache
+    signature = token_args.signature_of(eager)
     compiled = _compiled(type(model))
     dist = model_parallel()
     if dist is not None:
@@ -104,57 +112,76 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
         plain, prompt, mesh = tuple, _no_context, None
     # this generation's tokens skip dynamo's guards once they have settled
     compiled = Steady(compiled, code_of(type(model).call_with_cache))
+    first = [True]
 
-    def call_with_cache(token_ids, cache, cache_update_index):
-        shape = getattr(token_ids, "shape", ())
-        if len(shape) != 2 or shape[1] != 1:  # the prompt's pass
+    def call_with_cache(*args: Any, **kwargs: Any) -> Any:
+        given = None if signature is None else token_args.split(signature, args, kwargs)
+        shape = getattr(getattr(given, "token_ids", None), "shape", ())
+        if given is None or len(shape) != 2 or shape[1] != 1:  # the prompt's pass
             with prompt(model):
-                return eager(token_ids, cache, cache_update_index)
+                return eager(*args, **kwargs)
+        if model in _EAGER and model not in _WHOLE_CHECKED:
+            # A checked model's cache is this rank's heads: only
+            # causal_lm.run takes it (its compiled call falls back inside).
+            return given.call(eager)
+        if not first[0]:
+            return _step(given)
+        first[0] = False
+        try:
+            return _step(given)
+        except Exception as err:  # noqa: BLE001 - upstream's eager call is the fallback
+            _WHOLE_CHECKED.discard(model)  # the cache stays a DTensor from here
+            _WHOLE_DTENSOR.add(model)
+            _failed(model, f"{type(err).__name__}: {str(err)[:300]}")
+            return given.call(eager)
+
+    def _step(given: token_args.TokenArgs) -> Any:
         # The first token can come as a DTensor (the prompt's), the next
         # ones plain: as the sampler's loop holds them, one graph for both.
-        token_ids, cache_update_index = plain((token_ids, cache_update_index))
-        args = (token_ids, cache, cache_update_index)
+        token_ids, index = plain((given.token_ids, given.index))
+        extra = dict(zip(given.extra, plain(tuple(given.extra.values())), strict=True))
+        given = token_args.TokenArgs(token_ids, given.cache, index, extra)
         if found is not None:
-            result = _whole_local(model, found, eager, _compiled_or_eager, args)
+            result = _whole_local(model, found, eager, _compiled_or_eager, given)
             if result is not NotImplemented:
                 return result
-        logits, hidden, cache = _token(*args)
+        logits, hidden, cache = _token(given)
         return (*plain((logits, hidden)), cache)  # the cache as the graph takes it
 
-    def _compiled_or_eager(*args: Any) -> Any:
+    def _compiled_or_eager(*args: Any, **kwargs: Any) -> Any:
         if model in _EAGER:
-            return eager(*args)
+            return eager(*args, **kwargs)
         try:
-            return compiled(model, *args)
+            return compiled(model, *args, **kwargs)
         except Exception as err:  # noqa: BLE001 - eager is the fallback
-            _failed(model, err)
-            return eager(*args)
+            _failed(model, f"{type(err).__name__}: {str(err)[:300]}")
+            return eager(*args, **kwargs)
 
-    def _token(token_ids, cache, cache_update_index):
+    def _token(given: token_args.TokenArgs) -> Any:
         # The prompt's last token comes batch-sharded, the sampler's next
         # ones replicated: on a one-rank batch axis that is one graph, not two.
-        args = tuple(
-            one_rank_replicated(on_mesh(value, mesh))
-            for value in (token_ids, cache, cache_update_index)
-        )
-        return _compiled_or_eager(*args)
+        # A cache can be a tree of tensors (Gemma3's pairs, Qwen3.5's three).
+        def relabel(value: Any) -> Any:
+            return one_rank_replicated(on_mesh(value, mesh))
+
+        core, extra = tree_map(relabel, (given.core(), given.extra))
+        return _compiled_or_eager(*core, **extra)
 
     return call_with_cache
 
 
-def _failed(model: Any, err: Exception) -> None:
+def _failed(model: Any, why: str) -> None:
     _EAGER.add(model)
     warnings.warn(
         f"keras-dtensor-fix: generate() of this jit_compile=True model runs "
-        f"eagerly: its compiled token step failed "
-        f"({type(err).__name__}: {str(err)[:300]})",
+        f"eagerly: its compiled token step failed ({why})",
         stacklevel=5,
     )
 
 
 @contextlib.contextmanager
 def _no_context(model: Any) -> Iterator[None]:
-    yield
+    yield None
 
 
 @contextlib.contextmanager
@@ -164,9 +191,15 @@ def _tokens_compiled(model: Any) -> Iterator[Any]:
     :func:`.causal_lm.plan` fits the whole model, and the sampler's loop gets
     plain tensors where every process holds them whole (as eagerly)."""
     sharded = model_parallel() is not None
+    if model not in _EAGER and token_args.signature_of(model.call_with_cache) is None:
+        _failed(model, "its call_with_cache does not take (token_ids, cache, index)")
+    if model in _EAGER:  # as with jit_compile=False
+        with (_eager_local if sharded else _no_context)(model) as inputs:
+            yield inputs
+        return
     found = None
     if sharded and model not in _WHOLE_DTENSOR:
-        found = causal_lm.plan(model)
+        found = _whole_plan(model)
     model.call_with_cache = _token_call(model, found)
     try:
         yield causal_lm.whole_inputs if sharded else None
@@ -221,17 +254,47 @@ def _checked(block: Any, found: decoder.Plan, original: Any, args, kwargs) -> An
         _CHECKED.add(block)
         return result
     _DTENSOR.add(block)
-    name = getattr(block, "path", block.name)
-    _slower(f"decoder block {name!r}", "on DTensors", "call", why)
+    _slower(_block_name(block), "on DTensors", f"its call {_MISMATCH} ({why})")
     return expected
 
 
-def _slower(who: str, path: str, call: str, why: str) -> None:
+_MISMATCH = "on local tensors did not match"
+
+
+def _block_name(block: Any) -> str:
+    return f"decoder block {getattr(block, 'path', block.name)!r}"
+
+
+def _slower(who: str, path: str, why: str) -> None:
     warnings.warn(
-        f"keras-dtensor-fix: {who} generates {path} (slower, same tokens): its "
-        f"{call} on local tensors did not match ({why})",
+        f"keras-dtensor-fix: {who} generates {path} (slower, same tokens): {why}",
         stacklevel=4,
     )
+
+
+def _block_plan(block: Any) -> decoder.Plan | None:
+    """:func:`.decoder.plan`; one that raises warns, the block on DTensors."""
+    try:
+        return decoder.plan(block)
+    except Exception as err:  # noqa: BLE001 - the DTensor path is the fallback
+        _DTENSOR.add(block)
+        _slower(_block_name(block), "on DTensors", f"decoder.plan raised ({_why(err)})")
+        return None
+
+
+def _whole_plan(model: Any) -> causal_lm.ModelPlan | None:
+    """:func:`.causal_lm.plan`; one that raises warns, block by block."""
+    try:
+        return causal_lm.plan(model)
+    except Exception as err:  # noqa: BLE001 - block by block is the fallback
+        _WHOLE_DTENSOR.add(model)
+        why = f"causal_lm.plan raised ({_why(err)})"
+        _slower(type(model).__name__, "block by block", why)
+        return None
+
+
+def _why(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err)[:200]}"
 
 
 @contextlib.contextmanager
@@ -240,7 +303,7 @@ def _blocks_local(model: Any) -> Iterator[None]:
     installed = []  # each with the call it had (a compiled region's, say)
     try:
         for block in blocks or ():
-            found = None if block in _DTENSOR else decoder.plan(block)
+            found = None if block in _DTENSOR else _block_plan(block)
             if found is not None:
                 installed.append((block, vars(block).get("call")))
                 object.__setattr__(block, "call", _block_call(block, found))
@@ -257,20 +320,25 @@ def _local_token_call(model: Any, found: causal_lm.ModelPlan) -> Any:
     """``model.call_with_cache``: one token on local tensors, the prompt's
     pass block by block; the first token both ways (:func:`_model_checked`)."""
     eager = model.call_with_cache
+    signature = token_args.signature_of(eager)  # causal_lm.plan found one
 
-    def call_with_cache(token_ids, cache, cache_update_index):
-        args = (token_ids, cache, cache_update_index)
-        shape = getattr(token_ids, "shape", ())
-        if len(shape) != 2 or shape[1] != 1:
-            return eager(*args)
-        result = _whole_local(model, found, eager, eager, args)
-        return eager(*args) if result is NotImplemented else result
+    def call_with_cache(*args: Any, **kwargs: Any) -> Any:
+        given = None if signature is None else token_args.split(signature, args, kwargs)
+        shape = getattr(getattr(given, "token_ids", None), "shape", ())
+        if given is None or len(shape) != 2 or shape[1] != 1:
+            return eager(*args, **kwargs)
+        result = _whole_local(model, found, eager, eager, given)
+        return given.call(eager) if result is NotImplemented else result
 
     return call_with_cache
 
 
 def _whole_local(
-    model: Any, found: causal_lm.ModelPlan, eager: Any, call: Any, args: tuple
+    model: Any,
+    found: causal_lm.ModelPlan,
+    eager: Any,
+    call: Any,
+    given: token_args.TokenArgs,
 ) -> Any:
     """One token's ``call`` on local tensors (:func:`.causal_lm.run`), the
     first both ways (:func:`_model_checked`); :data:`NotImplemented` where
@@ -278,21 +346,23 @@ def _whole_local(
     if model in _WHOLE_DTENSOR:
         return NotImplemented
     if model not in _WHOLE_CHECKED:
-        return _model_checked(model, found, eager, *args)
-    return causal_lm.run(found, call, *args)
+        return _model_checked(model, found, eager, given)
+    return given.call(causal_lm.run, found, call)
 
 
-def _model_checked(model: Any, found: causal_lm.ModelPlan, eager: Any, *args) -> Any:
+def _model_checked(
+    model: Any, found: causal_lm.ModelPlan, eager: Any, given: token_args.TokenArgs
+) -> Any:
     """The first token's call, both ways: the local result where they agree
     (every process decides alike); else block by block from then on."""
-    expected = eager(*args)
+    expected = given.call(eager)
     if any(block in _DTENSOR for block, _ in found.blocks):
         _WHOLE_DTENSOR.add(model)  # the prompt's pass found a block differ
         return expected
     result, why = _compared(
         found,
         expected,
-        lambda: causal_lm.run(found, eager, *args),
+        lambda: given.call(causal_lm.run, found, eager),
         lambda local: causal_lm.as_dtensors(found, local),
     )
     if result is not None and result is not NotImplemented:
@@ -300,7 +370,8 @@ def _model_checked(model: Any, found: causal_lm.ModelPlan, eager: Any, *args) ->
         return result
     _WHOLE_DTENSOR.add(model)
     if result is None:  # it raised or differed (NotImplemented: no local form)
-        _slower(type(model).__name__, "block by block", "token call", why)
+        what = f"its token call {_MISMATCH} ({why})"
+        _slower(type(model).__name__, "block by block", what)
     return expected
 
 
@@ -312,7 +383,7 @@ def _eager_local(model: Any) -> Iterator[Any]:
         blocks = getattr(getattr(model, "backbone", None), "transformer_layers", ())
         found = None
         if model not in _WHOLE_DTENSOR and not any(b in _DTENSOR for b in blocks):
-            found = causal_lm.plan(model)
+            found = _whole_plan(model)
         if found is None:
             yield None
             return

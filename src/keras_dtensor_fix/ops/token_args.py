@@ -1,0 +1,85 @@
+"""A causal LM's ``call_with_cache`` arguments: the three every call takes, the rest.
+
+keras-hub's causal LMs share ``call_with_cache(token_ids, cache,
+cache_update_index, ...)`` but not what follows: Gemma3 and Gemma4 take
+image (and audio) embeddings, masks and a ``cache_update_mask``, Qwen3.5 a
+padding mask and position ids, and they pass them by keyword. The generate
+family converts the first three (plain or local tensors, one mesh) and must
+hand every other argument on as the caller gave it; :func:`split` tells them
+apart by the model's own signature, or says it cannot. Standard library only.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The parameters every keras-hub ``call_with_cache`` starts with.
+CORE = ("token_ids", "cache", "cache_update_index")
+_POSITIONAL = (
+    inspect.Parameter.POSITIONAL_ONLY,
+    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+)
+
+
+@dataclass
+class TokenArgs:
+    """One call's arguments: ``token_ids``, ``cache``, ``index``, and the
+    others by keyword (as given: no default filled in)."""
+
+    token_ids: Any
+    cache: Any
+    index: Any
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def core(self) -> tuple[Any, Any, Any]:
+        return self.token_ids, self.cache, self.index
+
+    def call(self, function: Callable[..., Any], *first: Any) -> Any:
+        """``function(*first, token_ids, cache, index, **extra)``."""
+        return function(*first, *self.core(), **self.extra)
+
+
+def signature_of(method: Callable[..., Any]) -> inspect.Signature | None:
+    """``method``'s signature where :func:`split` can read its calls: the
+    three core parameters first, positional, no ``*args``; else None."""
+    try:
+        signature = inspect.signature(method)
+    except (TypeError, ValueError):
+        return None
+    params = list(signature.parameters.values())
+    if len(params) < len(CORE) or any(
+        p.kind is inspect.Parameter.VAR_POSITIONAL for p in params
+    ):
+        return None
+    if any(p.kind not in _POSITIONAL for p in params[: len(CORE)]):
+        return None
+    if any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in params[len(CORE) :]):
+        return None  # :class:`TokenArgs` hands the rest on by keyword
+    return signature
+
+
+def split(signature: inspect.Signature, args: tuple, kwargs: dict) -> TokenArgs | None:
+    """The call's arguments bound by ``signature`` (a bound method's, from
+    :func:`signature_of`), or None where they do not bind (the model's own
+    call then raises as it would have)."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    params = signature.parameters
+    names = list(params)[: len(CORE)]
+    if any(name not in bound.arguments for name in names):
+        return None
+    extra: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        if name in names:
+            continue
+        if params[name].kind is inspect.Parameter.VAR_KEYWORD:
+            extra.update(value)
+        else:
+            extra[name] = value
+    token_ids, cache, index = (bound.arguments[name] for name in names)
+    return TokenArgs(token_ids, cache, index, extra)
