@@ -254,11 +254,12 @@ def gemma_1x2_heads_miscounted():
     check finds it and they generate on DTensors: the same tokens, a warning."""
     import warnings
 
-    from keras_dtensor_fix.engine import targets
+    from keras_dtensor_fix.hub import generation
 
-    name = next(k for k in targets.ATTENTION_HEADS if k.endswith("GemmaAttention"))
-    counts = targets.ATTENTION_HEADS[name]
-    targets.ATTENTION_HEADS[name] = tuple(c for c in counts if c != "hidden_dim")
+    heads = generation.ATTENTION_HEADS
+    name = next(k for k in heads if k.endswith("GemmaAttention"))
+    counts = heads[name]
+    heads[name] = tuple(c for c in counts if c != "hidden_dim")
     keras.utils.set_random_seed(1)
     model = tiny_causal_lm("gemma")
     for block in model.backbone.transformer_layers:  # GemmaDecoderBlock sets True
@@ -270,7 +271,7 @@ def gemma_1x2_heads_miscounted():
             warnings.simplefilter("always")
             tokens = model.generate(prompt, max_length=12, stop_token_ids=None)
     finally:
-        targets.ATTENTION_HEADS[name] = counts
+        heads[name] = counts
     return {
         "tokens": np.asarray(tokens["token_ids"]).tolist(),
         "plugin_warnings": [

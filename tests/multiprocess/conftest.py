@@ -93,6 +93,7 @@ UPSTREAM = (
     "dropin_compiled",
     "hub",
     "hub_compiled",
+    "layouts",
     "moe_compiled",
     "generate_compiled",
 )

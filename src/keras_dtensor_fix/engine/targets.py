@@ -160,39 +160,6 @@ OBJECTS: dict[str, tuple[str, str]] = {
     ),
 }
 
-_HUB = "keras_hub.src"
-#: keras-hub attention layers whose cached call may run on a share of their
-#: heads (``ops/decoder.py``), and the attributes that count heads there: each
-#: is divided by the number of ranks for that call. Gemma's ``hidden_dim``
-#: only sets its query scale (``hidden_dim // num_query_heads``), a ratio
-#: that must not change. keras's MultiHeadAttention (keras-hub's cached one)
-#: reads no head count in its call: its einsum equations carry none. Any
-#: other attention layer keeps its block on the DTensor path.
-ATTENTION_HEADS: dict[str, tuple[str, ...]] = {
-    f"{_HUB}.models.gemma.gemma_attention.CachedGemmaAttention": (
-        "num_query_heads",
-        "num_key_value_heads",
-        "hidden_dim",
-    ),
-    f"{_HUB}.models.llama.llama_attention.LlamaAttention": (
-        "num_query_heads",
-        "num_key_value_heads",
-    ),
-    f"{_HUB}.models.qwen.qwen_attention.QwenAttention": (
-        "num_query_heads",
-        "num_key_value_heads",
-    ),
-    f"{_HUB}.models.qwen_moe.qwen_moe_attention.QwenMoeAttention": (
-        "num_query_heads",
-        "num_key_value_heads",
-    ),
-    f"{_HUB}.models.qwen3_moe.qwen3_moe_attention.Qwen3MoeAttention": (
-        "num_query_heads",
-        "num_key_value_heads",
-    ),
-    f"{_HUB}.layers.modeling.cached_multi_head_attention.CachedMultiHeadAttention": (),
-}
-
 
 def modules(kind: str) -> tuple[str, ...]:
     """The modules of ``kind`` (see :data:`MODULES`)."""

@@ -19,7 +19,7 @@ The sampler's loop gets the prompt, its mask and the position as plain
 tensors (:func:`whole_inputs`: each process holds them whole). The
 key/value cache stays split by heads from one token to the next: the
 call hands back this rank's part, which the sampler passes in again (only
-keras-hub's samplers that pass it on untouched: :data:`SAMPLERS`; the
+keras-hub's samplers that pass it on untouched: ``hub.generation.SAMPLERS``; the
 prompt's pass, many tokens at once, keeps the block-by-block path). The
 generate family checks the first token's call against the block-by-block
 path (:func:`.decoder.agree`) and keeps that path where they differ. A
@@ -41,6 +41,7 @@ from keras_dtensor_fix.dtensor import DTensor, all_gather_last, all_reduce_sum, 
 from keras_dtensor_fix.dtensor.placement import same_mesh
 from keras_dtensor_fix.dtensor.planner import shard_dim, whole
 from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.hub import generation as hub
 from keras_dtensor_fix.ops import decoder, token_args
 from keras_dtensor_fix.ops.values import local_tensors, walk
 
@@ -60,23 +61,14 @@ class ModelPlan:
     last_cache: Callable[[], Any] = field(default=lambda: None)
 
 
-#: keras-hub samplers that pass each token call's cache to the next call as
-#: it came back (beam and contrastive search repeat and reorder it).
-SAMPLERS = frozenset({"GreedySampler", "TopKSampler", "TopPSampler", "RandomSampler"})
-
-
 def plan(model: Any) -> ModelPlan | None:
     """The local plan of ``model``'s one-token call, or None (see the module)."""
-    sampler = type(getattr(model, "sampler", None))
-    if sampler.__name__ not in SAMPLERS or not sampler.__module__.startswith(
-        "keras_hub."
-    ):
+    if not hub.known_sampler(getattr(model, "sampler", None)):
         return None
     if token_args.signature_of(getattr(model, "call_with_cache", None)) is None:
         return None  # a call whose token, cache and index :func:`run` cannot tell
-    backbone = getattr(model, "backbone", None)
-    blocks = list(getattr(backbone, "transformer_layers", None) or ())
-    embedding = getattr(backbone, "token_embedding", None)
+    blocks = hub.decoder_blocks(model)
+    embedding = hub.token_embedding(model)
     if not blocks or embedding is None:
         return None
     plans = [decoder.plan(block) for block in blocks]

@@ -10,7 +10,7 @@ its own heads on plain local tensors, one all-reduce after each row-parallel
 product, and the key/value cache stays split by heads.
 
 For the call, each of the block's DTensor weights reads as its local tensor
-(``Variable._value``), each attention layer of :data:`targets.ATTENTION_HEADS`
+(``Variable._value``), each attention layer of :data:`hub.generation.ATTENTION_HEADS`
 counts its own heads, each row-parallel dense layer sums its product over
 the axis before its bias (its input spec, which names the whole feature
 size, set aside), and the gated wrappers are closed (every operand is
@@ -37,6 +37,7 @@ from keras_dtensor_fix.dtensor.einsum import linear_equation
 from keras_dtensor_fix.dtensor.megatron import local_part, with_split
 from keras_dtensor_fix.dtensor.planner import shard_dim, split_axis
 from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.hub import generation as hub
 from keras_dtensor_fix.ops.values import output_laid_out
 
 #: keras-hub's per-layer cache: (batch, 2, length, heads, head dim).
@@ -92,8 +93,7 @@ def plan(block: Any) -> Plan | None:
     kinds: dict[int, str] = {}  # id(dense layer) -> "column" / "row"
     attentions = []
     for layer in block._flatten_layers(include_self=False):
-        cls = type(layer)
-        counts = targets.ATTENTION_HEADS.get(f"{cls.__module__}.{cls.__qualname__}")
+        counts = hub.head_counts(layer)
         if counts is not None:
             attentions.append(layer)
             for name in counts:
@@ -101,8 +101,8 @@ def plan(block: Any) -> Plan | None:
                 if not isinstance(count, int) or count % size:
                     return None
                 result.heads.append((layer, name, count // size))
-        elif "attention" in cls.__name__.lower():
-            return None  # its head counts are unknown
+        elif hub.unknown_attention(layer):
+            return None
         if isinstance(layer, dense):
             kind = _dense_kind(layer, dense[0], sharded, axis)
             if kind is None:

@@ -42,6 +42,7 @@ from typing import Any
 from keras_dtensor_fix.dtensor import DTensor, on_mesh, one_rank_replicated
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import cache_key_tag, model_parallel
+from keras_dtensor_fix.hub import generation as hub
 from keras_dtensor_fix.ops import causal_lm, decoder, token_args
 from keras_dtensor_fix.ops.steady import Steady, code_of
 
@@ -299,7 +300,7 @@ def _why(err: BaseException) -> str:
 
 @contextlib.contextmanager
 def _blocks_local(model: Any) -> Iterator[None]:
-    blocks = getattr(getattr(model, "backbone", None), "transformer_layers", None)
+    blocks = hub.decoder_blocks(model)
     installed = []  # each with the call it had (a compiled region's, say)
     try:
         for block in blocks or ():
@@ -380,7 +381,7 @@ def _eager_local(model: Any) -> Iterator[Any]:
     """Blocks on local tensors, and where :mod:`.causal_lm` can, each token's
     whole call; yields what to do with ``generate_step``'s inputs (or None)."""
     with _blocks_local(model):
-        blocks = getattr(getattr(model, "backbone", None), "transformer_layers", ())
+        blocks = hub.decoder_blocks(model)
         found = None
         if model not in _WHOLE_DTENSOR and not any(b in _DTENSOR for b in blocks):
             found = _whole_plan(model)

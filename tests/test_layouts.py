@@ -1,0 +1,67 @@
+"""The ``layouts`` family: keras-hub backbones without a ``get_layout_map``
+get one (``hub/layouts.py``), checked on one process against each model's
+real variables; deactivation takes it away. The sharded runs are
+``tests/multiprocess/test_layouts.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from support import ROOT, last_json
+
+pytest.importorskip("keras_hub")
+
+PROGRAM = """
+import json, re, sys
+sys.path.insert(0, sys.argv[1])
+import keras, keras_hub
+import keras_dtensor_fix as kdf
+from cases_layouts import CAUSAL_LMS, _BASE, _classes
+from keras_dtensor_fix.hub import layouts
+
+devices = keras.distribution.list_devices()[:1]
+mesh = keras.distribution.DeviceMesh((1, 1), ["batch", "model"], devices)
+out = {"models": {}, "rows": len(layouts.ROWS)}
+for kind in CAUSAL_LMS:
+    backbone_cls, _ = _classes(kind)
+    layout_map = backbone_cls.get_layout_map(mesh)
+    backbone = backbone_cls(**_BASE, **CAUSAL_LMS[kind][1])
+    sharded, bad = 0, []
+    for v in backbone.weights:
+        keys = [k for k in layout_map._layout_map if re.fullmatch(k, v.path)]
+        if len(keys) > 1 or (keys and
+                len(layout_map._layout_map[keys[0]].axes) != len(v.shape)):
+            bad.append(v.path)
+        sharded += bool(keys)
+    out["models"][kind] = {"sharded": sharded, "bad": bad}
+try:
+    keras_hub.models.BertBackbone.get_layout_map(mesh)
+except NotImplementedError as exc:
+    out["unknown"] = str(exc)
+try:
+    keras_hub.models.MistralBackbone.get_layout_map(mesh, "tensor")
+except ValueError as exc:
+    out["bad_axis"] = str(exc)
+out["own"] = keras_hub.models.GemmaBackbone.get_layout_map.__qualname__
+kdf.deactivate()
+out["after"] = hasattr(keras_hub.models.MistralBackbone, "get_layout_map")
+out["gemma_after"] = hasattr(keras_hub.models.GemmaBackbone, "get_layout_map")
+print(json.dumps(out))
+"""
+
+
+def test_every_row_fits_its_model(run_py) -> None:
+    multiprocess = ROOT / "tests" / "multiprocess"
+    out = last_json(run_py(PROGRAM, argv=[str(multiprocess)]))
+    assert len(out["models"]) == out["rows"] == 15
+    for kind, found in out["models"].items():
+        # each path matches one rule at most, with one axis per weight axis
+        assert found["bad"] == [], kind
+        # Q/K/V, the attention output, the MLP and the embedding at least
+        assert found["sharded"] >= 7, (kind, found)
+    assert "BertBackbone" in out["unknown"] and "LayoutMap" in out["unknown"]
+    assert (
+        "'tensor'" in out["bad_axis"] and "model_parallel_dim_name" in (out["bad_axis"])
+    )
+    assert out["own"] == "GemmaBackbone.get_layout_map"  # keras-hub's own stays
+    assert out["after"] is False and out["gemma_after"] is True
