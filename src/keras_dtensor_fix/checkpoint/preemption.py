@@ -109,8 +109,10 @@ class Watcher:
         while no frame of it is on the stack is not this watch's; ``done``:
         the steps already finished (a resumed ``fit``).
         """
+        self._end_thread()  # a fit that raised left its watch on
         self._within, self._save = within, save
         self._done, self._saves, self._over = done, 0, False
+        self._signum = self._stop = None
         if not self.signals:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -157,6 +159,11 @@ class Watcher:
                 self.gate(signum=int(fate))  # a signal came first: it parks
         elif self.received is not None:
             self.gate(signum=self.received)
+        self._end_thread()
+        late = self.received
+        self._put_back_and(late)
+
+    def _end_thread(self) -> None:
         with self._cond:
             self._over = True
             self._cond.notify_all()
@@ -164,8 +171,7 @@ class Watcher:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        late = self.received
-        self._put_back_and(late)
+        self._wake.clear()
 
     def _put_back_and(self, late: int | None) -> None:
         previous = self._previous.get(late) if late is not None else None
@@ -250,7 +256,10 @@ class Watcher:
             with self._cond:
                 if self._over:
                     return
-            signum = self._signal()
+            try:
+                signum = self._signal()
+            except Exception:  # noqa: BLE001 - the group is gone: fit has ended
+                return
             if signum is not None:
                 break
         self._signum = signum
