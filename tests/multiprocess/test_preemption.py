@@ -19,6 +19,7 @@ torch 2.13.0, observed): see :func:`test_upstream_backup_and_restore`.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support import ROOT, clean_env, run_ranks, timed_run
+from support import ROOT, clean_env, run_agents, run_ranks, timed_run
 
 SCRIPT = ROOT / "tests" / "ranks" / "preempt.py"
 TIMEOUT = 300
@@ -40,6 +41,9 @@ SLOW = pytest.mark.slow
 #: the signal comes as step 13 begins, with another process maybe still in
 #: step 12 (that one wins) or the sender already in 13.
 CASES = {"validation": {16}, "data": {9}, "jump": {12, 13}}
+#: The slow tier's: a slow epoch-end callback (after the 16 steps); the
+#: signal as step 11 begins while step 10's background save is written.
+SLOW_CASES = {"callback": {16}, "save": {10, 11}}
 
 
 def read(out: Path, rank: int, launch: int) -> dict:
@@ -70,34 +74,67 @@ def check(reference: dict, final: dict) -> None:
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+def launch(out: Path, env: dict, nproc: int, agents: bool) -> tuple[int, str]:
+    """One launch: torchrun's exit code and output."""
+    if agents:
+        (a, b) = run_agents(SCRIPT, str(out), env=env, timeout=TIMEOUT)
+        return a[0] or b[0], a[1] + b[1]
+    proc = run_ranks(SCRIPT, str(out), env=env, nproc=nproc, timeout=TIMEOUT)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "case",
+    [*CASES, *(pytest.param(c, marks=SLOW) for c in SLOW_CASES)],
+)
 def test_signal_anywhere_stops_saves_and_resumes(tmp_path, reference, case) -> None:
+    preempt_and_resume(tmp_path, reference, case)
+
+
+@SLOW
+@pytest.mark.skipif(
+    os.environ.get("KERAS_DTENSOR_FIX_FOUR_RANKS") != "1",
+    reason="4 processes: KERAS_DTENSOR_FIX_FOUR_RANKS=1 (nox -s tests4)",
+)
+def test_four_processes(tmp_path, reference) -> None:
+    """Mesh (1, 4), the signal in validation."""
+    preempt_and_resume(tmp_path, reference, "validation", nproc=4)
+
+
+@SLOW
+def test_two_agents(tmp_path, reference) -> None:
+    """Two torchrun agents, one process each, as on two machines: process
+    0's agent alone gets the signal and forwards it to process 0 alone; the
+    other learns of it through the store."""
+    preempt_and_resume(tmp_path, reference, "data", agents=True)
+
+
+def preempt_and_resume(
+    out: Path, reference: dict, case: str, nproc: int = 2, agents: bool = False
+) -> None:
     env = {"PREEMPT_CASE": case}
-    first = run_ranks(SCRIPT, str(tmp_path), env=env, timeout=TIMEOUT)
+    code, log = launch(out, env, nproc, agents)
     ended = time.time()
-    log = first.stdout + first.stderr
-    assert first.returncode != 0, log[-4000:]
+    assert code != 0, log[-4000:]
     assert "no step was saved within" not in log, log[-4000:]
     stopped = dict(
         (int(r), int(s))
         for r, s in re.findall(r"SIGTERM: process (\d) stopped after step (\d+)", log)
     )
-    assert sorted(stopped) == [0, 1], log[-4000:]
+    assert sorted(stopped) == list(range(nproc)), log[-4000:]
     (step,) = set(stopped.values())
-    assert step in CASES[case], (step, log[-4000:])
+    assert step in {**CASES, **SLOW_CASES}[case], (step, log[-4000:])
     # The agent's own shutdown included: before the deadline would have come.
-    took = ended - float((tmp_path / "signal.time").read_text())
+    took = ended - float((out / "signal.time").read_text())
     assert took < DEADLINE, f"{took:.1f} s from the signal to the job's end"
-    ckpt = tmp_path / "ckpt"
+    ckpt = out / "ckpt"
     latest = ckpt / (ckpt / "LATEST").read_text().strip()
     info = json.loads((latest / "keras_checkpoint.json").read_text())
     assert info["position"]["batches"] == step, info["position"]["batches"]
-    second = run_ranks(
-        SCRIPT, str(tmp_path), env={**env, "PREEMPT_LAUNCH": "1"}, timeout=TIMEOUT
-    )
-    assert second.returncode == 0, (second.stdout + second.stderr)[-6000:]
-    for rank in range(2):
-        final = read(tmp_path, rank, 1)
+    code, log = launch(out, {**env, "PREEMPT_LAUNCH": "1"}, nproc, agents)
+    assert code == 0, log[-6000:]
+    for rank in range(nproc):
+        final = read(out, rank, 1)
         epoch, batch = divmod(step, 16)
         assert final["trained"][0] == [epoch, batch], final["trained"][:2]
         check(reference, final)

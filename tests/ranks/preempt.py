@@ -14,6 +14,9 @@ moment, and the job is slow where the case says:
                 validation batch takes 0.3 s
 ``data``        as training batch 10 of epoch 1 is drawn, which takes 8 s
 ``jump``        as step 13 begins; steps take a few ms, 0.4 s from step 10 on
+``callback``    in a callback's ``on_epoch_end`` (epoch 1), which takes 8 s
+``save``        as step 11 begins, the background save of step 10 in flight
+                (its write takes 3 s longer)
 ``none``        nothing (the reference)
 
 Each process writes ``OUT/rank<R>.launch<L>.json``: the batches it trained,
@@ -86,6 +89,8 @@ class Fault(keras.callbacks.Callback):
         dump(self, None)
         if CASE == "jump" and self.epoch == 0 and batch == 12:
             preempt()
+        if CASE == "save" and self.epoch == 0 and batch == 10:
+            preempt()
 
     def on_train_batch_end(self, batch, logs=None):
         if CASE == "jump" and (self.epoch, batch) >= (0, 9):
@@ -98,6 +103,11 @@ class Fault(keras.callbacks.Callback):
     def on_test_batch_end(self, batch, logs=None):
         if CASE == "validation":
             time.sleep(0.3)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if CASE == "callback" and epoch == 0:
+            preempt()
+            time.sleep(8)
 
 
 FAULT = Fault()
@@ -123,6 +133,31 @@ def data() -> tuple[keras.utils.PyDataset, tuple[np.ndarray, np.ndarray]]:
     return Batches(), (vx, vy)
 
 
+def slow_background_saves() -> None:
+    """Each background save's write ends 3 s after DCP's."""
+    import concurrent.futures
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    real = dcp.async_save
+
+    def async_save(*args, **kwargs):
+        done = real(*args, **kwargs)
+        done = getattr(done, "upload_completion", done)
+        late = concurrent.futures.Future()
+
+        def finish():
+            time.sleep(3)
+            error = done.exception()
+            late.set_exception(error) if error else late.set_result(done.result())
+
+        threading.Thread(target=finish, daemon=True).start()
+        return late
+
+    dcp.async_save = async_save
+
+
 def dump(fault: Fault, result: dict | None) -> None:
     path = OUT / f"rank{RANK}.launch{LAUNCH}.json"
     path.write_text(json.dumps({"trained": fault.trained, **(result or {})}))
@@ -132,6 +167,8 @@ def main() -> None:
     from keras_dtensor_fix.checkpoint import Checkpoint
 
     start_group()
+    if CASE == "save":
+        slow_background_saves()
     keras.utils.set_random_seed(7)
     model = keras.Sequential(
         [
@@ -149,7 +186,7 @@ def main() -> None:
             str(OUT / "ckpt"),
             save_freq=5,
             preemption_timeout=5,
-            save_on_background=ENV("PREEMPT_BACKGROUND") == "1",
+            save_on_background=CASE == "save",
         )
     train, validation = data()
     history = model.fit(
