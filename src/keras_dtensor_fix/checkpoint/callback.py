@@ -125,6 +125,10 @@ class Checkpoint(MonitorCallback):
         )
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        with self._watcher.held():  # a stop's save reads what changes here
+            self._begin_epoch(epoch)
+
+    def _begin_epoch(self, epoch: int) -> None:
         self._epoch, self._batch, self._after = epoch, 0, None
         resume, self._resume = self._resume, None
         if resume is not None and resume["epoch"] == epoch:
@@ -167,11 +171,12 @@ class Checkpoint(MonitorCallback):
         if self._after is None and self._watcher.watching():
             # fit's validation, about to reset the metrics: a stop during it
             # saves the training step's, and the epoch's validation again.
-            self._after = (
-                self._epoch,
-                self._position(at_epoch_end=False),
-                snapshot(self.model) if self.metrics else None,
-            )
+            with self._watcher.held():
+                self._after = (
+                    self._epoch,
+                    self._position(at_epoch_end=False),
+                    snapshot(self.model) if self.metrics else None,
+                )
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self._resumed_epoch == epoch and logs is not None:
@@ -180,7 +185,8 @@ class Checkpoint(MonitorCallback):
                 logs.setdefault(name, value)
         self._resumed_epoch = None
         if self._watcher.watching():  # from here on a stop resumes the next epoch
-            self._after = (epoch + 1, self._position(at_epoch_end=True), None)
+            with self._watcher.held():
+                self._after = (epoch + 1, self._position(at_epoch_end=True), None)
         if self.save_freq == "epoch":
             self._maybe_save(logs, at_epoch_end=True)
         self._watcher.gate()

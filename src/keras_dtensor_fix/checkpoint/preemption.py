@@ -112,7 +112,7 @@ class Watcher:
         self._end_thread()  # a fit that raised left its watch on
         self._within, self._save = within, save
         self._done, self._saves, self._over = done, 0, False
-        self._signum = self._stop = None
+        self._signum = self._stop = self._timer = self.received = None
         if not self.signals:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -138,6 +138,10 @@ class Watcher:
         )
         self._thread.start()
 
+    def held(self) -> threading.Condition:
+        """Hold it (``with``) while changing what the thread's save reads."""
+        return self._cond
+
     def watching(self) -> bool:
         """Whether a watch is on (started with signals, not stopped)."""
         return self._thread is not None
@@ -150,11 +154,11 @@ class Watcher:
             return
         self.gate()
         if self._store is not None:
-            ended = self._key(f"end/{dist.get_rank()}")
-            self._store.set(ended, b"1")
+            store = self._store.clone()  # the thread's may be in a call
+            store.set(self._key(f"end/{dist.get_rank()}"), b"1")
             everyone = [self._key(f"end/{r}") for r in range(dist.get_world_size())]
-            self._store.wait(everyone, timedelta(seconds=max(self.timeout, 60.0)))
-            fate = self._store.compare_set(self._key("fate"), "", "end")
+            store.wait(everyone, timedelta(seconds=max(self.timeout, 60.0)))
+            fate = store.compare_set(self._key("fate"), "", "end")
             if fate != b"end":
                 self.gate(signum=int(fate))  # a signal came first: it parks
         elif self.received is not None:
@@ -279,16 +283,18 @@ class Watcher:
                     and self._saves >= stop[1]
                 )
             )
-        try:
-            saved = self._save(signum)
-        except BaseException as exc:  # noqa: BLE001 - the process ends either way
-            leave(
-                exit_code(signum),
-                f"keras_dtensor_fix: {signal.Signals(signum).name}: the save at "
-                f"the stop failed ({exc!r}); the newest complete checkpoint is "
-                f"{self.where}",
-            )
-        leave(exit_code(signum), saved)
+            # Saved holding the lock: the main thread, wherever it is, changes
+            # nothing the save reads (its hooks take the lock to).
+            try:
+                saved = self._save(signum)
+            except BaseException as exc:  # noqa: BLE001 - the process ends anyway
+                leave(
+                    exit_code(signum),
+                    f"keras_dtensor_fix: {signal.Signals(signum).name}: the save "
+                    f"at the stop failed ({exc!r}); the newest complete "
+                    f"checkpoint is {self.where}",
+                )
+            leave(exit_code(signum), saved)
 
     def _signal(self) -> int | None:
         """The signal any process got (this one's offered first), or None."""
