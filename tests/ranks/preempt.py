@@ -16,7 +16,7 @@ moment, and the job is slow where the case says:
 ``jump``        as step 13 begins; steps take a few ms, 0.4 s from step 10 on
 ``callback``    in a callback's ``on_epoch_end`` (epoch 1), which takes 8 s
 ``save``        as step 11 begins, the background save of step 10 in flight
-                (its write takes 3 s longer)
+                (its write takes 1.5 s longer)
 ``none``        nothing (the reference)
 
 Each process writes ``OUT/rank<R>.launch<L>.json``: the batches it trained,
@@ -134,7 +134,7 @@ def data() -> tuple[keras.utils.PyDataset, tuple[np.ndarray, np.ndarray]]:
 
 
 def slow_background_saves() -> None:
-    """Each background save's write ends 3 s after DCP's."""
+    """Each background save's write ends 1.5 s after DCP's."""
     import concurrent.futures
     import threading
 
@@ -148,7 +148,7 @@ def slow_background_saves() -> None:
         late = concurrent.futures.Future()
 
         def finish():
-            time.sleep(3)
+            time.sleep(1.5)
             error = done.exception()
             late.set_exception(error) if error else late.set_result(done.result())
 
