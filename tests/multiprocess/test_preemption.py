@@ -5,11 +5,14 @@ was not stopped.
 ``tests/ranks/preempt.py`` is the user's script (2 processes, torchrun; the
 signal goes to torchrun's agent, which forwards it to both). Each case stops
 the job where the main thread is not at a step's end: in validation, in a
-slow read of the training data, after steps became 200 times slower than the
-ones before. Checked: both processes name the same step, the newest
-checkpoint holds it, the exit came before the 5 s deadline, and the second
-launch's history (validation too), weights and optimizer iterations equal
-one uninterrupted process's.
+slow read of the training data, after steps of a few milliseconds became
+0.4 s; the slow tier adds a slow epoch-end callback, a background save in
+flight, 4 processes and two torchrun agents (the signal to one process only).
+Checked: every process names the same step, the newest checkpoint holds it,
+the job ended before the 5 s deadline, and the second launch's history
+(validation too), weights and optimizer iterations equal one uninterrupted
+process's. (Watching only at steps' ends, every few steps, each of these
+ended at the deadline instead, with an older checkpoint.)
 
 Upstream Keras (``KERAS_DTENSOR_FIX=0``) with ``keras.callbacks.
 BackupAndRestore(save_freq=5)`` instead (keras-nightly 3.16.0.dev2026102704,
