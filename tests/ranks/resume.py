@@ -174,11 +174,7 @@ def dump(fault: Fault, result: dict | None) -> None:
 
 
 def main() -> None:
-    from keras_dtensor_fix.checkpoint import Checkpoint, preemption
-
-    # Poll for signals at every step (the default spaces polls over a tiny
-    # model's steps by their cost): the tests name the step a signal stops.
-    preemption.LATENCY = float(ENV("RESUME_LATENCY", "0"))
+    from keras_dtensor_fix.checkpoint import Checkpoint
 
     start_group()
     keras.utils.set_random_seed(7)

@@ -23,14 +23,9 @@ import torch.distributed as dist
 
 from keras_dtensor_fix.checkpoint import position
 from keras_dtensor_fix.checkpoint.files import CheckpointError, resolve
-from keras_dtensor_fix.checkpoint.preemption import (
-    DEFAULT_TIMEOUT,
-    Watcher,
-    exit_code,
-    leave,
-)
+from keras_dtensor_fix.checkpoint.preemption import DEFAULT_TIMEOUT, Watcher
 from keras_dtensor_fix.checkpoint.processes import on_first
-from keras_dtensor_fix.checkpoint.sharded import PendingSave, load, save
+from keras_dtensor_fix.checkpoint.sharded import PendingSave, load, save, snapshot
 from keras_dtensor_fix.dtensor.world import distributed, rank
 from keras_dtensor_fix.engine import targets
 
@@ -56,10 +51,13 @@ class Checkpoint(MonitorCallback):
 
     ``signals`` (default SIGTERM; e.g. ``[signal.SIGTERM, signal.SIGUSR1]``
     for SLURM's ``--signal``; ``()`` to ignore them) preempt training: when
-    any process receives one, every process stops after the same step (the
-    next, or within about a second of short steps), that step is saved, and
-    each process exits with code 128 + the signal's number, within
-    ``preemption_timeout`` seconds. Every process runs the callback.
+    any process receives one, every process learns of it within about a
+    second, whatever it is doing (a step, validation, a data wait, a
+    callback), and stops after the same finished step, which is saved; each
+    process exits with code 128 + the signal's number, within
+    ``preemption_timeout`` seconds. Stopped after an epoch's last step, the
+    next launch runs that epoch's validation and epoch-end callbacks again.
+    Every process runs the callback.
     """
 
     def __init__(
@@ -104,6 +102,10 @@ class Checkpoint(MonitorCallback):
         self._resume: dict[str, Any] | None = None  # the epoch to resume inside
         self._resumed_epoch: int | None = None
         self._begin: dict[str, Any] = {}  # what ordered this epoch's data
+        self._resumed_logs: dict[str, float] = {}  # the resumed epoch's metrics
+        # Once the epoch's steps are over, what a stop saves: (epochs done,
+        # position, metric values), as at validation's start or epoch's end.
+        self._after: tuple[int, dict[str, Any], dict | None] | None = None
         self._pending: PendingSave | None = None
         self._group: Any = None
 
@@ -118,10 +120,16 @@ class Checkpoint(MonitorCallback):
             # DCP's background thread runs collectives: on a group of its own,
             # never interleaved with the training step's.
             self._group = dist.new_group(backend="gloo")
-        self._watcher.start(within=_fit_code(self.model))
+        self._watcher.start(
+            self._stop_save, within=_fit_code(self.model), done=self._batches
+        )
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._epoch, self._batch = epoch, 0
+        with self._watcher.held():  # a stop's save reads what changes here
+            self._begin_epoch(epoch)
+
+    def _begin_epoch(self, epoch: int) -> None:
+        self._epoch, self._batch, self._after = epoch, 0, None
         resume, self._resume = self._resume, None
         if resume is not None and resume["epoch"] == epoch:
             if resume.get("random") is not None:
@@ -135,6 +143,11 @@ class Checkpoint(MonitorCallback):
                 ):
                     variable.assign(value)
                 self._resumed_epoch = epoch
+                # Validation resets the metrics before the epoch's logs are
+                # made: these are the epoch's if no batch is left to train.
+                self._resumed_logs = {
+                    k: float(v) for k, v in self.model.get_metrics_result().items()
+                }
         self._begin = {"random": position.random_state()}
         position.capture()
 
@@ -145,29 +158,42 @@ class Checkpoint(MonitorCallback):
                 "iterator was not reached (the plugin is off or its 'resume' "
                 "family is disabled). Turn it on, or save with save_freq='epoch'"
             )
+        self._watcher.begin_step()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._batch, self._batches = batch + 1, self._batches + 1
+        self._watcher.end_step()
         if self.save_freq != "epoch" and self._batches % self.save_freq == 0:
             self._maybe_save(logs, at_epoch_end=False)
-        signum = self._watcher.poll()
-        if signum is not None:
-            self._preempted(signum)
+        self._watcher.gate()
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        if self._after is None and self._watcher.watching():
+            # fit's validation, about to reset the metrics: a stop during it
+            # saves the training step's, and the epoch's validation again.
+            with self._watcher.held():
+                self._after = (
+                    self._epoch,
+                    self._position(at_epoch_end=False),
+                    snapshot(self.model) if self.metrics else None,
+                )
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self._resumed_epoch == epoch and logs is not None:
             # Every batch was in the checkpoint: Keras logged none of them.
-            for name, value in self.model.get_metrics_result().items():
+            for name, value in self._resumed_logs.items():
                 logs.setdefault(name, value)
         self._resumed_epoch = None
+        if self._watcher.watching():  # from here on a stop resumes the next epoch
+            with self._watcher.held():
+                self._after = (epoch + 1, self._position(at_epoch_end=True), None)
         if self.save_freq == "epoch":
             self._maybe_save(logs, at_epoch_end=True)
+        self._watcher.gate()
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        self._watcher.stop()
         self._finish()
-        signum = self._watcher.stop()
-        if signum is not None:
-            self._preempted(signum)
 
     # ------------------------------------------------------------ saving
 
@@ -206,19 +232,23 @@ class Checkpoint(MonitorCallback):
         self._save(at_epoch_end, background=self.save_on_background)
 
     def _save(self, at_epoch_end: bool, background: bool) -> str | None:
-        self._finish()
-        saved = save(
-            self.model,
-            self.directory,
-            optimizer=self.optimizer,
-            metrics=self.metrics,
-            keep=self.max_to_keep,
-            epoch=self._epoch + at_epoch_end,  # epochs completed
-            position=self._position(at_epoch_end),
-            background=background,
-            group=self._group,
-        )
-        self._saved_at = self._batches
+        self._watcher.begin_save()  # every process makes it, or none does
+        try:
+            self._finish()
+            saved = save(
+                self.model,
+                self.directory,
+                optimizer=self.optimizer,
+                metrics=self.metrics,
+                keep=self.max_to_keep,
+                epoch=self._epoch + at_epoch_end,  # epochs completed
+                position=self._position(at_epoch_end),
+                background=background,
+                group=self._group,
+            )
+            self._saved_at = self._batches
+        finally:
+            self._watcher.end_save()
         if isinstance(saved, PendingSave):
             self._pending = saved
             return None
@@ -229,26 +259,46 @@ class Checkpoint(MonitorCallback):
 
     def _finish(self) -> None:
         """Wait for the background save, if any (every process)."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is not None:
             path = pending.wait()
+            self._pending = None  # only now: a stop's save waits for it too
             self._watcher.where = path
             if self.verbose:
                 print(f"Checkpoint: saved {path}")
 
-    def _preempted(self, signum: int) -> None:
-        """Every process: save this step (unless just saved), then exit."""
+    def _stop_save(self, signum: int) -> str:
+        """On the watcher's thread, every process at the agreed stop (no step
+        or save of the main thread's running): save it unless just saved;
+        the line to leave with."""
+        pending = self._pending
+        if pending is not None:  # finish it: never a half-written checkpoint
+            self._watcher.where = pending.written()
         if self._saved_at == self._batches:
-            self._finish()
             path = self._watcher.where
         else:
-            path = self._save(at_epoch_end=False, background=False)
-        name = signal.Signals(signum).name
-        leave(
-            exit_code(signum),
-            f"keras_dtensor_fix: {name}: process {rank()} stopped after step "
-            f"{self._batches} (epoch {self._epoch + 1}, batch {self._batch}); "
-            f"saved {path}: the next launch resumes there",
+            epoch, where, values = self._after or (
+                self._epoch,
+                self._position(at_epoch_end=False),
+                None,
+            )
+            path = save(
+                self.model,
+                self.directory,
+                optimizer=self.optimizer,
+                metrics=self.metrics,
+                keep=self.max_to_keep,
+                epoch=epoch,
+                position=where,
+                group=self._watcher.group,
+                values=values,
+                scope="preemption",
+            )
+            self._watcher.where = path
+        return (
+            f"keras_dtensor_fix: {signal.Signals(signum).name}: process {rank()} "
+            f"stopped after step {self._batches} (epoch {self._epoch + 1}, batch "
+            f"{self._batch}); saved {path}: the next launch resumes there"
         )
 
     # ------------------------------------------------------------ restoring

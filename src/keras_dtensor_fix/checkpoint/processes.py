@@ -25,19 +25,23 @@ HINT = (
 )
 
 
-def on_first(fn: Callable[..., Any], *args: Any) -> Any:
+def on_first(fn: Callable[..., Any], *args: Any, scope: str = "checkpoint") -> Any:
     """Run ``fn`` on the first process; all return its result or raise its error.
 
     ``fn``'s result must be JSON-encodable. The first process re-raises its
-    own error; the others raise :class:`CheckpointError` naming it.
+    own error; the others raise :class:`CheckpointError` naming it. Calls
+    meet by ``scope`` (and ``fn``) and count: a save on another thread
+    (preemption's) has its own, so it never meets the main thread's.
     """
-    what = f"checkpoint: {getattr(fn, '__name__', 'step')}"
+    what = f"{scope}: {getattr(fn, '__name__', 'step')}"
     return _learn(what, place.rank() == 0, lambda: fn(*args))[0]
 
 
-def every_process(what: str, check: Callable[[], None]) -> None:
+def every_process(
+    what: str, check: Callable[[], None], scope: str = "checkpoint"
+) -> None:
     """``check()`` on every process; each raises if it failed anywhere."""
-    _learn(f"checkpoint: {what}", True, check)
+    _learn(f"{scope}: {what}", True, check)
 
 
 def _learn(what: str, acting: bool, act: Callable[[], Any]) -> list[Any]:

@@ -200,6 +200,8 @@ def save(
     position: dict[str, Any] | None = None,
     background: bool = False,
     group: Any = None,
+    values: dict[str, torch.Tensor] | None = None,
+    scope: str = "checkpoint",
 ) -> str | PendingSave:
     """Save ``model`` (and its optimizer) to ``directory``; every process calls it.
 
@@ -210,14 +212,18 @@ def save(
     new checkpoint's folder; with ``background`` a :class:`PendingSave`
     instead: the shards are copied now and written by a thread (its
     collectives on ``group``, a process group apart from training's, e.g.
-    ``dist.new_group(backend="gloo")``).
+    ``dist.new_group(backend="gloo")``; a save from a thread of the caller's
+    passes its own ``group`` and ``scope``, the name its store calls meet
+    under). ``values``: tensors saved for some keys instead of the
+    variables' own (metrics as they were before validation reset them).
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     directory = os.fspath(directory)
     variables = _variables(model, optimizer, metrics)
     state = {key: _tensor(v) for key, v in variables.items()}
-    name = on_first(begin, directory)
+    state.update({k: v for k, v in (values or {}).items() if k in state})
+    name = on_first(begin, directory, scope=scope)
     opt, step = getattr(model, "optimizer", None), None
     if opt is not None:  # the local value: it is replicated, no collective
         iterations = _tensor(opt.iterations)
@@ -242,10 +248,15 @@ def save(
             )
         return PendingSave(future, directory, name, info, keep)
     with _dcp_call():
-        dcp.save(state, checkpoint_id=where, no_dist=not distributed())
+        dcp.save(
+            state,
+            checkpoint_id=where,
+            process_group=group,
+            no_dist=not distributed(),
+        )
     # dcp.save returns once every process's shards and the metadata are
     # written, so the first process may rename now.
-    on_first(commit, directory, name, info, keep)
+    on_first(commit, directory, name, info, keep, scope=scope)
     return os.path.join(directory, name)
 
 
@@ -292,6 +303,21 @@ class PendingSave:
 
         every_process("background save", check)
         return self.path
+
+    def written(self) -> str:
+        """Block until this process's part is written and committed; its
+        folder, or raise this process's error (no exchange: for a thread
+        other than the one that saves in step with the other processes)."""
+        self._committed.wait()
+        error = self._future.exception() or self._error
+        if error is not None:
+            raise CheckpointError(f"background save of {self.path} failed: {error!r}")
+        return self.path
+
+
+def snapshot(model: keras.Model) -> dict[str, torch.Tensor]:
+    """Copies of the metric variables' values, keyed as :func:`save` keys them."""
+    return {f"metrics/{v.path}": _tensor(v).clone() for v in model.metrics_variables}
 
 
 def load(

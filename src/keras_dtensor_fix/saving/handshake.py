@@ -26,6 +26,24 @@ SECONDS = 60.0
 
 _counts: collections.Counter[str] = collections.Counter()
 _lock = threading.Lock()
+_local = threading.local()
+
+
+def _store() -> Any:
+    """The group's store; on a thread other than the main one, a clone of it.
+
+    One store client serves one call at a time: a thread's exchange (a
+    preemption's save) must not queue behind a main thread's blocked wait.
+    """
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    if threading.current_thread() is threading.main_thread():
+        return store
+    mine = getattr(_local, "store", None)
+    if mine is None or mine[0] is not store:
+        mine = _local.store = (store, store.clone())
+    return mine[1]
 
 
 class MissingProcessesError(RuntimeError):
@@ -46,8 +64,6 @@ def exchange(
     within ``seconds`` (default :data:`SECONDS`); ``hint`` says what to do.
     Without a process group of several processes: ``[value]``.
     """
-    import torch.distributed as dist
-
     from keras_dtensor_fix.dtensor import world as place
 
     world = place.world()
@@ -57,7 +73,7 @@ def exchange(
     with _lock:
         count = _counts[what]
         _counts[what] += 1
-    store = dist.distributed_c10d._get_default_store()
+    store = _store()
     prefix = f"keras_dtensor_fix/{what}/{count}"
     keys = [f"{prefix}/{r}" for r in range(world)]
     store.set(keys[rank], value.encode())
