@@ -151,7 +151,10 @@ def _layout_case(kind: str, mesh: tuple[int, int], slow: bool = False) -> None:
         return fit_generate(kind, batch_ranks=mesh[0] if WORLD > 1 else 1)
 
     run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}"
-    options = {"per_rank": mesh[0] > 1, "slow": slow}
+    # Upstream fails each (2, 1) case as it fails one on (1, 2) (after up to
+    # 40 s of per-op DTensor training), Gemma4 as Gemma3: the slow tier's.
+    upstream_slow = mesh[0] > 1 or kind == "gemma4"
+    options = {"per_rank": mesh[0] > 1, "slow": slow, "upstream_slow": upstream_slow}
     case("layouts", mesh=mesh, layout=layout_of(kind), **options)(run)
 
 
