@@ -31,9 +31,25 @@ def test_layout_parity(runs, name: str) -> None:
     assert all(rank[name]["get_layout_map"] for rank in ranks)  # the family's
 
 
-def test_upstream_fails_the_same_layouts(runs) -> None:
+def _upstream_fails(runs, slow: bool) -> None:
+    from scenarios import CASES
+
     upstream = runs.get("layouts", world=2, KERAS_DTENSOR_FIX="0")[0]
-    ran = [name for name in cases("layouts") if runs.ran(name)]
+    ran = [
+        name
+        for name in cases("layouts")
+        if runs.ran(name) and bool(CASES[name].get("upstream_slow")) == slow
+    ]
     assert ran
     for name in ran:
         assert upstream[name].get("error"), name
+
+
+def test_upstream_fails_the_same_layouts(runs) -> None:
+    _upstream_fails(runs, slow=False)
+
+
+@pytest.mark.slow
+def test_upstream_fails_the_same_layouts_batch_split(runs) -> None:
+    """The (2, 1) cases and Gemma4 (``upstream_slow``)."""
+    _upstream_fails(runs, slow=True)
