@@ -48,6 +48,7 @@ __all__ = [
     "PendingSave",
     "load",
     "save",
+    "snapshot",
 ]
 
 FORMAT = 1
