@@ -33,7 +33,7 @@ def _uncompilable(cls: type) -> Callable:
 
 def _generate_with(module: str, name: str) -> dict:
     """Gemma's greedy tokens (twice) with ``module.name`` raising."""
-    from keras_dtensor_fix.ops import causal_lm, decoder
+    from keras_dtensor_fix.generation import causal_lm, decoder
     from keras_dtensor_fix.patches import generate
 
     owner = {"causal_lm": causal_lm, "decoder": decoder, "generate": generate}[module]

@@ -87,8 +87,8 @@ def test_hub_parity(runs, name: str) -> None:
 
 def test_generation_on_local_tensors(runs) -> None:
     """Gemma's layout is Megatron's on (1, 2): its blocks generate on local
-    tensors (``ops/decoder.py``), and so does the rest of each token's call
-    and the sampler's loop (``ops/causal_lm.py``: the vocabulary-split
+    tensors (``generation/decoder.py``), and so does the rest of each token's call
+    and the sampler's loop (``generation/causal_lm.py``: the vocabulary-split
     embedding and logits, the cache kept local, the prompt, mask and position
     plain), the same tokens (test_hub_parity) with about one
     DTensor-dispatched op per token, the prompt's pass counted in (32 with
@@ -283,7 +283,7 @@ def test_generate_compiled(runs, name: str) -> None:
     eagerly); without the relabelled one-rank batch axis every model compiled
     its token step twice (the prompt's token is batch-sharded, the sampler's
     replicated). On a (1, 2) mesh GPT-2's and Gemma's graph is the whole
-    token call on local tensors (``ops/causal_lm.py``; no DTensor goes in or
+    token call on local tensors (``generation/causal_lm.py``; no DTensor goes in or
     out); QwenMoe's expert blocks have no Megatron plan, and on (2, 1) each
     process holds other rows: those graphs take the DTensors. Gemma3, Gemma4
     and Qwen3.5 (Megatron's layout by hand) call ``call_with_cache`` with

@@ -8,7 +8,7 @@ rank's own heads, and its key/value cache stays split by heads. This module
 cuts a block's inputs to one rank's part (``local_part``) and names the
 placements of what it returns (``with_split``); whether the block's weights
 are split so is the planner's (``planner.split_axis``). Pure torch: the
-Keras side is ``ops/decoder.py``.
+Keras side is ``generation/decoder.py``.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ product        an einsum's sharded letters are sharded alike    all-reduce of th
 shardwise      an elementwise update over operands split alike  none
 megatron       a block's weights split on one mesh axis only    one all-reduce per
                (``split_axis``; the block's shape is checked    row-parallel
-               by its caller, ``ops/decoder.py``)               product
+               by its caller, ``generation/decoder.py``)               product
 =============  ===============================================  ==================
 """
 

@@ -25,7 +25,7 @@ from keras_dtensor_fix.engine import targets
 
 #: Non-empty once a sharded (DTensor) distribution is in use in this process
 #: (emptied for the length of a decoder block's call on local tensors, where
-#: every operand is plain: ``ops/decoder.py``).
+#: every operand is plain: ``generation/decoder.py``).
 #: A list, so that wrapt's C code tests it (``enabled=``) without a Python call.
 SHARDING: list[bool] = []
 

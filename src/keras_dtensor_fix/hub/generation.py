@@ -13,7 +13,7 @@ from typing import Any
 
 _HUB = "keras_hub.src"
 #: keras-hub attention layers whose cached call may run on a share of their
-#: heads (``ops/decoder.py``), and the attributes that count heads there: each
+#: heads (``generation/decoder.py``), and the attributes that count heads there: each
 #: is divided by the number of ranks for that call. Gemma's ``hidden_dim``
 #: only sets its query scale (``hidden_dim // num_query_heads``), a ratio
 #: that must not change. keras's MultiHeadAttention (keras-hub's cached one)

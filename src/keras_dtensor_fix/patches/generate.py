@@ -14,16 +14,16 @@ prompt's pass runs its blocks on local tensors and the sampler's loop gets
 plain tensors, as eager generation does (below), so only the compiled token
 step touches DTensors. Within one generation, tokens skip dynamo's guard
 checks once one compiled nothing right after a token of the same kind
-(``ops/steady.py``).
+(``generation/steady.py``).
 
 ``jit_compile`` False or "auto" (Keras's default, eager on torch) generates
 eagerly, and on a sharded model each decoder block's cached call runs on
-local tensors where its layout allows (``ops/decoder.py``: Megatron's
+local tensors where its layout allows (``generation/decoder.py``: Megatron's
 per-token collectives, the cache split by heads), checked once per block
 against the DTensor path. Each fast path steps aside, with one warning
 naming the cause, where it fails: a compiled call or first token that
 raises, or a ``call_with_cache`` whose token, cache and index it cannot
-read (``ops/token_args.py``), and that model generates eagerly from then
+read (``generation/token_args.py``), and that model generates eagerly from then
 on; a block's or the whole call's local plan that raises, and that block
 or model generates on DTensors. Nothing stays set on the model: its
 ``call_with_cache`` (compiled) or its blocks' ``call`` (eager, sharded) are
@@ -42,9 +42,9 @@ from typing import Any
 from keras_dtensor_fix.dtensor import DTensor, on_mesh, one_rank_replicated
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import cache_key_tag, model_parallel
+from keras_dtensor_fix.generation import causal_lm, decoder, token_args
+from keras_dtensor_fix.generation.steady import Steady, code_of
 from keras_dtensor_fix.hub import generation as hub
-from keras_dtensor_fix.ops import causal_lm, decoder, token_args
-from keras_dtensor_fix.ops.steady import Steady, code_of
 
 #: CausalLM class -> ``torch.compile`` of its ``call_with_cache`` (one per class:
 #: dynamo guards on the model it is called with).

@@ -41,8 +41,8 @@ from keras_dtensor_fix.dtensor import DTensor, all_gather_last, all_reduce_sum, 
 from keras_dtensor_fix.dtensor.placement import same_mesh
 from keras_dtensor_fix.dtensor.planner import shard_dim, whole
 from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.generation import decoder, token_args
 from keras_dtensor_fix.hub import generation as hub
-from keras_dtensor_fix.ops import decoder, token_args
 from keras_dtensor_fix.ops.values import local_tensors, walk
 
 

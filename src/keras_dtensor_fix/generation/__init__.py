@@ -1,0 +1,7 @@
+"""Sharded keras-hub generation's machinery, used by the ``generate`` family.
+
+``token_args`` (a ``call_with_cache``'s arguments), ``decoder`` (a decoder
+block's cached call on local tensors), ``causal_lm`` (the whole one-token
+call on local tensors) and ``steady`` (a compiled call's guard checks skipped
+once settled). What they know of keras-hub's classes is in ``hub/``.
+"""
