@@ -56,7 +56,7 @@ def generate_compiled(kind: str) -> dict:
         "tokens_again": np.asarray(again["token_ids"]).tolist(),
         "graphs_again": stats["unique_graphs"] - graphs,
         # the token graph is the whole call on local tensors (no DTensor)
-        "whole_local": model in _whole_checked(),
+        "whole_local": _whole_checked(model),
         "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
         "plugin_warnings": [
             str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
@@ -113,10 +113,10 @@ QWEN3_5_LAYOUT = {
 }
 
 
-def _whole_checked():
-    from keras_dtensor_fix.patches import generate
+def _whole_checked(model) -> bool:
+    from keras_dtensor_fix.generation import paths
 
-    return generate._WHOLE_CHECKED
+    return paths.whole(model) == paths.CHECKED
 
 
 def _case(

@@ -35,28 +35,20 @@ from __future__ import annotations
 import contextlib
 import types
 import warnings
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from keras_dtensor_fix.dtensor import DTensor, on_mesh, one_rank_replicated
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import cache_key_tag, model_parallel
-from keras_dtensor_fix.generation import causal_lm, decoder, token_args
+from keras_dtensor_fix.generation import causal_lm, decoder, paths, token_args
+from keras_dtensor_fix.generation.paths import CHECKED, DTENSOR
 from keras_dtensor_fix.generation.steady import Steady, code_of
 from keras_dtensor_fix.hub import generation as hub
 
 #: CausalLM class -> ``torch.compile`` of its ``call_with_cache`` (one per class:
 #: dynamo guards on the model it is called with).
 _COMPILED: dict[type, Any] = {}
-#: Models whose compiled call raised: they generate eagerly.
-_EAGER: weakref.WeakSet = weakref.WeakSet()
-#: Decoder blocks whose local call matched the DTensor path's / did not.
-_CHECKED: weakref.WeakSet = weakref.WeakSet()
-_DTENSOR: weakref.WeakSet = weakref.WeakSet()
-#: Models whose whole token call on local tensors matched / did not.
-_WHOLE_CHECKED: weakref.WeakSet = weakref.WeakSet()
-_WHOLE_DTENSOR: weakref.WeakSet = weakref.WeakSet()
 
 
 def _compiles(model: Any) -> bool:
@@ -65,7 +57,7 @@ def _compiles(model: Any) -> bool:
         getattr(model, "jit_compile", False) is True
         and callable(call)
         and "call_with_cache" not in vars(model)
-        and model not in _EAGER
+        and not paths.eager(model)
     )
 
 
@@ -121,7 +113,7 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
         if given is None or len(shape) != 2 or shape[1] != 1:  # the prompt's pass
             with prompt(model):
                 return eager(*args, **kwargs)
-        if model in _EAGER and model not in _WHOLE_CHECKED:
+        if paths.eager(model) and paths.whole(model) != CHECKED:
             # A checked model's cache is this rank's heads: only
             # causal_lm.run takes it (its compiled call falls back inside).
             return given.call(eager)
@@ -131,8 +123,8 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
         try:
             return _step(given)
         except Exception as err:  # noqa: BLE001 - upstream's eager call is the fallback
-            _WHOLE_CHECKED.discard(model)  # the cache stays a DTensor from here
-            _WHOLE_DTENSOR.add(model)
+            # the cache stays a DTensor from here
+            paths.mark(model, whole=DTENSOR)
             _failed(model, f"{type(err).__name__}: {str(err)[:300]}")
             return given.call(eager)
 
@@ -150,7 +142,7 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
         return (*plain((logits, hidden)), cache)  # the cache as the graph takes it
 
     def _compiled_or_eager(*args: Any, **kwargs: Any) -> Any:
-        if model in _EAGER:
+        if paths.eager(model):
             return eager(*args, **kwargs)
         try:
             return compiled(model, *args, **kwargs)
@@ -172,7 +164,7 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
 
 
 def _failed(model: Any, why: str) -> None:
-    _EAGER.add(model)
+    paths.mark(model, eager=True)
     warnings.warn(
         f"keras-dtensor-fix: generate() of this jit_compile=True model runs "
         f"eagerly: its compiled token step failed ({why})",
@@ -192,14 +184,15 @@ def _tokens_compiled(model: Any) -> Iterator[Any]:
     :func:`.causal_lm.plan` fits the whole model, and the sampler's loop gets
     plain tensors where every process holds them whole (as eagerly)."""
     sharded = model_parallel() is not None
-    if model not in _EAGER and token_args.signature_of(model.call_with_cache) is None:
+    readable = token_args.signature_of(model.call_with_cache) is not None
+    if not paths.eager(model) and not readable:
         _failed(model, "its call_with_cache does not take (token_ids, cache, index)")
-    if model in _EAGER:  # as with jit_compile=False
+    if paths.eager(model):  # as with jit_compile=False
         with (_eager_local if sharded else _no_context)(model) as inputs:
             yield inputs
         return
     found = None
-    if sharded and model not in _WHOLE_DTENSOR:
+    if sharded and paths.whole(model) != DTENSOR:
         found = _whole_plan(model)
     model.call_with_cache = _token_call(model, found)
     try:
@@ -213,9 +206,9 @@ def _block_call(block: Any, found: decoder.Plan) -> Any:
     original = type(block).call.__get__(block, type(block))
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if block in _DTENSOR:
+        if paths.block(block) == DTENSOR:
             return original(*args, **kwargs)
-        if block not in _CHECKED:
+        if paths.block(block) != CHECKED:
             return _checked(block, found, original, args, kwargs)
         result = decoder.run(found, original, args, kwargs)
         if result is NotImplemented:
@@ -252,9 +245,9 @@ def _checked(block: Any, found: decoder.Plan, original: Any, args, kwargs) -> An
     if result is NotImplemented:
         return expected
     if result is not None:
-        _CHECKED.add(block)
+        paths.mark(block, block=CHECKED)
         return result
-    _DTENSOR.add(block)
+    paths.mark(block, block=DTENSOR)
     _slower(_block_name(block), "on DTensors", f"its call {_MISMATCH} ({why})")
     return expected
 
@@ -278,7 +271,7 @@ def _block_plan(block: Any) -> decoder.Plan | None:
     try:
         return decoder.plan(block)
     except Exception as err:  # noqa: BLE001 - the DTensor path is the fallback
-        _DTENSOR.add(block)
+        paths.mark(block, block=DTENSOR)
         _slower(_block_name(block), "on DTensors", f"decoder.plan raised ({_why(err)})")
         return None
 
@@ -288,7 +281,7 @@ def _whole_plan(model: Any) -> causal_lm.ModelPlan | None:
     try:
         return causal_lm.plan(model)
     except Exception as err:  # noqa: BLE001 - block by block is the fallback
-        _WHOLE_DTENSOR.add(model)
+        paths.mark(model, whole=DTENSOR)
         why = f"causal_lm.plan raised ({_why(err)})"
         _slower(type(model).__name__, "block by block", why)
         return None
@@ -304,7 +297,7 @@ def _blocks_local(model: Any) -> Iterator[None]:
     installed = []  # each with the call it had (a compiled region's, say)
     try:
         for block in blocks or ():
-            found = None if block in _DTENSOR else _block_plan(block)
+            found = None if paths.block(block) == DTENSOR else _block_plan(block)
             if found is not None:
                 installed.append((block, vars(block).get("call")))
                 object.__setattr__(block, "call", _block_call(block, found))
@@ -344,9 +337,9 @@ def _whole_local(
     """One token's ``call`` on local tensors (:func:`.causal_lm.run`), the
     first both ways (:func:`_model_checked`); :data:`NotImplemented` where
     the model generates block by block or the token has no local form."""
-    if model in _WHOLE_DTENSOR:
+    if paths.whole(model) == DTENSOR:
         return NotImplemented
-    if model not in _WHOLE_CHECKED:
+    if paths.whole(model) != CHECKED:
         return _model_checked(model, found, eager, given)
     return given.call(causal_lm.run, found, call)
 
@@ -357,8 +350,8 @@ def _model_checked(
     """The first token's call, both ways: the local result where they agree
     (every process decides alike); else block by block from then on."""
     expected = given.call(eager)
-    if any(block in _DTENSOR for block, _ in found.blocks):
-        _WHOLE_DTENSOR.add(model)  # the prompt's pass found a block differ
+    if any(paths.block(block) == DTENSOR for block, _ in found.blocks):
+        paths.mark(model, whole=DTENSOR)  # the prompt's pass found a block differ
         return expected
     result, why = _compared(
         found,
@@ -367,9 +360,9 @@ def _model_checked(
         lambda local: causal_lm.as_dtensors(found, local),
     )
     if result is not None and result is not NotImplemented:
-        _WHOLE_CHECKED.add(model)
+        paths.mark(model, whole=CHECKED)
         return result
-    _WHOLE_DTENSOR.add(model)
+    paths.mark(model, whole=DTENSOR)
     if result is None:  # it raised or differed (NotImplemented: no local form)
         what = f"its token call {_MISMATCH} ({why})"
         _slower(type(model).__name__, "block by block", what)
@@ -383,7 +376,8 @@ def _eager_local(model: Any) -> Iterator[Any]:
     with _blocks_local(model):
         blocks = hub.decoder_blocks(model)
         found = None
-        if model not in _WHOLE_DTENSOR and not any(b in _DTENSOR for b in blocks):
+        differ = any(paths.block(b) == DTENSOR for b in blocks)
+        if paths.whole(model) != DTENSOR and not differ:
             found = _whole_plan(model)
         if found is None:
             yield None
@@ -426,10 +420,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
 
 def _forget() -> None:
     _COMPILED.clear()
-    _CHECKED.clear()
-    _DTENSOR.clear()
-    _WHOLE_CHECKED.clear()
-    _WHOLE_DTENSOR.clear()
+    paths.forget()
 
 
 IMPLEMENTATION = Implementation(patches, after_revert=_forget)
