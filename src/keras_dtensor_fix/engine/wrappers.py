@@ -54,8 +54,13 @@ class FixFunctionWrapper(FixWrapper):
         except AttributeError:
             pass
         wrapper, wrapped = self._self_wrapper, self.__wrapped__
+        enabled = self._self_enabled
 
         def inline(*args: Any, **kwargs: Any) -> Any:
+            # The gate wrapt tests in C for eager calls, tested here for
+            # dynamo: closed, a compiled step traces exactly the original.
+            if enabled is not None and not enabled:
+                return wrapped(*args, **kwargs)
             return wrapper(wrapped, None, args, kwargs)
 
         self._self_inline = inline
@@ -73,11 +78,11 @@ def traced_method(fix: FixWrapper, inline: bool = False) -> Callable[..., Any]:
     it traces the original's code and skips the wrapper, and it guards the
     closure of what it inlines, which only a real function has. This entry is
     one, so a compiled step runs the wrapper too. It honours ``enabled=``.
-    With ``inline``, dynamo is pointed at the original instead
-    (``_torchdynamo_inline``, which it follows for a class's ``__call__``): a
-    wrapper on ``Layer.__call__`` would add its frames at every level of a
-    model's nesting, and a deep model (an MoE block) ran dynamo out of Python
-    recursion depth.
+    With ``inline`` (every method patch not ``traced``), dynamo is pointed at
+    the original instead (``_torchdynamo_inline``, which it follows for a
+    method found on a class): a wrapper on ``Layer.__call__`` would add its
+    frames at every level of a model's nesting, and a deep model (an MoE
+    block) ran dynamo out of Python recursion depth.
     """
     wrapper, raw, enabled = fix._self_wrapper, fix.__wrapped__, fix._self_enabled
 
@@ -85,6 +90,10 @@ def traced_method(fix: FixWrapper, inline: bool = False) -> Callable[..., Any]:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         if enabled is not None and not enabled:
             return raw(self, *args, **kwargs)
+        if inline:
+            # Eager only: a bound method, which keeps the original's name and
+            # module (wrappers read them), as wrapt hands over.
+            return wrapper(types.MethodType(raw, self), self, args, kwargs)
 
         def bound(*inner: Any, **inner_kw: Any) -> Any:
             return raw(self, *inner, **inner_kw)
@@ -161,16 +170,15 @@ class Applied:
 
 def install(family: str, patch: Patch, owner: Any, name: str, raw: Any) -> Applied:
     """Wrap ``raw`` (``owner.name``), install it there and in ``also_in``."""
-    # A method's plain wrapper runs in eager code only: dynamo inlines the
-    # original method. ``traced`` installs a real function that dynamo runs.
+    # A method on a class is always installed as a real function: dynamo
+    # reads a method's code and guards its closure, and a wrapt proxy there
+    # fails its own guard ("ClosureGuardAccessor: Not a function") on a method
+    # that uses ``super()``. ``traced`` runs the wrapper in compiled code too;
+    # otherwise dynamo traces the original (``_torchdynamo_inline``).
     kind = FixWrapper if isinstance(owner, type) else FixFunctionWrapper
     wrapper = kind(raw, patch.wrapper, enabled=state.SHARDING if patch.gated else None)
-    if (
-        (patch.traced or patch.eager_only)
-        and isinstance(owner, type)
-        and isinstance(raw, types.FunctionType)
-    ):
-        wrapper = traced_method(wrapper, inline=patch.eager_only)
+    if isinstance(owner, type) and isinstance(raw, types.FunctionType):
+        wrapper = traced_method(wrapper, inline=not patch.traced)
     setattr(owner, name, wrapper)
     record = Applied(family, patch, owner, name, raw, wrapper)
     for module_name in patch.also_in:
