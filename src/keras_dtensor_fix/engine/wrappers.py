@@ -64,6 +64,7 @@ class FixFunctionWrapper(FixWrapper):
             return wrapper(wrapped, None, args, kwargs)
 
         self._self_inline = inline
+        not_a_frame(inline.__code__)
         return inline
 
 
@@ -101,9 +102,27 @@ def traced_method(fix: FixWrapper, inline: bool = False) -> Callable[..., Any]:
         return wrapper(bound, self, args, kwargs)
 
     setattr(method, FIX, fix)
+    not_a_frame(method.__code__)
     if inline:
         method._torchdynamo_inline = raw  # type: ignore[attr-defined]
     return method
+
+
+def not_a_frame(code: types.CodeType) -> None:
+    """Dynamo never compiles a frame of ``code`` on its own; it still inlines it.
+
+    Eager code run under torch.compile (what follows a graph break dynamo
+    could not resume in place) has each frame it enters compiled as a frame of
+    its own: an entry of ours would be one frame more than upstream has, with
+    its own graph breaks. Skipped, its callee (the original, or the wrapper)
+    is the frame dynamo compiles, as without the plugin. Frames only: a
+    compiled step that calls the entry still traces through it.
+    """
+    if "torch" not in sys.modules:
+        return  # nothing can compile yet; Keras imports torch before any patch
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(code)
 
 
 def _fix_of(obj: object) -> FixWrapper | None:
