@@ -118,11 +118,18 @@ def not_a_frame(code: types.CodeType) -> None:
     is the frame dynamo compiles, as without the plugin. Frames only: a
     compiled step that calls the entry still traces through it.
     """
-    if "torch" not in sys.modules:
-        return  # nothing can compile yet; Keras imports torch before any patch
-    from torch._dynamo.eval_frame import skip_code
+    if code in _NOT_FRAMES:
+        return
+    _NOT_FRAMES.add(code)
+    # When dynamo is imported (at once if it is): a torch-only patch (torchrun's
+    # agent) must not import it.
+    wrapt.register_post_import_hook(
+        lambda module: module.skip_code(code), "torch._dynamo.eval_frame"
+    )
 
-    skip_code(code)
+
+#: The code objects :func:`not_a_frame` was given (every entry shares a few).
+_NOT_FRAMES: set[types.CodeType] = set()
 
 
 def _fix_of(obj: object) -> FixWrapper | None:
