@@ -273,3 +273,108 @@ def unseeded_dropout_compiled():
         ]
     )
     return fit_model(model, x, y, batch_size=16, jit_compile=True)
+
+
+# ---------------------------------------------------------------- GAN
+
+
+class _GAN(keras.Model):
+    """The GAN of Keras's guide "Customizing what happens in fit() with
+    PyTorch": two models, two optimizers, two backwards in one train_step."""
+
+    def __init__(self, discriminator, generator, latent_dim: int):
+        super().__init__()
+        self.discriminator, self.generator = discriminator, generator
+        self.latent_dim = latent_dim
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+        self.seed_generator = keras.random.SeedGenerator(1337)
+        self.built = True
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn, **kwargs):
+        super().compile(**kwargs)
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+        self.loss_fn = loss_fn
+
+    def _latent(self, batch_size: int):
+        shape = (batch_size, self.latent_dim)
+        return keras.random.normal(shape, seed=self.seed_generator)
+
+    def train_step(self, real):
+        real = real[0] if isinstance(real, tuple) else real
+        batch_size = real.shape[0]
+        generated = self.generator(self._latent(batch_size))
+        combined = torch.concat([generated, real], axis=0)
+        labels = torch.concat(
+            [torch.ones((batch_size, 1)), torch.zeros((batch_size, 1))], axis=0
+        )
+        labels += 0.05 * keras.random.uniform(labels.shape, seed=self.seed_generator)
+        self.zero_grad()
+        d_loss = self.loss_fn(labels, self.discriminator(combined))
+        d_loss.backward()
+        grads = [v.value.grad for v in self.discriminator.trainable_weights]
+        with torch.no_grad():
+            self.d_optimizer.apply(grads, self.discriminator.trainable_weights)
+        misleading = torch.zeros((batch_size, 1))
+        self.zero_grad()
+        predictions = self.discriminator(self.generator(self._latent(batch_size)))
+        g_loss = self.loss_fn(misleading, predictions)
+        g_loss.backward()
+        grads = [v.value.grad for v in self.generator.trainable_weights]
+        with torch.no_grad():
+            self.g_optimizer.apply(grads, self.generator.trainable_weights)
+        self.d_loss_tracker.update_state(d_loss)
+        self.g_loss_tracker.update_state(g_loss)
+        return {m.name: m.result() for m in self.metrics}
+
+
+@case(
+    "dropin_compiled",
+    layout={".*gan_d1/kernel": (None, "model")},
+    inductor=True,
+    # Its ``backward()`` calls break the graph by design (reported); a
+    # compiled batch whose backward fails runs again eagerly (reported).
+    warns=("graph break(s)", "runs eagerly from now on"),
+)
+def gan_compiled():
+    """The guide's GAN compiled, equal to one process. Run as a plain script
+    (``fit`` of 4 batches), torch guessed a DTensor tangent where
+    ``d_loss.backward()`` passed a plain one ("Expected a DTensor tangent but
+    got a plain Tensor") after the first batches: nothing is applied in that
+    batch yet, so it runs again eagerly (``compile._eager_if_compile_fails``,
+    ``ops/updates.py``); after an update it would raise, naming
+    ``jit_compile=False``. Upstream runs it eagerly."""
+    keras.utils.set_random_seed(0)
+    discriminator = keras.Sequential(
+        [
+            layers.Input((16,)),
+            layers.Dense(8, activation="relu", name="gan_d1"),
+            layers.Dense(1, name="gan_d2"),
+        ]
+    )
+    generator = keras.Sequential(
+        [
+            layers.Input((8,)),
+            layers.Dense(8, activation="relu", name="gan_g1"),
+            layers.Dense(16, name="gan_g2"),
+        ]
+    )
+    gan = _GAN(discriminator, generator, latent_dim=8)
+    gan.compile(
+        d_optimizer=keras.optimizers.Adam(3e-4),
+        g_optimizer=keras.optimizers.Adam(3e-4),
+        loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    x, _ = data(32, 16)
+
+    def fit():
+        history = gan.fit(x, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        losses = history.history["d_loss"] + history.history["g_loss"]
+        return {"losses": losses, "weights": weights(gan)}
+
+    return _plugin_warnings(fit)

@@ -34,6 +34,8 @@ class Patch:
     # A method whose wrapper only eager code needs: installed as a plain
     # function too, which points dynamo at the original, so a compiled step
     # traces no frame of the plugin (``wrappers.traced_method``'s ``inline``).
+    # Every method patch not ``traced`` is installed so; the flag says so
+    # where a reader of the family should know.
     eager_only: bool = False
 
 

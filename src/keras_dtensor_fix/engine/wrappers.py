@@ -54,11 +54,17 @@ class FixFunctionWrapper(FixWrapper):
         except AttributeError:
             pass
         wrapper, wrapped = self._self_wrapper, self.__wrapped__
+        enabled = self._self_enabled
 
         def inline(*args: Any, **kwargs: Any) -> Any:
+            # The gate wrapt tests in C for eager calls, tested here for
+            # dynamo: closed, a compiled step traces exactly the original.
+            if enabled is not None and not enabled:
+                return wrapped(*args, **kwargs)
             return wrapper(wrapped, None, args, kwargs)
 
         self._self_inline = inline
+        not_a_frame(inline.__code__)
         return inline
 
 
@@ -73,11 +79,11 @@ def traced_method(fix: FixWrapper, inline: bool = False) -> Callable[..., Any]:
     it traces the original's code and skips the wrapper, and it guards the
     closure of what it inlines, which only a real function has. This entry is
     one, so a compiled step runs the wrapper too. It honours ``enabled=``.
-    With ``inline``, dynamo is pointed at the original instead
-    (``_torchdynamo_inline``, which it follows for a class's ``__call__``): a
-    wrapper on ``Layer.__call__`` would add its frames at every level of a
-    model's nesting, and a deep model (an MoE block) ran dynamo out of Python
-    recursion depth.
+    With ``inline`` (every method patch not ``traced``), dynamo is pointed at
+    the original instead (``_torchdynamo_inline``, which it follows for a
+    method found on a class): a wrapper on ``Layer.__call__`` would add its
+    frames at every level of a model's nesting, and a deep model (an MoE
+    block) ran dynamo out of Python recursion depth.
     """
     wrapper, raw, enabled = fix._self_wrapper, fix.__wrapped__, fix._self_enabled
 
@@ -85,6 +91,10 @@ def traced_method(fix: FixWrapper, inline: bool = False) -> Callable[..., Any]:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         if enabled is not None and not enabled:
             return raw(self, *args, **kwargs)
+        if inline:
+            # Eager only: a bound method, which keeps the original's name and
+            # module (wrappers read them), as wrapt hands over.
+            return wrapper(types.MethodType(raw, self), self, args, kwargs)
 
         def bound(*inner: Any, **inner_kw: Any) -> Any:
             return raw(self, *inner, **inner_kw)
@@ -92,9 +102,34 @@ def traced_method(fix: FixWrapper, inline: bool = False) -> Callable[..., Any]:
         return wrapper(bound, self, args, kwargs)
 
     setattr(method, FIX, fix)
+    not_a_frame(method.__code__)
     if inline:
         method._torchdynamo_inline = raw  # type: ignore[attr-defined]
     return method
+
+
+def not_a_frame(code: types.CodeType) -> None:
+    """Dynamo never compiles a frame of ``code`` on its own; it still inlines it.
+
+    Eager code run under torch.compile (what follows a graph break dynamo
+    could not resume in place) has each frame it enters compiled as a frame of
+    its own: an entry of ours would be one frame more than upstream has, with
+    its own graph breaks. Skipped, its callee (the original, or the wrapper)
+    is the frame dynamo compiles, as without the plugin. Frames only: a
+    compiled step that calls the entry still traces through it.
+    """
+    if code in _NOT_FRAMES:
+        return
+    _NOT_FRAMES.add(code)
+    # When dynamo is imported (at once if it is): a torch-only patch (torchrun's
+    # agent) must not import it.
+    wrapt.register_post_import_hook(
+        lambda module: module.skip_code(code), "torch._dynamo.eval_frame"
+    )
+
+
+#: The code objects :func:`not_a_frame` was given (every entry shares a few).
+_NOT_FRAMES: set[types.CodeType] = set()
 
 
 def _fix_of(obj: object) -> FixWrapper | None:
@@ -161,16 +196,15 @@ class Applied:
 
 def install(family: str, patch: Patch, owner: Any, name: str, raw: Any) -> Applied:
     """Wrap ``raw`` (``owner.name``), install it there and in ``also_in``."""
-    # A method's plain wrapper runs in eager code only: dynamo inlines the
-    # original method. ``traced`` installs a real function that dynamo runs.
+    # A method on a class is always installed as a real function: dynamo
+    # reads a method's code and guards its closure, and a wrapt proxy there
+    # fails its own guard ("ClosureGuardAccessor: Not a function") on a method
+    # that uses ``super()``. ``traced`` runs the wrapper in compiled code too;
+    # otherwise dynamo traces the original (``_torchdynamo_inline``).
     kind = FixWrapper if isinstance(owner, type) else FixFunctionWrapper
     wrapper = kind(raw, patch.wrapper, enabled=state.SHARDING if patch.gated else None)
-    if (
-        (patch.traced or patch.eager_only)
-        and isinstance(owner, type)
-        and isinstance(raw, types.FunctionType)
-    ):
-        wrapper = traced_method(wrapper, inline=patch.eager_only)
+    if isinstance(owner, type) and isinstance(raw, types.FunctionType):
+        wrapper = traced_method(wrapper, inline=not patch.traced)
     setattr(owner, name, wrapper)
     record = Applied(family, patch, owner, name, raw, wrapper)
     for module_name in patch.also_in:

@@ -15,7 +15,7 @@ import types
 from keras_dtensor_fix.engine import config, state, targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import model_parallel
-from keras_dtensor_fix.ops import blocks
+from keras_dtensor_fix.ops import blocks, updates
 
 
 def _use_torch_compile(wrapped, instance, args, kwargs):
@@ -234,9 +234,11 @@ def _eager_if_compile_fails(function, instance, make: str):
     Upstream runs every ModelParallel step eagerly, so a model it trains must
     not fail here because torch cannot compile its graph: the step is rebuilt
     without torch.compile (warned) and the batch runs again. The failure comes
-    while the step is traced, before its graph runs, or, on the first batch,
-    inside torch's runner of a graph ahead of a graph break (before the
-    gradients and the optimizer's update).
+    while the step is traced, before its graph runs, or inside torch's runner
+    of a compiled graph: on the first batch (a graph ahead of a graph break,
+    before the gradients and the optimizer's update) or, on a later one,
+    where no optimizer counted a step yet (a custom step's backward); after
+    an update it raises, naming ``jit_compile=False``.
     """
     import functools
 
@@ -247,15 +249,25 @@ def _eager_if_compile_fails(function, instance, make: str):
     def step(*args, **kwargs):
         watch = len(ran) < WATCHED_CALLS
         before = dynamo_counts() if watch else None
+        marks = updates.marks(instance)
         try:
             result = function(*args, **kwargs)
         except Exception as error:
-            graph_failed = not ran and _in_compiled_runtime(error)
+            graph_failed = _in_compiled_runtime(error)
+            if graph_failed and ran and not updates.none_since(marks):
+                raise RuntimeError(
+                    "keras-dtensor-fix: a compiled ModelParallel step failed "
+                    "inside torch's compiled graph after an optimizer applied "
+                    f"its update ({type(error).__name__}); it cannot run again "
+                    "eagerly. Compile with jit_compile=False to run it as "
+                    "upstream Keras does."
+                ) from error
             if not (compile_failure(error) or graph_failed):
                 raise
             import warnings
 
-            first = (str(error).splitlines() or [""])[0][:200]
+            lines = [line for line in str(error).splitlines() if line.strip()]
+            first = (lines or [""])[0][:200]
             warnings.warn(
                 "keras-dtensor-fix: torch.compile failed on this ModelParallel "
                 f"step ({type(error).__name__}: {first}); it runs eagerly from "
