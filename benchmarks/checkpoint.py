@@ -14,7 +14,8 @@ epoch (``fit()`` as users call it, the save's wait at the end included):
   save_freq=N)`` to one shared path (gathered, one process writes);
 - ``unwatched`` and ``watched``: ``Checkpoint`` that never saves in the
   timed epoch, with ``signals=()`` and with its default (SIGTERM watched: a
-  tiny all-reduce launched every step), for the cost of watching.
+  thread polls the group's store, the training thread passes a gate at each
+  step), for the cost of watching.
 
 ``--configs`` picks some (default: all). With ``watched``, it also times
 the watcher alone on the training thread: 300 calls 5 ms apart, as at the
@@ -178,19 +179,24 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def poll_cost(polls: int = 300) -> float:
-    """Mean microseconds ``Watcher.poll`` costs the training thread per step
-    (the polls that launch an all-reduce spread over those that only count),
-    with 5 ms of "step" between calls (every process in step)."""
+    """Mean microseconds the watcher costs the training thread per step: the
+    ``begin_step``, ``end_step`` and ``gate`` calls ``Checkpoint`` makes around
+    each step, with 5 ms of "step" between them, its thread watching the
+    store meanwhile (every process in step)."""
     from keras_dtensor_fix.checkpoint.preemption import Watcher
 
     watcher = Watcher([signal.SIGTERM], timeout=60)
-    watcher.start()
+    watcher.start(lambda *_: None)
     spent = []
     for _ in range(polls):
+        begin = time.perf_counter()
+        watcher.begin_step()
+        spent.append(time.perf_counter() - begin)
         time.sleep(0.005)
         begin = time.perf_counter()
-        watcher.poll()
-        spent.append((time.perf_counter() - begin) * 1e6)
+        watcher.end_step()
+        watcher.gate()
+        spent[-1] = (spent[-1] + time.perf_counter() - begin) * 1e6
     watcher.stop()
     return statistics.fmean(spent)
 

@@ -37,6 +37,10 @@ class Patch:
     # Every method patch not ``traced`` is installed so; the flag says so
     # where a reader of the family should know.
     eager_only: bool = False
+    # An attribute the target lacks: ``wrapper`` is installed as the value
+    # itself (not a wrapper of anything) and deactivation deletes it. Where
+    # the target has one of its own, it is left alone.
+    added: bool = False
 
 
 @dataclass(frozen=True)

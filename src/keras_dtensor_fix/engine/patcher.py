@@ -86,24 +86,15 @@ def _strict() -> bool:
 
 
 def _fail(message: str) -> None:
-    """A patch that cannot apply: a warning, or in strict mode an error.
-
-    Call it inside ``except`` to keep the traceback (strict mode chains it).
-    """
+    """A warning, or in strict mode an error (inside ``except``: it chains)."""
     if _strict():
         raise PatchError(f"keras_dtensor_fix (strict): {message}")
     _warn(message, exc_info=sys.exc_info()[0] is not None)
 
 
-def _row(
-    family: loader.Family,
-    module: str,
-    attribute: str,
-    state: str,
-    cause: Cause,
-    reason: str,
-) -> None:
-    _report.record(family.name, module, attribute, state, cause, reason)
+def _row(family: loader.Family, module: str, attr: str, *why: str | Cause) -> None:
+    """A status row: ``why`` is (state, cause, reason)."""
+    _report.record(family.name, module, attr, *why)
 
 
 # -- families ---------------------------------------------------------------
@@ -297,7 +288,11 @@ def _apply_one(family: loader.Family, patch: Patch) -> None:
         _fail(f"family {family.name}: {patch.module}.{patch.attribute} not found")
         return
     raw, inherited_from = wrappers.stored(owner, name)
-    if raw is wrappers.MISSING:
+    if patch.added and raw is not wrappers.MISSING:
+        if row not in _applied or _applied[row].wrapper is not raw:
+            _row(family, *row, SKIPPED, Cause.NOTHING_TO_PATCH, "has its own: kept")
+        return
+    if raw is wrappers.MISSING and not patch.added:
         why = f"not found: {patch.module}.{patch.attribute}"
         _row(family, *row, SKIPPED, Cause.NOT_FOUND, why)
         _fail(f"family {family.name}: {patch.module}.{patch.attribute} not found")
@@ -323,7 +318,13 @@ def _apply_one(family: loader.Family, patch: Patch) -> None:
     record = wrappers.install(family.name, patch, owner, name, raw)
     _applied[row] = record
     also = f" (also in {', '.join(sorted(record.also))})" if record.also else ""
-    _row(family, *row, APPLIED, Cause.WRAPPED, f"wrapped{also}")
+    _row(
+        family,
+        *row,
+        APPLIED,
+        Cause.WRAPPED,
+        "added" if patch.added else f"wrapped{also}",
+    )
     log.debug("patched %s.%s", patch.module, patch.attribute)
 
 

@@ -195,7 +195,11 @@ class Applied:
 
 
 def install(family: str, patch: Patch, owner: Any, name: str, raw: Any) -> Applied:
-    """Wrap ``raw`` (``owner.name``), install it there and in ``also_in``."""
+    """Wrap ``raw`` (``owner.name``), install it there and in ``also_in``
+    (an ``added`` patch installs its ``wrapper`` as it is, ``raw`` MISSING)."""
+    if patch.added:
+        setattr(owner, name, patch.wrapper)
+        return Applied(family, patch, owner, name, MISSING, patch.wrapper)
     # A method on a class is always installed as a real function: dynamo
     # reads a method's code and guards its closure, and a wrapt proxy there
     # fails its own guard ("ClosureGuardAccessor: Not a function") on a method
@@ -233,7 +237,9 @@ def restore(record: Applied) -> bool:
     is left alone.
     """
     ours = stored(record.owner, record.name)[0] is record.wrapper
-    if ours:
+    if ours and record.original is MISSING:
+        delattr(record.owner, record.name)
+    elif ours:
         setattr(record.owner, record.name, record.original)
     for module_name in set(record.patch.also_in) | record.also:
         owner = _also_owner(record, module_name)
