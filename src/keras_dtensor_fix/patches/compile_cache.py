@@ -10,7 +10,7 @@ Two keys that torch 2.13 cannot make the same from launch to launch:
   wrapped_truediv>>"). So every launch bypassed the cache and compiled again,
   on one process too. An operator wrapper does nothing but apply a function of
   the ``operator`` module, so it is keyed by that function's name here, as
-  torch keys the numpy wrappers (torch 2.13 to 2.15; upstream:
+  torch keys the numpy wrappers (seen with torch 2.13; upstream:
   https://github.com/pytorch/pytorch/issues/156943, a fix proposed in
   https://github.com/pytorch/pytorch/pull/184074).
 - A graph that takes a ``DeviceMesh`` as an input (QwenMoe's step) keys it by
