@@ -150,7 +150,7 @@ def _layout_case(kind: str, mesh: tuple[int, int], slow: bool = False) -> None:
     def run():
         return fit_generate(kind, batch_ranks=mesh[0] if WORLD > 1 else 1)
 
-    run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}"
+    run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}_layout"  # names are unique in CASES
     # Upstream fails each (2, 1) case as it fails one on (1, 2) (after up to
     # 40 s of per-op DTensor training), Gemma4 as Gemma3: the slow tier's.
     upstream_slow = mesh[0] > 1 or kind == "gemma4"

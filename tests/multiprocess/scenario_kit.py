@@ -35,6 +35,8 @@ def case(group: str, mesh: tuple[int, int] = (1, 2), **options: object):
     """
 
     def register(fn):
+        if fn.__name__ in CASES:  # a second case of one name would hide the first
+            raise ValueError(f"scenario case {fn.__name__!r} is registered twice")
         CASES[fn.__name__] = {"fn": fn, "group": group, "mesh": mesh, **options}
         return fn
 

@@ -29,7 +29,8 @@ class Patch:
     # until then wrapt calls the original at C speed.
     gated: bool = False
     # A method whose wrapper torch.compile must run too (see
-    # ``wrappers.traced_method``).
+    # ``wrappers.traced_method``); a module function's runs in a graph traced
+    # inside a local call too, though the gate is shut there.
     traced: bool = False
     # A method whose wrapper only eager code needs: installed as a plain
     # function too, which points dynamo at the original, so a compiled step

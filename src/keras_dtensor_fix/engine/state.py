@@ -28,6 +28,10 @@ from keras_dtensor_fix.engine import targets
 #: every operand is plain: ``generation/decoder.py``).
 #: A list, so that wrapt's C code tests it (``enabled=``) without a Python call.
 SHARDING: list[bool] = []
+#: Non-empty for the length of such a local call: a ``traced`` module
+#: function's wrapper still runs in a graph traced there (a tensor start's
+#: slice must become a gather on local tensors too), though the gate is shut.
+LOCAL_CALL: list[bool] = []
 
 #: Non-empty once a compiled ModelParallel step function exists.
 COMPILED_STEPS: list[bool] = []

@@ -55,11 +55,13 @@ class FixFunctionWrapper(FixWrapper):
             pass
         wrapper, wrapped = self._self_wrapper, self.__wrapped__
         enabled = self._self_enabled
+        local = state.LOCAL_CALL if getattr(self, "_self_traced", False) else ()
 
         def inline(*args: Any, **kwargs: Any) -> Any:
             # The gate wrapt tests in C for eager calls, tested here for
-            # dynamo: closed, a compiled step traces exactly the original.
-            if enabled is not None and not enabled:
+            # dynamo: closed, a compiled step traces exactly the original
+            # (but in a local call, for a ``traced`` patch).
+            if enabled is not None and not enabled and not local:
                 return wrapped(*args, **kwargs)
             return wrapper(wrapped, None, args, kwargs)
 
@@ -207,6 +209,8 @@ def install(family: str, patch: Patch, owner: Any, name: str, raw: Any) -> Appli
     # otherwise dynamo traces the original (``_torchdynamo_inline``).
     kind = FixWrapper if isinstance(owner, type) else FixFunctionWrapper
     wrapper = kind(raw, patch.wrapper, enabled=state.SHARDING if patch.gated else None)
+    if patch.traced and kind is FixFunctionWrapper:
+        wrapper._self_traced = True
     if isinstance(owner, type) and isinstance(raw, types.FunctionType):
         wrapper = traced_method(wrapper, inline=not patch.traced)
     setattr(owner, name, wrapper)

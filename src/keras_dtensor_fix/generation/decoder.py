@@ -186,6 +186,7 @@ def swapped(found: Plan) -> Iterator[None]:
     sharding = list(state.SHARDING)
     try:
         state.SHARDING.clear()
+        state.LOCAL_CALL.append(True)
         for variable, value in found.weights:
             variable._value = value
         for layer, name, count in found.heads:
@@ -196,6 +197,7 @@ def swapped(found: Plan) -> Iterator[None]:
             object.__setattr__(layer, "_input_spec", None)
         yield
     finally:
+        state.LOCAL_CALL.pop()
         state.SHARDING.extend(sharding)
         for variable, value in saved_weights:
             variable._value = value

@@ -3,16 +3,21 @@
 A compiled step that fails inside torch's runner of its graph (a backward
 whose tangent's DTensor metadata torch guessed wrong) can run again eagerly
 only where no optimizer applied an update in it: the eager retry would apply
-that update twice.
+that update twice. What the failed attempt did change before it failed, its
+random draws (the seed generators' states) and metric updates, is put back
+first (:func:`kept`, :func:`rewind`): the retry draws what one process draws.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 Marks = list[tuple[Any, torch.Tensor]]
+#: model -> its seed generators' states (found once: a step adds none).
+_SEEDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def marks(model: Any) -> Marks:
@@ -42,3 +47,32 @@ def none_since(taken: Marks) -> bool:
         torch.equal(getattr(counter, "_local_tensor", counter), before)
         for counter, before in taken
     )
+
+
+def _state_variables(model: Any) -> list[Any]:
+    """Seed generator states and metric variables (built at the first step)."""
+    seeds = _SEEDS.get(model)
+    if seeds is None:
+        seeds = [v for v in model.variables if "seed_generator" in v.path]
+        _SEEDS[model] = seeds
+    return seeds + list(model.metrics_variables)
+
+
+def _local(variable: Any) -> torch.Tensor:
+    value = variable.value
+    return getattr(value, "_local_tensor", value)
+
+
+def kept(model: Any) -> Marks:
+    """Copies of what a step changes besides weights and optimizers."""
+    try:
+        return [(v, _local(v).detach().clone()) for v in _state_variables(model)]
+    except Exception:  # noqa: BLE001 - a model without them keeps nothing
+        return []
+
+
+def rewind(taken: Marks) -> None:
+    """Put back what :func:`kept` copied (a failed step's draws and metrics)."""
+    with torch.no_grad():
+        for variable, before in taken:
+            _local(variable).copy_(before)

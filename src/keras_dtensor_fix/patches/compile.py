@@ -249,7 +249,7 @@ def _eager_if_compile_fails(function, instance, make: str):
     def step(*args, **kwargs):
         watch = len(ran) < WATCHED_CALLS
         before = dynamo_counts() if watch else None
-        marks = updates.marks(instance)
+        marks, kept = updates.marks(instance), updates.kept(instance)
         try:
             result = function(*args, **kwargs)
         except Exception as error:
@@ -275,6 +275,7 @@ def _eager_if_compile_fails(function, instance, make: str):
                 stacklevel=2,
             )
             eager = _build_eagerly(instance, make)
+            updates.rewind(kept)
             return eager(*args, **kwargs)
         if watch:
             message = break_report(before, dynamo_counts(), len(ran))

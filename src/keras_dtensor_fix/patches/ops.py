@@ -87,7 +87,9 @@ def patches(module: types.ModuleType) -> list[Patch]:
     if core and hasattr(module, "slice") and hasattr(module, "convert_to_tensor"):
         wrapper = _slice_wrapper(module.convert_to_tensor)
         also_in = targets.aliases("core")
-        sliced.append(Patch(module.__name__, "slice", wrapper, also_in, gated=True))
+        # traced: a generation's local token call (gate shut) needs it too
+        patch = Patch(module.__name__, "slice", wrapper, also_in, True, traced=True)
+        sliced.append(patch)
     return sliced + [
         Patch(
             module.__name__,
