@@ -15,9 +15,14 @@ each in its own processes:
   blocks-cold, blocks-warm (``--blocks``)   jit_compile=True with
           KERAS_DTENSOR_FIX_COMPILE=blocks (the step eager, each repeated
           block compiled once), on a cache of their own
+  base-cold, base-warm (``--baseline-src DIR``)   blocks mode with the plugin
+          imported from DIR (another checkout's ``src``): before and after a
+          change, interleaved in one run
 
-and prints each first epoch (build, compile, ``--steps`` steps), the second
-epoch (the steady state), the ratios to eager's first epoch paired by round,
+and prints each first epoch (build, compile, ``--steps`` steps), the later
+epochs' (``--epochs``) median time a step (the steady state), the ratios to
+eager's first epoch and to eager's and the whole step's (warm) step time,
+paired by round,
 and where a compiled start goes (dynamo's ``compile_times``, rank 0: tracing,
 AOT autograd, inductor). ``--sources`` also splits dynamo's tracing by the
 code it traced (rank 0): Keras, keras-hub, the plugin, torch, the rest,
@@ -50,6 +55,8 @@ CONFIGS = ("eager", "cold", "warm")
 SINGLE = ("single-cold", "single-warm")
 #: ``--blocks``: KERAS_DTENSOR_FIX_COMPILE=blocks, cold then warm.
 BLOCKS = ("blocks-cold", "blocks-warm")
+#: ``--baseline-src``: blocks mode with another checkout's plugin.
+BASE = ("base-cold", "base-warm")
 
 
 def source_of(filename: str) -> str:
@@ -151,7 +158,7 @@ def worker(args: argparse.Namespace) -> None:
         x,
         np.roll(ids, -1, axis=1),
         batch_size=args.batch,
-        epochs=2,
+        epochs=args.epochs,
         shuffle=False,
         verbose=0,
         callbacks=[Epochs()],
@@ -170,6 +177,7 @@ def worker(args: argparse.Namespace) -> None:
                 {
                     "first": times[0],
                     "second": times[1],
+                    "step": statistics.median(times[1:]) / args.steps,
                     "phases": phases,
                     "graphs": graphs,
                     "breaks": breaks,
@@ -191,8 +199,12 @@ def launch(args: argparse.Namespace, model: str, config: str, cache: str) -> dic
     out = Path(tempfile.mkdtemp()) / "result.json"
     env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
     env["TORCHINDUCTOR_CACHE_DIR"] = cache
-    if config.startswith("blocks"):
+    if config.startswith(("blocks", "base")):
         env["KERAS_DTENSOR_FIX_COMPILE"] = "blocks"
+    if config.startswith("base"):
+        env["PYTHONPATH"] = os.pathsep.join(
+            [args.baseline_src, *filter(None, [env.get("PYTHONPATH")])]
+        )
     ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     command = [
         sys.executable,
@@ -206,6 +218,7 @@ def launch(args: argparse.Namespace, model: str, config: str, cache: str) -> dic
         f"--seq={args.seq}",
         f"--batch={args.batch}",
         f"--steps={args.steps}",
+        f"--epochs={args.epochs}",
     ] + (["--compiled"] if config != "eager" else [])
     command += ["--sources"] if args.sources else []
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -227,6 +240,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=2, help="2 or more")
+    parser.add_argument(
+        "--baseline-src", help="add " + str(BASE) + ": the plugin from this src"
+    )
     parser.add_argument("--single", action="store_true", help="add " + str(SINGLE))
     parser.add_argument("--blocks", action="store_true", help="add " + str(BLOCKS))
     parser.add_argument(
@@ -253,17 +270,18 @@ def main() -> None:
         for model in args.models.split(","):
             caches = {
                 kind: tempfile.mkdtemp(prefix="start-cache-")
-                for kind in ("step", "single", "blocks")
+                for kind in ("step", "single", "blocks", "base")
             }
             configs = ("eager",) if args.no_step else CONFIGS
             configs += (SINGLE if args.single else ()) + (BLOCKS if args.blocks else ())
+            configs += BASE if args.baseline_src else ()
             for config in configs:
                 kind = config.split("-")[0] if "-" in config else "step"
                 result = launch(args, model, config, caches[kind])
                 runs.setdefault(model, {}).setdefault(config, []).append(result)
                 shown = result.get("error", "")[-300:] or (
-                    f"first {result['first']:.1f} s, second {result['second']:.1f}"
-                    f" s, graphs {result['graphs']}, breaks {result['breaks']},"
+                    f"first {result['first']:.1f} s, step {1e3 * result['step']:.0f}"
+                    f" ms, graphs {result['graphs']}, breaks {result['breaks']},"
                     f" losses {result['loss']}"
                 )
                 print(f"round {round_ + 1} {model} {config}: {shown}", flush=True)
@@ -272,25 +290,34 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(runs, indent=1))
 
 
+def paired(rows: list[dict], others: list[dict] | None, key: str) -> str:
+    """The median ratio of ``rows``' ``key`` to ``others``', round by round."""
+    ratios = [
+        r[key] / o[key]
+        for r, o in zip(rows, others or [], strict=False)
+        if "error" not in r and "error" not in o
+    ]
+    return f"{statistics.median(ratios):.2f}x" if ratios else "-"
+
+
 def report(runs: dict[str, dict[str, list[dict]]]) -> None:
-    print("\nmodel | config | first epoch s | / eager first (paired) | 2nd epoch s")
+    print(
+        "\nmodel | config | first epoch s | / eager first (paired) | step ms"
+        " | / eager step | / whole step (warm)"
+    )
     for model, configs in runs.items():
-        eager = configs["eager"]
-        for config in [c for c in CONFIGS + SINGLE + BLOCKS if c in configs]:
+        eager, whole = configs["eager"], configs.get("warm")
+        for config in [c for c in CONFIGS + SINGLE + BLOCKS + BASE if c in configs]:
             rows = configs[config]
             ok = [r for r in rows if "error" not in r]
             if not ok:
                 print(f"{model} | {config} | failed")
                 continue
-            ratios = [
-                r["first"] / e["first"]
-                for r, e in zip(rows, eager, strict=True)
-                if "error" not in r and "error" not in e
-            ]
             print(
                 f"{model} | {config} | {statistics.median(r['first'] for r in ok):.1f}"
-                f" | {statistics.median(ratios):.1f}x"
-                f" | {statistics.median(r['second'] for r in ok):.2f}"
+                f" | {paired(rows, eager, 'first')}"
+                f" | {1e3 * statistics.median(r['step'] for r in ok):.0f}"
+                f" | {paired(rows, eager, 'step')} | {paired(rows, whole, 'step')}"
             )
         for config in [c for c in configs if c != "eager"]:
             ok = [r for r in configs[config] if "error" not in r]

@@ -85,3 +85,43 @@ def test_nothing_settles_at_the_recompile_limit() -> None:
         call(x)
         call(x)
         assert not call.settled  # a later miss would run eagerly, unseen
+
+
+def interleaved() -> Steady:
+    compiled = torch.compile(scaled, backend="eager")
+    return Steady(compiled, code_of(scaled), interleaved=True)
+
+
+def test_calls_taking_turns_settle_each_signature() -> None:
+    # Repeated blocks call one compiled function in turn, each block an
+    # argument of its own: no two calls in a row share a signature.
+    global SCALE
+    call, turns = interleaved(), (torch.ones(3), torch.ones(4))
+    for x in turns:
+        call(x)
+    assert not call.settled  # one call each: nothing to compare with yet
+    for x in turns:
+        call(x)
+        assert call.settled
+    SCALE = 2.0
+    assert [call(x).tolist() for x in turns] == [[1.0] * 3, [1.0] * 4]
+    call.reset()  # a new step: the guards run again
+    assert call(torch.ones(3)).tolist() == [2.0] * 3
+    assert not call.settled
+
+
+def test_taking_turns_does_not_settle_a_plain_steady() -> None:
+    call = steady()
+    for x in (torch.ones(3), torch.ones(4)) * 2:
+        call(x)
+        assert not call.settled
+
+
+def test_a_turn_that_compiles_again_does_not_settle() -> None:
+    global SCALE
+    call, x = interleaved(), torch.ones(3)
+    call(x)
+    call(torch.ones(4))
+    SCALE = 2.0
+    assert call(x).tolist() == [2.0] * 3  # compiled again: not settled
+    assert not call.settled

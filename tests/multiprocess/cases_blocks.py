@@ -32,9 +32,14 @@ def blocks_mode():
 
 
 def _blocks(fit) -> dict:
+    from keras_dtensor_fix.ops import blocks
+
     with blocks_mode() as compiled:
         result = watched(fit)
     result["compiled"] = sorted(set(compiled))
+    # blocks whose later steps skipped dynamo's guards (their results, checked
+    # against one process, are the skipped calls')
+    result["settled"] = blocks.settled()
     return result
 
 

@@ -18,6 +18,11 @@ then on calls with that signature run under torch's
 ``skip_guard_eval_unsafe`` stance, which
 evaluates only the guards that tell the function's cache entries apart.
 A call with another signature runs with guards again and must settle again.
+
+``interleaved=True`` serves calls that take turns (each repeated block of a
+training step, called with itself as an argument): a signature settles once
+a later guarded call with it converted no frame, whatever came between, and
+several signatures stay settled at once.
 Not used where the function's code has reached dynamo's recompile limit
 (its misses would run eagerly, unseen), nor where the stance is not the
 default (a user's ``force_eager``, say) or is set inside a compiled region.
@@ -87,32 +92,61 @@ def _unguarded() -> Any:
 class Steady:
     """``compiled`` (a ``torch.compile`` of ``code``'s function) for one loop."""
 
-    def __init__(self, compiled: Callable[..., Any], code: CodeType | None) -> None:
+    #: Signatures remembered at most (``interleaved``); more start afresh.
+    LIMIT = 256
+
+    def __init__(
+        self,
+        compiled: Callable[..., Any],
+        code: CodeType | None,
+        *,
+        interleaved: bool = False,
+    ) -> None:
         self._compiled = compiled
         self._code = code
+        self._interleaved = interleaved
         self._last: tuple | None = None
-        self._settled: tuple | None = None
+        self._seen: set[tuple] = set()
+        self._settled: set[tuple] = set()
 
     @property
     def settled(self) -> bool:
         """Whether calls with the last signature skip their guards."""
-        return self._settled is not None and self._settled == self._last
+        return self._last in self._settled
+
+    @property
+    def signatures_settled(self) -> int:
+        """How many signatures skip their guards now."""
+        return len(self._settled)
+
+    def reset(self) -> None:
+        """Evaluate every signature's guards again until it settles again."""
+        self._last = None
+        self._seen.clear()
+        self._settled.clear()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = signature(args, kwargs)
-        if key == self._settled:
+        if key in self._settled:
             stance = _unguarded()
             if stance is not None:
+                self._last = key
                 with stance:
                     return self._compiled(*args, **kwargs)
         before = _frames_converted()
         result = self._compiled(*args, **kwargs)
+        repeated = key in self._seen if self._interleaved else key == self._last
         if (
-            key == self._last
+            repeated
             and _frames_converted() == before
             and _below_recompile_limit(self._code)
         ):
-            self._settled = key
+            if not self._interleaved:
+                self._settled.clear()
+            self._settled.add(key)
+        if len(self._seen) >= self.LIMIT:
+            self.reset()
+        self._seen.add(key)
         self._last = key
         return result
 

@@ -40,12 +40,14 @@ import torch
 
 from keras_dtensor_fix.dtensor import DTensor, reducing_gradient
 from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.generation.steady import Steady, code_of
 from keras_dtensor_fix.ops.values import flatten_call, output_laid_out
 
 #: True while a block's region runs: its sublayers open no name scope.
 REGION: list[bool] = []
 #: Distribution -> (block class, the user's cache key tag) -> the class's compiled
-#: ``call``, shared by every instance (the process-keyed tag made once, not per call).
+#: ``call`` (a :class:`Steady`), shared by every instance (the process-keyed tag
+#: made once, not per call).
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: Block classes whose compilation failed: they run eagerly from then on.
 _FAILED: set[type] = set()
@@ -104,6 +106,9 @@ def install(model: Any, failure: Callable[[BaseException], bool]) -> list[Any]:
     refused is named in one warning. Undone by deactivation.
     """
     routed, refused = [], []
+    for by_class in _COMPILED.values():
+        for compiled in by_class.values():
+            compiled.reset()  # a new step: every block's guards run again
     for block in repeated(model):
         if getattr(block, _INSTALLED, False):
             routed.append(block)
@@ -209,8 +214,17 @@ def _compiled(
         # Static shapes: DTensor sharding propagation fails on symbolic sizes.
         compiled = torch.compile(original, dynamic=False)
         compiled = torch.compiler.config.patch(cache_key_tag=tag)(compiled)
+        # Every block of the class calls it in turn, once forward per step:
+        # each block's guards run until a step of its calls compiles nothing.
+        compiled = Steady(compiled, code_of(original), interleaved=True)
         by_class[(cls, user_tag)] = compiled
     return compiled
+
+
+def settled() -> int:
+    """How many blocks' calls skip dynamo's guards under this distribution."""
+    by_class = _COMPILED.get(state.model_parallel(), {}) if _COMPILED else {}
+    return sum(compiled.signatures_settled for compiled in by_class.values())
 
 
 def forget() -> None:

@@ -1,0 +1,196 @@
+"""Step time of blocks mode against eager and the whole step, interleaved.
+
+Launch by launch (``start.py``) the step times of a shared machine drift by
+more than the differences between the modes. Here one 2-rank launch per
+depth (``--layers``) builds the GPT decoder of hub_worker.py once (hidden
+``--hidden``, Megatron's layout on mesh (1, 2)), makes each configuration's
+train function once, then runs ``--rounds`` rounds of one epoch each
+(``--steps`` steps), the configurations taking turns:
+
+  eager     jit_compile=False
+  step      jit_compile=True, the whole step compiled
+  blocks    KERAS_DTENSOR_FIX_COMPILE=blocks: the step eager, each repeated
+            block its class's compiled graph, guards skipped once settled
+  guarded   blocks with every call evaluating dynamo's guards (blocks mode
+            before its calls skipped them)
+
+and prints each configuration's median step (rank 0, the steps of every
+round) and its ratios to eager and to the whole step, paired by round.
+
+    python benchmarks/blocks_steps.py [--layers 2,8] [--rounds 4]
+        [--configs eager,step,blocks,guarded]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = ("eager", "step", "blocks", "guarded")
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Both ranks: every configuration's train function, then the rounds."""
+    import keras
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    import hub_worker as hub
+
+    from keras_dtensor_fix.ops import blocks, steady
+    from keras_dtensor_fix.patches.compile import compile_failure
+
+    torch.set_num_threads(1)
+    keras.distribution.initialize()
+    mesh = keras.distribution.DeviceMesh(
+        (1, 2), ["batch", "model"], keras.distribution.list_devices()
+    )
+    distribution = keras.distribution.ModelParallel(
+        layout_map=hub.layout_map("gpt", mesh), batch_dim_name="batch"
+    )
+    distribution.auto_shard_dataset = False  # each rank feeds the whole batch
+    keras.distribution.set_distribution(distribution)
+    keras.utils.set_random_seed(0)
+    model = hub.build("gpt", args.hidden, args.layers, args.seq)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, hub.VOCAB, size=(args.batch * args.steps, args.seq))
+    ids = ids.astype("int32")
+    data = ({"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(ids, -1, 1))
+    configs = args.configs.split(",")
+    unguarded = steady._unguarded
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.began = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter() - self.began)
+
+    def epoch() -> None:
+        model.fit(*data, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[Steps()])  # fmt: skip
+
+    def switch(config: str) -> None:
+        steady._unguarded = (lambda: None) if config == "guarded" else unguarded
+        if config in ("blocks", "guarded"):
+            blocks.install(model, compile_failure)  # its guards settle again
+        else:
+            blocks.uninstall(model)
+        model.train_function = functions[config]
+
+    functions, starts = {}, {}
+    for config in configs:
+        if config == "guarded" and "blocks" in functions:
+            functions[config], starts[config] = functions["blocks"], 0.0
+            continue
+        mode = "blocks" if config in ("blocks", "guarded") else "step"
+        os.environ["KERAS_DTENSOR_FIX_COMPILE"] = mode
+        model.jit_compile = config != "eager"
+        model.train_function = None
+        began, times = time.perf_counter(), []
+        model.make_train_function()
+        functions[config] = model.train_function
+        epoch()  # the compilation, and a first epoch
+        starts[config] = time.perf_counter() - began
+    rounds: dict[str, list[list[float]]] = {config: [] for config in configs}
+    for _ in range(args.rounds):
+        for config in configs:
+            switch(config)
+            times = []
+            epoch()
+            rounds[config].append(times)
+    if int(os.environ.get("RANK", "0")) == 0:
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        Path(args.out).write_text(
+            json.dumps({"rounds": rounds, "starts": starts, "breaks": breaks})
+        )
+
+
+def launch(args: argparse.Namespace, layers: int) -> dict:
+    out = Path(tempfile.mkdtemp()) / "result.json"
+    env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc_per_node=2", __file__, "--worker", f"--out={out}",
+        f"--layers={layers}", f"--hidden={args.hidden}", f"--seq={args.seq}",
+        f"--batch={args.batch}", f"--steps={args.steps}",
+        f"--rounds={args.rounds}", f"--configs={args.configs}",
+    ]  # fmt: skip
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.exists():
+        return {"error": proc.stderr[-3000:]}
+    return json.loads(out.read_text())
+
+
+def report(layers: int, result: dict) -> None:
+    rounds = result["rounds"]
+    # A round's figure: the median of its steps past the first two (blocks
+    # mode's guards settle over its first two steps after a switch).
+    per_round = {
+        config: [statistics.median(times[2:] or times) for times in runs]
+        for config, runs in rounds.items()
+    }
+
+    def ratio(config: str, base: str) -> str:
+        if base not in per_round:
+            return "-"
+        pairs = zip(per_round[config], per_round[base], strict=True)
+        return f"{statistics.median(a / b for a, b in pairs):.2f}x"
+
+    for config, medians in per_round.items():
+        print(
+            f"{layers} | {config} | {result['starts'][config]:.1f}"
+            f" | {1e3 * statistics.median(medians):.0f}"
+            f" | {ratio(config, 'eager')} | {ratio(config, 'step')}",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", default="2,8")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--json", help="write every launch's result here")
+    args = parser.parse_args()
+    if args.worker:
+        args.layers = int(args.layers)
+        worker(args)
+        return
+    print(
+        f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.steps}"
+        f" steps a round, {args.rounds} rounds, 2 ranks, mesh (1, 2)\n"
+        "layers | config | build + first epoch s | step ms (median)"
+        " | / eager (paired) | / whole step (paired)",
+        flush=True,
+    )
+    results = {}
+    for layers in [int(n) for n in args.layers.split(",")]:
+        results[layers] = result = launch(args, layers)
+        if "error" in result:
+            print(f"{layers} | failed: {result['error'][-1500:]}", flush=True)
+            continue
+        report(layers, result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
