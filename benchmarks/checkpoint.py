@@ -198,6 +198,12 @@ def poll_cost(polls: int = 300) -> float:
         watcher.gate()
         spent[-1] = (spent[-1] + time.perf_counter() - begin) * 1e6
     watcher.stop()
+    median = statistics.median(spent)
+    print(
+        f"watching, per step on the training thread: median {median:.1f} us, "
+        f"max {max(spent):.0f} us",
+        flush=True,
+    )
     return statistics.fmean(spent)
 
 
