@@ -454,3 +454,52 @@ def test_strict_mode_raises_on_a_patch_that_cannot_apply(run_py, fakes, how) -> 
     # Not strict (the default for users): a warning, and the import works.
     relaxed = last_json(run_py(STRICT, path=[fakes]))
     assert relaxed == {"raised": None}
+
+
+ADDED_FAMILY = """
+from keras_dtensor_fix.engine.contract import Patch
+
+FAMILY = "layouts"
+MODULES = ("fake_target",)
+GATED = False
+
+
+def extra(cls):
+    return ("extra", cls.__name__)
+
+
+def patches(module):
+    return [
+        Patch(module.__name__, "Base.extra", classmethod(extra), added=True),
+        Patch(module.__name__, "Base.step", classmethod(extra), added=True),
+    ]
+"""
+
+
+def test_added_patch_is_applied_kept_off_an_own_and_deleted(run_py, fakes) -> None:
+    """``Patch(added=True)``: an attribute the target lacks is installed as
+    it is (an applied row), one the target has is left alone, and
+    deactivation deletes what was added."""
+    (fakes / "added_family.py").write_text(ADDED_FAMILY)
+    code = """
+import json
+import fake_target
+import keras_dtensor_fix as kdf
+from keras_dtensor_fix.engine import patcher
+import added_family
+
+own_step = fake_target.Base.__dict__["step"]
+patcher.register_family(added_family)
+rows = {r["attribute"]: r["state"] for r in patcher.rows()
+        if r["family"] == "layouts" and r["module"] == "fake_target"}
+on = {"extra": fake_target.Child.extra(), "rows": rows,
+      "step_kept": fake_target.Base.__dict__["step"] is own_step}
+kdf.deactivate()
+print(json.dumps({"on": on, "off": hasattr(fake_target.Base, "extra"),
+                  "step_after": fake_target.Base.__dict__["step"] is own_step}))
+"""
+    out = last_json(run_py(code, path=[fakes]))
+    assert out["on"]["extra"] == ["extra", "Child"]
+    assert out["on"]["rows"] == {"Base.extra": "applied", "Base.step": "skipped"}
+    assert out["on"]["step_kept"] and out["step_after"]
+    assert out["off"] is False
