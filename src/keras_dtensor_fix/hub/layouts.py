@@ -1,8 +1,9 @@
 """Tensor-parallel layouts for keras-hub causal LM backbones without their own.
 
 keras-hub ships ``get_layout_map(mesh)`` on Gemma, Llama (and Llama3), Qwen,
-QwenMoe and Qwen3Moe backbones. :data:`ROWS` gives every other causal LM
-backbone one in the same shape: Megatron's split on the model axis
+QwenMoe and Qwen3Moe backbones. :data:`ROWS` gives the text causal LM
+backbones without one (not the multimodal BLIP2, Gemma3n, PaliGemma, PARSeq,
+nor RWKV7) in the same shape: Megatron's split on the model axis
 (column-parallel Q/K/V, MLP in and expert in-projections, with their biases;
 row-parallel attention and MLP out), and the batch axis on the other weight
 axis where keras-hub's own maps put it (the hidden axis), so a ``(N, 1)``
@@ -99,8 +100,8 @@ SMOLLM3: tuple[Rule, ...] = (
 )
 
 _MODELS = "keras_hub.src.models"
-#: ``(backbone module, class name)`` -> its rules: every keras-hub causal LM
-#: backbone without a ``get_layout_map`` of its own.
+#: ``(backbone module, class name)`` -> its rules: the keras-hub text causal
+#: LM backbones without a ``get_layout_map`` of their own.
 ROWS: dict[tuple[str, str], tuple[Rule, ...]] = {
     (f"{_MODELS}.gemma3.gemma3_backbone", "Gemma3Backbone"): GEMMA_STYLE,
     (f"{_MODELS}.gemma4.gemma4_backbone", "Gemma4Backbone"): GEMMA_STYLE,
