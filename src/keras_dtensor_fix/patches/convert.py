@@ -96,6 +96,9 @@ def patches(module: types.ModuleType) -> list[Patch]:
             _convert_to_tensor_in(module),
             also_in=targets.aliases("core_by_name"),
             gated=True,
+            # a compiled token step on local tensors (gate shut) converts a
+            # numpy value (Gemma's query scale) too
+            traced=True,
         ),
         Patch(
             module.__name__,
