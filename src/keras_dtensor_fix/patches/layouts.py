@@ -12,7 +12,6 @@ has one keeps its own.
 from __future__ import annotations
 
 import types
-from typing import Any
 
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.hub import layouts
@@ -21,22 +20,9 @@ from keras_dtensor_fix.hub import layouts
 def patches(module: types.ModuleType) -> list[Patch]:
     if not isinstance(getattr(module, "Backbone", None), type):
         raise LookupError("Backbone")
-    method = classmethod(_get_layout_map)
+    # layouts.get_layout_map takes the class first: it is the classmethod
+    method = classmethod(layouts.get_layout_map)
     return [Patch(module.__name__, "Backbone.get_layout_map", method, added=True)]
-
-
-def _get_layout_map(
-    cls: type,
-    device_mesh: Any,
-    model_parallel_dim_name: str = "model",
-    data_parallel_dim_name: str = "batch",
-) -> Any:
-    return layouts.get_layout_map(
-        cls, device_mesh, model_parallel_dim_name, data_parallel_dim_name
-    )
-
-
-_get_layout_map.__doc__ = layouts.get_layout_map.__doc__
 
 
 def _notes() -> list[str]:
