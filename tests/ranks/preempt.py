@@ -38,6 +38,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlp  # noqa: E402  (beside this script)
+
 from support import leave  # noqa: E402
 
 OUT = Path(sys.argv[1])
@@ -53,17 +55,7 @@ def start_group() -> None:
     if "RANK" not in os.environ:
         return
     keras.distribution.initialize()
-    devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
-    layout = keras.distribution.LayoutMap(mesh)
-    layout[".*hidden/kernel"] = (None, "model")
-    layout[".*hidden/bias"] = ("model",)
-    layout[".*output/kernel"] = ("model", None)
-    distribution = keras.distribution.ModelParallel(
-        layout_map=layout, batch_dim_name="batch"
-    )
-    distribution.auto_shard_dataset = False  # every process reads every batch
-    keras.distribution.set_distribution(distribution)
+    mlp.set_distribution()
 
 
 def preempt() -> None:
@@ -169,16 +161,7 @@ def main() -> None:
     start_group()
     if CASE == "save":
         slow_background_saves()
-    keras.utils.set_random_seed(7)
-    model = keras.Sequential(
-        [
-            keras.layers.Input((16,)),
-            keras.layers.Dense(32, activation="relu", name="hidden"),
-            keras.layers.Dropout(0.1, seed=7, name="drop"),
-            keras.layers.Dense(4, name="output"),
-        ]
-    )
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    model = mlp.model()
     if UPSTREAM:
         keep = keras.callbacks.BackupAndRestore(str(OUT / "backup"), save_freq=5)
     else:
@@ -198,14 +181,7 @@ def main() -> None:
         verbose=0,
         callbacks=[FAULT, keep],
     )
-    dump(
-        FAULT,
-        {
-            "history": history.history,
-            "iterations": int(np.asarray(model.optimizer.iterations)),
-            "weights": [np.asarray(w, "float64").tolist() for w in model.get_weights()],
-        },
-    )
+    dump(FAULT, mlp.outcome(model, history))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlp  # noqa: E402  (beside this script)
+
 from support import leave  # noqa: E402
 
 OUT = Path(sys.argv[1])
@@ -71,17 +73,7 @@ def start_group() -> None:
         init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
     if INIT in ("keras", "torch_keras"):
         keras.distribution.initialize()
-    devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
-    layout = keras.distribution.LayoutMap(mesh)
-    layout[".*hidden/kernel"] = (None, "model")  # column parallel
-    layout[".*hidden/bias"] = ("model",)
-    layout[".*output/kernel"] = ("model", None)  # row parallel
-    distribution = keras.distribution.ModelParallel(
-        layout_map=layout, batch_dim_name="batch"
-    )
-    distribution.auto_shard_dataset = False  # every process reads every batch
-    keras.distribution.set_distribution(distribution)
+    mlp.set_distribution()
 
 
 def once(what: str) -> bool:
@@ -177,16 +169,7 @@ def main() -> None:
     from keras_dtensor_fix.checkpoint import Checkpoint
 
     start_group()
-    keras.utils.set_random_seed(7)
-    model = keras.Sequential(
-        [
-            keras.layers.Input((16,)),
-            keras.layers.Dense(32, activation="relu", name="hidden"),
-            keras.layers.Dropout(0.1, seed=7, name="drop"),
-            keras.layers.Dense(4, name="output"),
-        ]
-    )
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    model = mlp.model()
     ckpt = OUT / "ckpt" / "LATEST"
     if FAULT == "restore" and ckpt.exists() and mine() and once("restore"):
         import torch.distributed.checkpoint as dcp
@@ -207,15 +190,7 @@ def main() -> None:
         verbose=0,
         callbacks=[fault, checkpoint],
     )
-    dump(
-        fault,
-        {
-            "epochs": fault.epochs,
-            "history": history.history,
-            "iterations": int(np.asarray(model.optimizer.iterations)),
-            "weights": [np.asarray(w, "float64").tolist() for w in model.get_weights()],
-        },
-    )
+    dump(fault, {"epochs": fault.epochs, **mlp.outcome(model, history)})
 
 
 if __name__ == "__main__":
