@@ -4,7 +4,7 @@ Upstream refuses it ("Running without `torch.compile`") because its promotion
 mode makes dynamo skip every frame. With the mode kept off (``promotion``
 family) the step compiles to a graph like any other. With
 ``KERAS_DTENSOR_FIX_COMPILE=blocks`` the step runs eagerly and each repeated
-block compiles once for all its instances (:mod:`keras_dtensor_fix.ops.blocks`).
+block compiles once for all its instances (:mod:`keras_dtensor_fix.compiled.blocks`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 import types
 
+from keras_dtensor_fix.compiled import blocks, updates
 from keras_dtensor_fix.engine import config, state, targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import model_parallel
-from keras_dtensor_fix.ops import blocks, updates
 
 
 def _use_torch_compile(wrapped, instance, args, kwargs):
