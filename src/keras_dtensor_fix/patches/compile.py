@@ -5,6 +5,14 @@ mode makes dynamo skip every frame. With the mode kept off (``promotion``
 family) the step compiles to a graph like any other. With
 ``KERAS_DTENSOR_FIX_COMPILE=blocks`` the step runs eagerly and each repeated
 block compiles once for all its instances (:mod:`keras_dtensor_fix.compiled.blocks`).
+
+The step runs eagerly, warned, where torch 2.13 cannot compile it: torch < 2.12,
+Keras's generic RNN loop, seeded random layers. It keeps static shapes (DTensor
+fails on symbolic shard sizes: pytorch/pytorch#152963). A step that fails to
+compile before an optimizer update runs the batch again eagerly, warned; so do
+gradient accumulation and EMA with ``ema_overwrite_frequency`` on their first
+batch (``ops.cond``'s Python test of the step count is a graph break, where
+torch 2.13 asserts "expected example_value to be a FakeTensor" on a DTensor).
 """
 
 from __future__ import annotations

@@ -27,7 +27,10 @@ read (``generation/token_args.py``), and that model generates eagerly from then
 on; a block's or the whole call's local plan that raises, and that block
 or model generates on DTensors. Nothing stays set on the model: its
 ``call_with_cache`` (compiled) or its blocks' ``call`` (eager, sharded) are
-replaced for the length of one generation.
+replaced for the length of one generation. Inside a local call the gated
+wrappers are closed process-wide (``state.SHARDING`` emptied): sharded ops in
+another thread meanwhile would find them closed, so generating and training
+in two threads of one process at once is not supported.
 """
 
 from __future__ import annotations
