@@ -1,9 +1,10 @@
 """Create unsharded variables as Replicate DTensors under ModelParallel.
 
-Upstream keeps a variable with no sharded axis a plain ``Parameter``; the first
-op that meets a sharded value (``bias + matmul``) then fails with "got mixed
-torch.Tensor and DTensor". As Replicate DTensors they take part in DTensor's
-own sharding rules, eager and compiled.
+Upstream (keras-nightly 3.16.0.dev2026102704; torch ModelParallel is tracked
+in keras-team/keras#23418) keeps a variable with no sharded axis a plain
+``Parameter``; the first op that meets a sharded value (``bias + matmul``)
+then fails with "got mixed torch.Tensor and DTensor". As Replicate DTensors
+they take part in DTensor's own sharding rules, eager and compiled.
 """
 
 from __future__ import annotations
