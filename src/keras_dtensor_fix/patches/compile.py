@@ -90,7 +90,7 @@ def recurrent_layers(model) -> list[str]:
     recurrent dropout, GRU's ``reset_after``, no mask) compile, their sharded
     weights gathered once per call (the ``rnn`` family). The generic loop (any
     other RNN, those options, or a mask, which Keras's torch LSTM and GRU hand
-    to the generic loop) does not compile under ModelParallel: torch fails on
+    to the generic loop) does not compile under ModelParallel: torch 2.13 fails on
     the graph it leaves before its first graph break, after tracing for as
     long as a whole step takes to compile. A mask is seen where the model's
     graph shows it (functional and Sequential models); a subclassed model's
@@ -149,7 +149,7 @@ def _static_shapes(wrapped, instance, args, kwargs):
 
     Each graph break (a seeded dropout's generator, say) starts a new frame,
     and dynamo's "automatic dynamic" then makes the batch size symbolic; DTensor
-    sharding propagation fails on symbolic shard sizes.
+    fails on symbolic shard sizes (torch 2.13; pytorch/pytorch#152963).
     """
     result = wrapped(*args, **kwargs)
 
