@@ -63,7 +63,7 @@ class ModelPlan:
 
 def plan(model: Any) -> ModelPlan | None:
     """The local plan of ``model``'s one-token call, or None (see the module)."""
-    if not hub.known_sampler(getattr(model, "sampler", None)):
+    if not hub.known_sampler(model):
         return None
     if token_args.signature_of(getattr(model, "call_with_cache", None)) is None:
         return None  # a call whose token, cache and index :func:`run` cannot tell

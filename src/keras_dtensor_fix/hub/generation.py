@@ -76,9 +76,9 @@ def unknown_attention(layer: Any) -> bool:
     return "attention" in name and head_counts(layer) is None
 
 
-def known_sampler(sampler: Any) -> bool:
-    """Whether ``sampler`` is one of keras-hub's :data:`SAMPLERS`."""
-    cls = type(sampler)
+def known_sampler(model: Any) -> bool:
+    """Whether a causal LM's sampler is one of keras-hub's :data:`SAMPLERS`."""
+    cls = type(getattr(model, "sampler", None))
     return cls.__name__ in SAMPLERS and cls.__module__.startswith("keras_hub.")
 
 
