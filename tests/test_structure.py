@@ -232,3 +232,37 @@ def test_a_hub_name_outside_the_room_is_found() -> None:
         "CACHE_HEADS",
         "CACHE_HEADS",
     ]
+
+
+def unnamed_modules(package: Path) -> list[str]:
+    """The modules of ``package`` its ``__init__`` docstring does not name."""
+    import re
+
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    return sorted(
+        path.stem
+        for path in package.glob("*.py")
+        if path.stem != "__init__" and not re.search(rf"(?<!\w){path.stem}\b", doc)
+    )
+
+
+def test_each_package_names_its_modules() -> None:
+    """Each folder's docstring says what each of its modules is for, so a
+    module that does another job shows (``ops/`` names op handling only: the
+    compiled calls' modules live in ``compiled/``). ``patches/`` is the
+    exception: the family table lists its modules."""
+    root = SRC / PACKAGE
+    unnamed = {
+        package.name: found
+        for package in sorted(p.parent for p in root.glob("*/__init__.py"))
+        if package.name != "patches" and (found := unnamed_modules(package))
+    }
+    assert unnamed == {}
+
+
+def test_an_unnamed_module_is_found(tmp_path: Path) -> None:
+    """Control: a module the docstring leaves out is reported."""
+    (tmp_path / "__init__.py").write_text('"""``handlers`` and ``call``."""\n')
+    for name in ("handlers", "call", "blocks"):
+        (tmp_path / f"{name}.py").write_text("")
+    assert unnamed_modules(tmp_path) == ["blocks"]
