@@ -48,7 +48,7 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(HERE))
     import hub_worker as hub
 
-    from keras_dtensor_fix.ops import blocks, steady
+    from keras_dtensor_fix.compiled import blocks, steady
     from keras_dtensor_fix.patches.compile import compile_failure
 
     torch.set_num_threads(1)

@@ -33,7 +33,7 @@ os.environ["KERAS_BACKEND"] = "torch"
 import keras
 from keras import layers
 import keras_dtensor_fix as kdf
-from keras_dtensor_fix.ops import blocks
+from keras_dtensor_fix.compiled import blocks
 
 class Block(layers.Layer):
     def __init__(self, **kw):

@@ -4,7 +4,7 @@
 comes from inside torch's runner of a compiled graph (a custom step's
 ``backward()``: the guide's GAN met "Expected a DTensor tangent but got a
 plain Tensor" after a few batches) and no optimizer of the model counted a
-step in that batch (``ops/updates.py``); after one it raises, naming
+step in that batch (``compiled/updates.py``); after one it raises, naming
 ``jit_compile=False``, since the rerun would apply that update twice. Here the
 "graph" is a function compiled with a file name inside AOT autograd's
 runtime, so the test needs no sharded compile.
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from keras_dtensor_fix.ops import updates
+from keras_dtensor_fix.compiled import updates
 from keras_dtensor_fix.patches.compile import _eager_if_compile_fails
 
 RUNTIME = "/site/torch/_functorch/_aot_autograd/runtime_wrappers.py"

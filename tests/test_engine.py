@@ -370,6 +370,11 @@ def test_structure_keras_names_families_and_docs() -> None:
     section = architecture.split("## The families")[1].split("\n## ")[0]
     documented = re.findall(r"^\| `(\w+)`", section, re.M)
     assert documented == [name for name in families.names() if name in documented]
+    # One row per family, linking its module (whose docstring says what and why).
+    assert documented == list(families.names())
+    for row in families.FAMILIES:
+        link = f"](../src/keras_dtensor_fix/patches/{row.implementation}.py) |"
+        assert link in section, row.name
 
 
 TRACED_TARGET = """

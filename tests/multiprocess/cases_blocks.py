@@ -32,7 +32,7 @@ def blocks_mode():
 
 
 def _blocks(fit) -> dict:
-    from keras_dtensor_fix.ops import blocks
+    from keras_dtensor_fix.compiled import blocks
 
     with blocks_mode() as compiled:
         result = watched(fit)

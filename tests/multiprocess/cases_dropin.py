@@ -346,7 +346,7 @@ def gan_compiled():
     ``d_loss.backward()`` passed a plain one ("Expected a DTensor tangent but
     got a plain Tensor") after the first batches: nothing is applied in that
     batch yet, so it runs again eagerly (``compile._eager_if_compile_fails``,
-    ``ops/updates.py``); after an update it would raise, naming
+    ``compiled/updates.py``); after an update it would raise, naming
     ``jit_compile=False``. Upstream runs it eagerly."""
     keras.utils.set_random_seed(0)
     discriminator = keras.Sequential(

@@ -75,6 +75,20 @@ CAUSAL_LMS: dict[str, tuple[str, dict]] = {
     "bloom": ("Bloom", {**_FFN, "num_heads": 4}),
     "gpt_neo_x": ("GPTNeoX", {**_GPT, "dropout": 0.0}),
     "gpt2": ("GPT2", {**_GPT, "dropout": 0.0}),
+    # Gemma's decoder after a tiny ViT (replicated); takes images
+    "pali_gemma": (
+        "PaliGemma",
+        {
+            **_GQA,
+            **_FFN,
+            "head_dim": 8,
+            "image_size": 16,
+            "vit_patch_size": 4,
+            "vit_num_heads": 2,
+            "vit_hidden_dim": 16,
+            "vit_num_layers": 1,
+        },
+    ),
 }
 
 
@@ -122,6 +136,9 @@ def fit_generate(kind: str, batch_ranks: int) -> dict:
     inputs = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
     if kind == "gemma4":  # an input of its backbone's
         inputs["position_ids"] = np.tile(np.arange(12, dtype="int32"), (8, 1))
+    images = np.random.default_rng(1).random((8, 16, 16, 3)).astype("float32")
+    if kind == "pali_gemma":  # every token a response: the loss reads them all
+        inputs.update(images=images, response_mask=np.ones_like(ids))
     history = model.fit(
         {k: batch_rows(v, 4, batch_ranks) for k, v in inputs.items()},
         batch_rows(np.roll(ids, -1, axis=1), 4, batch_ranks),
@@ -137,6 +154,8 @@ def fit_generate(kind: str, batch_ranks: int) -> dict:
         # generate() returns inputs["images"] and cannot concatenate a None
         # (keras-hub, without a preprocessor, on one process too): no image
         prompt["images"] = np.zeros((2, 0, 16, 16, 3), "float32")
+    if kind == "pali_gemma":
+        prompt["images"] = images[:2]
     tokens = model.generate(prompt, max_length=12, stop_token_ids=None)
     return {
         "get_layout_map": HAD_METHOD[0],
@@ -152,15 +171,16 @@ def _layout_case(kind: str, mesh: tuple[int, int], slow: bool = False) -> None:
 
     run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}_layout"  # names are unique in CASES
     # Upstream fails each (2, 1) case as it fails one on (1, 2) (after up to
-    # 40 s of per-op DTensor training), Gemma4 as Gemma3: the slow tier's.
-    upstream_slow = mesh[0] > 1 or kind == "gemma4"
+    # 40 s of per-op DTensor training), Gemma4 and PaliGemma as Gemma3: the
+    # slow tier's.
+    upstream_slow = mesh[0] > 1 or kind in ("gemma4", "pali_gemma")
     options = {"per_rank": mesh[0] > 1, "slow": slow, "upstream_slow": upstream_slow}
     case("layouts", mesh=mesh, layout=layout_of(kind), **options)(run)
 
 
 #: On (2, 1) the default run takes one model per rule set of hub/layouts.py;
 #: these share theirs with one of it (the slow tier's).
-SLOW_2X1 = ("phi3", "qwen3", "qwen3_5", "qwen3_5_moe", "opt", "gemma4")
+SLOW_2X1 = ("phi3", "qwen3", "qwen3_5", "qwen3_5_moe", "opt", "gemma4", "pali_gemma")
 for _kind in CAUSAL_LMS:
     _layout_case(_kind, (1, 2))
 for _kind in CAUSAL_LMS:

@@ -10,7 +10,7 @@ dimension's stride).
 Each must equal one eager process (losses, weights, greedy tokens) with
 exactly one dynamo graph: the block's ``call``, nothing else compiled. Each
 block's calls skip dynamo's guards once a step of them compiled nothing
-(``generation/steady.Steady``): the GPT decoder's 4 blocks do by its last steps.
+(``compiled/steady.Steady``): the GPT decoder's 4 blocks do by its last steps.
 
 Can it fail: with Keras's name scope left open inside the region each block
 compiles its own graph (its sublayers' paths are guarded), 4 graphs for the

@@ -23,6 +23,7 @@ setting from the package):
 - :mod:`.gather`: op-specific layouts (embedding lookups, index reductions,
   batch-only calls, per-element ops, slice updates, gathering outputs).
 - :mod:`.region`: a layer's computation on local tensors (``local_region``).
+- :mod:`.einsum`: einsum and dense layers as one local einsum per rank.
 - :mod:`.megatron`: a tensor-parallel block on local tensors
   (``local_part``, ``with_split``; imported as a module).
 - :mod:`.world`: this process's rank and the group's size, the one lookup

@@ -48,7 +48,7 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
     None where the operands are not all DTensors of one float dtype on one
     mesh, or where :func:`.planner.product` finds no local form. Under
     torch.compile too: DTensor's own einsum reshapes a head-sharded operand
-    into strided shards that its ``bmm`` has no rule for (grouped-query
+    into strided shards that its ``bmm`` has no rule for (torch 2.13; grouped-query
     attention's ``"btkgh,bskh->bkgts"``), where the local form needs none.
     """
     if len(operands) < 2:

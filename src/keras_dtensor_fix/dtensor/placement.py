@@ -120,7 +120,8 @@ def on_mesh(value: Any, mesh: Any) -> Any:
     DeviceMesh compares by value, so caches keyed by a spec (DTensor's
     sharding propagation) can hand back an earlier equal mesh, say one
     a re-run notebook cell made; a compiled graph guards on the mesh's
-    identity and would compile again.
+    identity and would compile again (torch 2.13; equality guards were
+    proposed in pytorch/pytorch#124401).
     """
     if (
         not isinstance(value, DTensor)

@@ -109,7 +109,7 @@ def set_attribute(obj: Any, name: str, value: Any) -> None:
     it was absent). Objects are held weakly where they allow it.
     """
     if compiling():
-        # Dynamo cannot trace the lock or the weak reference below; a list
+        # Dynamo (torch 2.13) cannot trace the lock or the weak reference; a list
         # append is a side effect it replays. Attributes set only here are
         # the plugin's own caches, absent before: undone by deleting them.
         _PENDING.append((obj, name))

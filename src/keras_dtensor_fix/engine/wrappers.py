@@ -85,7 +85,7 @@ def traced_method(fix: FixWrapper, inline: bool = False) -> Callable[..., Any]:
     the original instead (``_torchdynamo_inline``, which it follows for a
     method found on a class): a wrapper on ``Layer.__call__`` would add its
     frames at every level of a model's nesting, and a deep model (an MoE
-    block) ran dynamo out of Python recursion depth.
+    block) ran dynamo (torch 2.13) out of Python recursion depth.
     """
     wrapper, raw, enabled = fix._self_wrapper, fix.__wrapped__, fix._self_enabled
 

@@ -2,6 +2,7 @@
 
 ``token_args`` (a ``call_with_cache``'s arguments), ``decoder`` (a decoder
 block's cached call on local tensors), ``causal_lm`` (the whole one-token
-call on local tensors) and ``steady`` (a compiled call's guard checks skipped
-once settled). What they know of keras-hub's classes is in ``hub/``.
+call on local tensors) and ``paths`` (which path each model and block
+generates on). What they know of keras-hub's classes is in ``hub/``; the
+compiled token call's guard skipping is ``compiled/steady``.
 """

@@ -63,7 +63,7 @@ class ModelPlan:
 
 def plan(model: Any) -> ModelPlan | None:
     """The local plan of ``model``'s one-token call, or None (see the module)."""
-    if not hub.known_sampler(getattr(model, "sampler", None)):
+    if not hub.known_sampler(model):
         return None
     if token_args.signature_of(getattr(model, "call_with_cache", None)) is None:
         return None  # a call whose token, cache and index :func:`run` cannot tell
@@ -178,7 +178,7 @@ def run(
         return NotImplemented  # a plain cache that this plan did not make
     ours = not isinstance(cache, DTensor)
     if not ours:
-        heads = cache.ndim + decoder.CACHE_HEADS
+        heads = cache.ndim + hub.CACHE_HEADS
         cache = megatron.local_part(cache, mesh, axis, heads)
     token_ids = megatron.local_part(token_ids, mesh, axis, None)
     index = megatron.local_part(index, mesh, axis, None)
@@ -202,7 +202,7 @@ def as_dtensors(found: ModelPlan, result: Any) -> tuple[Any, ...]:
     """:func:`run`'s result with the cache as the DTensor it is a part of (for
     :func:`.decoder.agree`)."""
     logits, hidden, cache = result
-    heads = cache.ndim + decoder.CACHE_HEADS
+    heads = cache.ndim + hub.CACHE_HEADS
     placements = megatron.with_split(None, found.mesh, found.axis, heads)
     return logits, hidden, DTensor.from_local(cache, found.mesh, placements)
 

@@ -40,12 +40,6 @@ from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.hub import generation as hub
 from keras_dtensor_fix.ops.values import output_laid_out
 
-#: keras-hub's per-layer cache: (batch, 2, length, heads, head dim).
-CACHE_HEADS = -2
-#: Its argument: the causal LMs' own blocks take ``cache``, keras-hub's
-#: ``TransformerDecoder`` (GPT-2) ``self_attention_cache``.
-CACHE_ARGUMENTS = ("cache", "self_attention_cache")
-
 
 @dataclass
 class Plan:
@@ -214,7 +208,7 @@ def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any
     mesh, axis = found.mesh, found.axis
     x = args[0] if args else kwargs.get("x")
     like = x if isinstance(x, DTensor) else None
-    key = next((k for k in CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
+    key = next((k for k in hub.CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
     cache = kwargs.get(key)
     if (
         key is None
@@ -222,7 +216,7 @@ def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any
         or kwargs.get("cross_attention_cache") is not None  # a third result
     ):
         return NotImplemented
-    heads = cache.ndim + CACHE_HEADS
+    heads = cache.ndim + hub.CACHE_HEADS
     local_args = [local_part(a, mesh, axis, None, like) for a in args]
     local_kwargs = {
         k: local_part(v, mesh, axis, heads if k == key else None, like)

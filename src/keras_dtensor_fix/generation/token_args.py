@@ -1,12 +1,11 @@
 """A causal LM's ``call_with_cache`` arguments: the three every call takes, the rest.
 
-keras-hub's causal LMs share ``call_with_cache(token_ids, cache,
-cache_update_index, ...)`` but not what follows: Gemma3 and Gemma4 take
-image (and audio) embeddings, masks and a ``cache_update_mask``, Qwen3.5 a
-padding mask and position ids, and they pass them by keyword. The generate
-family converts the first three (plain or local tensors, one mesh) and must
-hand every other argument on as the caller gave it; :func:`split` tells them
-apart by the model's own signature, or says it cannot. Standard library only.
+keras-hub's causal LMs share the first three parameters (token ids, cache,
+index: ``hub.generation.CALL_WITH_CACHE``) but not what follows, which some
+pass by keyword. The generate family converts the first three (plain or
+local tensors, one mesh) and must hand every other argument on as the caller
+gave it; :func:`split` tells them apart by the model's own signature, or says
+it cannot. Standard library only (``hub.generation`` is plain data).
 """
 
 from __future__ import annotations
@@ -16,8 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-#: The parameters every keras-hub ``call_with_cache`` starts with.
-CORE = ("token_ids", "cache", "cache_update_index")
+from keras_dtensor_fix.hub import generation as hub
+
+#: How many parameters every keras-hub ``call_with_cache`` starts with.
+CORE = len(hub.CALL_WITH_CACHE)
 _POSITIONAL = (
     inspect.Parameter.POSITIONAL_ONLY,
     inspect.Parameter.POSITIONAL_OR_KEYWORD,
@@ -50,13 +51,13 @@ def signature_of(method: Callable[..., Any]) -> inspect.Signature | None:
     except (TypeError, ValueError):
         return None
     params = list(signature.parameters.values())
-    if len(params) < len(CORE) or any(
+    if len(params) < CORE or any(
         p.kind is inspect.Parameter.VAR_POSITIONAL for p in params
     ):
         return None
-    if any(p.kind not in _POSITIONAL for p in params[: len(CORE)]):
+    if any(p.kind not in _POSITIONAL for p in params[:CORE]):
         return None
-    if any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in params[len(CORE) :]):
+    if any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in params[CORE:]):
         return None  # :class:`TokenArgs` hands the rest on by keyword
     return signature
 
@@ -70,7 +71,7 @@ def split(signature: inspect.Signature, args: tuple, kwargs: dict) -> TokenArgs 
     except TypeError:
         return None
     params = signature.parameters
-    names = list(params)[: len(CORE)]
+    names = list(params)[:CORE]
     if any(name not in bound.arguments for name in names):
         return None
     extra: dict[str, Any] = {}

@@ -2,9 +2,11 @@
 
 The attention layers whose cached call may run on a share of their heads
 (:data:`ATTENTION_HEADS`), the samplers that pass the cache on untouched
-(:data:`SAMPLERS`), and where a causal LM keeps its decoder blocks and token
-embedding. Plain data and attribute reads: a keras-hub release that renames
-one is fixed here.
+(:data:`SAMPLERS`), ``call_with_cache``'s first parameters
+(:data:`CALL_WITH_CACHE`), a block's cache (:data:`CACHE_HEADS`,
+:data:`CACHE_ARGUMENTS`), and where a causal LM keeps its decoder blocks and
+token embedding. Plain data and attribute reads: a keras-hub release that
+renames one is fixed here.
 """
 
 from __future__ import annotations
@@ -44,6 +46,18 @@ ATTENTION_HEADS: dict[str, tuple[str, ...]] = {
     f"{_HUB}.layers.modeling.cached_multi_head_attention.CachedMultiHeadAttention": (),
 }
 
+#: The parameters every keras-hub causal LM's ``call_with_cache`` starts with.
+#: Those after them differ and are passed by keyword: Gemma3's and Gemma4's
+#: ``img_embeddings``, masks and ``cache_update_mask`` (Gemma4's audio too),
+#: Qwen3.5's ``padding_mask`` and ``position_ids``; generation hands them on
+#: as given (``generation/token_args.py``).
+CALL_WITH_CACHE = ("token_ids", "cache", "cache_update_index")
+#: A decoder block's cache: (batch, 2, length, heads, head dim); the heads axis.
+CACHE_HEADS = -2
+#: The keyword a decoder block takes its cache by: the causal LMs' own blocks
+#: ``cache``, keras-hub's ``TransformerDecoder`` (GPT-2) ``self_attention_cache``.
+CACHE_ARGUMENTS = ("cache", "self_attention_cache")
+
 #: keras-hub samplers that pass each token call's cache to the next call as
 #: it came back (beam and contrastive search repeat and reorder it).
 SAMPLERS = frozenset({"GreedySampler", "TopKSampler", "TopPSampler", "RandomSampler"})
@@ -62,9 +76,9 @@ def unknown_attention(layer: Any) -> bool:
     return "attention" in name and head_counts(layer) is None
 
 
-def known_sampler(sampler: Any) -> bool:
-    """Whether ``sampler`` is one of keras-hub's :data:`SAMPLERS`."""
-    cls = type(sampler)
+def known_sampler(model: Any) -> bool:
+    """Whether a causal LM's sampler is one of keras-hub's :data:`SAMPLERS`."""
+    cls = type(getattr(model, "sampler", None))
     return cls.__name__ in SAMPLERS and cls.__module__.startswith("keras_hub.")
 
 

@@ -1,15 +1,14 @@
 """Tensor-parallel layouts for keras-hub causal LM backbones without their own.
 
 keras-hub ships ``get_layout_map(mesh)`` on Gemma, Llama (and Llama3), Qwen,
-QwenMoe and Qwen3Moe backbones. :data:`ROWS` gives the text causal LM
-backbones without one (not the multimodal BLIP2, Gemma3n, PaliGemma, PARSeq,
-nor RWKV7) in the same shape: Megatron's split on the model axis
-(column-parallel Q/K/V, MLP in and expert in-projections, with their biases;
-row-parallel attention and MLP out), and the batch axis on the other weight
-axis where keras-hub's own maps put it (the hidden axis), so a ``(N, 1)``
-mesh shards weights too. Embeddings split by vocabulary on the model axis.
-Weights no rule names (norms, routers, position embeddings, Qwen3.5's linear
-attention, vision encoders) are replicated.
+QwenMoe and Qwen3Moe backbones. :data:`ROWS` gives the causal LM backbones
+without one (not BLIP2, Gemma3n, PARSeq, nor RWKV7) in the same shape:
+Megatron's split on the model axis (column-parallel Q/K/V, MLP in and expert
+in-projections, with their biases; row-parallel attention and MLP out), and
+the batch axis on the other weight axis where keras-hub's own maps put it (the
+hidden axis), so a ``(N, 1)`` mesh shards weights too. Embeddings split by
+vocabulary on the model axis. Weights no rule names (norms, routers, position
+embeddings, Qwen3.5's linear attention, vision encoders) are replicated.
 
 A rule is ``(regex, axes)``; ``axes`` holds :data:`MODEL`, :data:`DATA` or
 ``None`` per weight axis. Keys are ``re.fullmatch`` regexes, as LayoutMap's,
@@ -105,6 +104,8 @@ _MODELS = "keras_hub.src.models"
 ROWS: dict[tuple[str, str], tuple[Rule, ...]] = {
     (f"{_MODELS}.gemma3.gemma3_backbone", "Gemma3Backbone"): GEMMA_STYLE,
     (f"{_MODELS}.gemma4.gemma4_backbone", "Gemma4Backbone"): GEMMA_STYLE,
+    # Gemma's decoder blocks after a vision encoder (replicated: no rule names it)
+    (f"{_MODELS}.pali_gemma.pali_gemma_backbone", "PaliGemmaBackbone"): GEMMA_STYLE,
     (f"{_MODELS}.mistral.mistral_backbone", "MistralBackbone"): LLAMA_STYLE,
     (f"{_MODELS}.mixtral.mixtral_backbone", "MixtralBackbone"): LLAMA_STYLE + _EXPERTS,
     (f"{_MODELS}.phi3.phi3_backbone", "Phi3Backbone"): LLAMA_STYLE,

@@ -79,8 +79,9 @@ def update(call: Call) -> Any:
 def attention(call: Call) -> Any:
     """``dot_product_attention`` per rank on batch- and head-sharded shards.
 
-    Keras's torch implementation moves DTensor operands to their local shards
-    with ``hasattr(key, "to_local")``, which dynamo answers False for, so the
+    Keras's torch implementation (keras-nightly 3.16.0.dev2026102704) moves
+    DTensor operands to their local shards with ``hasattr(key, "to_local")``,
+    which dynamo (torch 2.13) answers False for, so the
     compiled step mixes a local query with DTensor keys; and it takes a mask's
     whole local tensor, whatever its placements, next to a batch-sharded
     query. Here query, key and value keep the query's batch (dim 0) and head

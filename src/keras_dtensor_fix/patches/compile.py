@@ -1,10 +1,18 @@
 """Let ``jit_compile=True`` run torch.compile under ModelParallel.
 
-Upstream refuses it ("Running without `torch.compile`") because its promotion
-mode makes dynamo skip every frame. With the mode kept off (``promotion``
-family) the step compiles to a graph like any other. With
+Upstream (keras-nightly 3.16.0.dev2026102704) refuses it ("Running without
+`torch.compile`"): its promotion mode makes dynamo skip every frame. With the
+mode kept off (``promotion`` family) the step compiles like any other. With
 ``KERAS_DTENSOR_FIX_COMPILE=blocks`` the step runs eagerly and each repeated
-block compiles once for all its instances (:mod:`keras_dtensor_fix.ops.blocks`).
+block compiles once for all its instances (:mod:`keras_dtensor_fix.compiled.blocks`).
+
+The step runs eagerly, warned, where torch cannot compile it (torch < 2.12;
+Keras's generic RNN loop, seeded random layers on 2.13). Static shapes: DTensor
+fails on symbolic shard sizes (torch 2.13; pytorch/pytorch#152963). A step that fails to
+compile before an optimizer update runs the batch again eagerly, warned; so do
+gradient accumulation and EMA with ``ema_overwrite_frequency`` on their first
+batch (``ops.cond``'s Python test of the step count is a graph break, where
+torch 2.13 asserts "expected example_value to be a FakeTensor" on a DTensor).
 """
 
 from __future__ import annotations
@@ -12,10 +20,10 @@ from __future__ import annotations
 import sys
 import types
 
+from keras_dtensor_fix.compiled import blocks, updates
 from keras_dtensor_fix.engine import config, state, targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import model_parallel
-from keras_dtensor_fix.ops import blocks, updates
 
 
 def _use_torch_compile(wrapped, instance, args, kwargs):
@@ -82,7 +90,7 @@ def recurrent_layers(model) -> list[str]:
     recurrent dropout, GRU's ``reset_after``, no mask) compile, their sharded
     weights gathered once per call (the ``rnn`` family). The generic loop (any
     other RNN, those options, or a mask, which Keras's torch LSTM and GRU hand
-    to the generic loop) does not compile under ModelParallel: torch fails on
+    to the generic loop) does not compile under ModelParallel: torch 2.13 fails on
     the graph it leaves before its first graph break, after tracing for as
     long as a whole step takes to compile. A mask is seen where the model's
     graph shows it (functional and Sequential models); a subclassed model's
@@ -141,7 +149,7 @@ def _static_shapes(wrapped, instance, args, kwargs):
 
     Each graph break (a seeded dropout's generator, say) starts a new frame,
     and dynamo's "automatic dynamic" then makes the batch size symbolic; DTensor
-    sharding propagation fails on symbolic shard sizes.
+    fails on symbolic shard sizes (torch 2.13; pytorch/pytorch#152963).
     """
     result = wrapped(*args, **kwargs)
 
@@ -171,7 +179,8 @@ def _losses_consumed(instance) -> None:
     """A compiled step clears the ``add_loss`` losses once its loss has read them.
 
     A layer's ``add_loss`` tensor (an MoE router's balancing loss) stays in
-    the layer's ``_losses`` after the loss is computed, so dynamo makes it an
+    the layer's ``_losses`` after the loss is computed (keras-nightly
+    3.16.0.dev2026102704), so dynamo (torch 2.13) makes it an
     output of the forward graph whose ``grad_fn`` ``autograd.grad`` then
     consumes: a graph break on one process, a failed trace over DTensors; and
     the next call finds the list non-empty and compiles again. Keras clears
@@ -197,10 +206,11 @@ def _losses_consumed(instance) -> None:
 def _cache_backend_layouts(model) -> None:
     """Make each variable's backend layout now, before the step is traced.
 
-    Keras makes a replicated variable's backend layout (the optimizer's
-    iteration count, a metric's total) on its first assignment and caches it
-    on the layout: made inside the traced step, it fails the guard that it
-    is absent at the next call, and every model compiled twice.
+    Keras (3.16.0.dev2026102704) makes a replicated variable's backend layout
+    (the optimizer's iteration count, a metric's total) on its first
+    assignment and caches it on the layout: made inside the traced step, it
+    fails the guard that it is absent at the next call, and every model
+    compiled twice.
     """
     optimizer = getattr(model, "optimizer", None)
     variables = [*model.variables, *getattr(model, "metrics_variables", [])]
@@ -331,7 +341,8 @@ def break_report(
 
 #: Where torch runs a compiled graph: an error raised there on the first call
 #: is torch's (a DTensor output aliasing an input after a graph break: "as_strided
-#: not supported with DTensor"), not the step's, which dynamo met while tracing.
+#: not supported with DTensor": torch 2.13, pytorch/pytorch#184002), not the
+#: step's, which dynamo met while tracing.
 _COMPILED_RUNTIME = ("torch/_functorch/_aot_autograd/", "torch/_inductor/")
 
 

@@ -19,7 +19,9 @@ Two keys that torch 2.13 cannot make the same from launch to launch:
   on which of its objects happen to be the same Python object: AOT autograd's
   and inductor's keys differed at every launch, so every launch missed. A
   mesh is keyed here by what a graph compiled for it depends on: its device
-  type, shape, ranks, dimension names and process group names.
+  type, shape, ranks, dimension names and process group names (torch 2.13;
+  the same memo effect on ``torch.device`` keys:
+  https://github.com/pytorch/pytorch/pull/128366).
 """
 
 from __future__ import annotations

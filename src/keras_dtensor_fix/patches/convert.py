@@ -4,7 +4,8 @@ Nightlies before 2026-10-27 return each process's local shard from
 ``get_weights()`` and ``predict()``; later ones gather themselves, and the
 wrapper only lets a Keras variable holding a DTensor through as its value.
 
-``convert_to_tensor`` reads ``np.array(x).dtype``, which dynamo cannot trace:
+``convert_to_tensor`` (keras-nightly 3.16.0.dev2026102704) reads
+``np.array(x).dtype``, which dynamo (torch 2.13) cannot trace:
 every numpy value a compiled step converts (keras-hub's attention scales its
 queries by ``ops.cast(1 / np.sqrt(head_dim), dtype)``) split the step into
 graphs, and DTensor gradients across those breaks fail to compile.

@@ -64,8 +64,9 @@ def _distribute_leaf(value: Any, layout: Any) -> Any:
     if COMPILED_STEPS:
         # A compiled step that recompiles (a guard on optimizer state, say)
         # would otherwise turn the batch size symbolic, and DTensor sharding
-        # propagation fails on symbolic shard sizes. Batches keep their static
-        # shapes. (Skipped while every step is eager: it costs a third of this.)
+        # propagation fails on symbolic shard sizes (torch 2.13;
+        # pytorch/pytorch#152963). Batches keep their static shapes. (Skipped
+        # while every step is eager: it costs a third of this.)
         torch._dynamo.mark_static(dtensor)
         torch._dynamo.mark_static(dtensor._local_tensor)
     return dtensor

@@ -14,7 +14,7 @@ prompt's pass runs its blocks on local tensors and the sampler's loop gets
 plain tensors, as eager generation does (below), so only the compiled token
 step touches DTensors. Within one generation, tokens skip dynamo's guard
 checks once one compiled nothing right after a token of the same kind
-(``generation/steady.py``).
+(``compiled/steady.py``).
 
 ``jit_compile`` False or "auto" (Keras's default, eager on torch) generates
 eagerly, and on a sharded model each decoder block's cached call runs on
@@ -27,7 +27,10 @@ read (``generation/token_args.py``), and that model generates eagerly from then
 on; a block's or the whole call's local plan that raises, and that block
 or model generates on DTensors. Nothing stays set on the model: its
 ``call_with_cache`` (compiled) or its blocks' ``call`` (eager, sharded) are
-replaced for the length of one generation.
+replaced for the length of one generation. Inside a local call the gated
+wrappers are closed process-wide (``state.SHARDING`` emptied): sharded ops in
+another thread meanwhile would find them closed, so generating and training
+in two threads of one process at once is not supported.
 """
 
 from __future__ import annotations
@@ -38,12 +41,12 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from keras_dtensor_fix.compiled.steady import Steady, code_of
 from keras_dtensor_fix.dtensor import DTensor, on_mesh, one_rank_replicated
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import cache_key_tag, model_parallel
 from keras_dtensor_fix.generation import causal_lm, decoder, paths, token_args
 from keras_dtensor_fix.generation.paths import CHECKED, DTENSOR
-from keras_dtensor_fix.generation.steady import Steady, code_of
 from keras_dtensor_fix.hub import generation as hub
 
 #: CausalLM class -> ``torch.compile`` of its ``call_with_cache`` (one per class:

@@ -149,7 +149,7 @@ def _wrap_all(result: Any, mesh: Any, placements: tuple) -> Any:
 def patches(module: types.ModuleType) -> list[Patch]:
     if "__call__" not in vars(getattr(module, "Layer", object)):
         raise LookupError("Layer.__call__ not found: this Keras moved it")
-    # eager_only: a plain function on the class (dynamo fails a guard on
+    # eager_only: a plain function on the class (torch 2.13's dynamo fails a guard on
     # wrapt's bound proxy as ``type(layer).__call__``) that sends dynamo to
     # the original, so compiled steps trace no extra frame per layer call.
     return [

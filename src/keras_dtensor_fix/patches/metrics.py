@@ -2,9 +2,9 @@
 
 Each process accumulates its own batches into its (replicated) metric
 variables; the totals are their sum over the batch mesh axis. Upstream
-all-reduces every variable each step, also over a one-process batch axis, and
-early nightlies all-reduce the DTensor itself, which has no sharding rule for
-``c10d.allreduce_``.
+(keras-nightly 3.16.0.dev2026102704) all-reduces every variable each step,
+also over a one-process batch axis, and early nightlies all-reduce the
+DTensor itself, which has no sharding rule for ``c10d.allreduce_``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ other multi-tensor functions being the numpy module's; and ``slice``, whose
 start read from a tensor (keras-hub's ``PositionEmbedding`` at a cache index)
 Keras turns into ``torch.narrow`` on the start's value: inside a compiled
 graph that reads the value (a graph break) and returns a view of a DTensor,
-which AOT autograd rebuilds with ``as_strided`` (refused on DTensors). Traced,
+which AOT autograd rebuilds with ``as_strided`` (refused on DTensors: torch
+2.13, pytorch/pytorch#184002). Traced,
 such a start becomes a gather of the rows it names, the same values in one graph.
 """
 

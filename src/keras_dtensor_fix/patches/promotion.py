@@ -1,7 +1,8 @@
 """Replace Keras's global ``KerasDTensorPromotionMode`` with DTensor's own switch.
 
-Upstream enters a ``TorchDispatchMode`` in ``set_distribution`` that promotes
-every plain tensor to a Replicate DTensor. It costs every aten call a trip
+Upstream (keras-nightly 3.16.0.dev2026102704; the mode's review:
+keras-team/keras#23402) enters a ``TorchDispatchMode`` in ``set_distribution``
+that promotes every plain tensor to a Replicate DTensor. It costs every aten call a trip
 through Python and makes dynamo skip every frame. The plugin keeps that mode
 off and, for the same semantics where a raw torch operator meets a plain
 tensor and a DTensor (a Python ``-`` in a Keras loss, loss scaling, rnn.py,

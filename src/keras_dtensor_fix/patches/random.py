@@ -23,8 +23,8 @@ def _bind(inputs, rate, noise_shape=None, seed=None):
 def _draw_kept(wrapped, shape, dtype, device, rate, noise_shape, seed):
     """The kept-entries mask the original draws for the whole (global) tensor.
 
-    Run eagerly (like Keras's own seeded generator): traced, the draw did not
-    match the single-process one.
+    Run eagerly (like Keras's own seeded generator): traced (torch 2.13), the
+    draw did not match the single-process one.
     """
 
     @torch._dynamo.disable

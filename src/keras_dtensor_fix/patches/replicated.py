@@ -105,7 +105,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
         if name not in vars(getattr(module, owner, object)):
             raise LookupError(f"{target} not found: this Keras moved it")
     # traced: a compiled step then meets a plain function on the class (dynamo
-    # guards ``type(loss).__call__`` by identity), which calls the original.
+    # 2.13 guards ``type(loss).__call__`` by identity), calling the original.
     return [
         Patch(
             module.__name__,

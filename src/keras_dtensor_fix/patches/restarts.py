@@ -5,7 +5,8 @@ attempt (``TORCHELASTIC_USE_AGENT_STORE``). torch's rendezvous assumes a new
 store per attempt ("no need to add prefix for each attempt") and gives the
 default process group keys with no attempt in them: after a restart, gloo can
 read the address a process of the dead attempt published and fail ("Gloo
-connectFullMesh failed ... Connection refused") or wait for it. It happens
+connectFullMesh failed ... Connection refused") or wait for it (torch 2.13;
+NCCL met the same shared store in pytorch/pytorch#135712). It happens
 however the group is started, since every ``env://`` and ``tcp://`` start
 (``init_process_group`` with or without arguments, Keras's ``initialize``,
 ``init_device_mesh``) makes its store in ``_create_c10d_store``: there, the

@@ -9,7 +9,8 @@ loop come out wrong. Gathering the sharded kernels, recurrent kernel and bias
 once at the start of the call (what FSDP does before a layer runs) leaves the
 loop on replicated weights: one all-gather per weight instead of one per step,
 and compiled gradients equal eager ones. Their gradients go back to the
-shards' placements by a local slice.
+shards' placements by a local slice. A Keras mask sends the layer to Keras's
+generic loop instead, which the ``compile`` family keeps eager.
 """
 
 from __future__ import annotations

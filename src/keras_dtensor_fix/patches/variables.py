@@ -1,9 +1,10 @@
 """Create unsharded variables as Replicate DTensors under ModelParallel.
 
-Upstream keeps a variable with no sharded axis a plain ``Parameter``; the first
-op that meets a sharded value (``bias + matmul``) then fails with "got mixed
-torch.Tensor and DTensor". As Replicate DTensors they take part in DTensor's
-own sharding rules, eager and compiled.
+Upstream (keras-nightly 3.16.0.dev2026102704; torch ModelParallel is tracked
+in keras-team/keras#23418) keeps a variable with no sharded axis a plain
+``Parameter``; the first op that meets a sharded value (``bias + matmul``)
+then fails with "got mixed torch.Tensor and DTensor". As Replicate DTensors
+they take part in DTensor's own sharding rules, eager and compiled.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class LayoutError(ValueError):
 def check_layout(variable: Any, layout: Any) -> None:
     """Refuse a layout whose axes do not match the variable's dims.
 
-    torch fails on it later with an IndexError from inside DTensor (upstream
-    too); this names the variable, its layout and one that works.
+    torch (2.13) fails on it later with an IndexError from inside DTensor
+    (upstream too); this names the variable, its layout and one that works.
     """
     axes = tuple(getattr(layout, "axes", None) or ())
     shape = tuple(getattr(variable, "shape", ()) or ())
@@ -159,7 +160,7 @@ def _to_backend_mesh(wrapped, instance, args, kwargs):
     """One torch DeviceMesh per Keras DeviceMesh.
 
     Early nightlies build a new torch mesh in every ``get_metrics_result``
-    call, which dynamo cannot trace inside a compiled step (and which costs a
+    call, which dynamo (torch 2.13) cannot trace in a compiled step (and costs a
     mesh per step eagerly). Keras caches the same object as ``_backend_mesh``.
     """
     device_mesh = args[0] if args else kwargs.get("device_mesh")

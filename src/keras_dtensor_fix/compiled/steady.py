@@ -2,8 +2,8 @@
 
 Every call of a ``torch.compile``'d function first evaluates dynamo's guards
 on what the trace read: for a keras-hub model's one-token call that is every
-layer attribute and weight on the way, about 2 ms of each new token at the
-sizes of ``benchmarks/generate_matrix.py``. Inside one ``generate()`` the
+layer attribute and weight on the way, a visible share of each new token's
+time (figures: ``benchmarks/README.md``). Inside one ``generate()`` the
 sampler's loop calls the same function on the same model with arguments of
 the same kind at every position; nothing the guards check changes from one
 token to the next.

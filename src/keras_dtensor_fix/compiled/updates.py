@@ -1,7 +1,8 @@
 """Whether a model's optimizers counted a step: may a failed step run again?
 
 A compiled step that fails inside torch's runner of its graph (a backward
-whose tangent's DTensor metadata torch guessed wrong) can run again eagerly
+whose tangent's DTensor metadata torch 2.13 guessed wrong: pytorch/pytorch#143134)
+can run again eagerly
 only where no optimizer applied an update in it: the eager retry would apply
 that update twice. What the failed attempt did change before it failed, its
 random draws (the seed generators' states) and metric updates, is put back

@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
+from keras_dtensor_fix.compiled.steady import Steady, code_of
 from keras_dtensor_fix.dtensor import DTensor, reducing_gradient
 from keras_dtensor_fix.engine import state, targets
-from keras_dtensor_fix.generation.steady import Steady, code_of
 from keras_dtensor_fix.ops.values import flatten_call, output_laid_out
 
 #: True while a block's region runs: its sublayers open no name scope.
