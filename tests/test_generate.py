@@ -27,6 +27,20 @@ from keras_dtensor_fix.patches import generate as family
 original = causal_lm.CausalLM.__dict__["make_generate_function"].__wrapped__
 
 
+def one_rank_model_parallel():  # the family compiles tokens under ModelParallel only
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = keras.distribution.DeviceMesh(
+        (1, 1), ["batch", "model"], keras.distribution.list_devices()
+    )
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch"
+    ))
+
+
+one_rank_model_parallel()
+
+
 def model(jit_compile):
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.GemmaBackbone(
@@ -84,6 +98,20 @@ import numpy as np
 import keras, keras_hub
 import keras_dtensor_fix
 from keras_dtensor_fix.patches import generate as family
+
+
+def one_rank_model_parallel():  # the family compiles tokens under ModelParallel only
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = keras.distribution.DeviceMesh(
+        (1, 1), ["batch", "model"], keras.distribution.list_devices()
+    )
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch"
+    ))
+
+
+one_rank_model_parallel()
 
 
 class Opaque(keras_hub.models.GemmaCausalLM):

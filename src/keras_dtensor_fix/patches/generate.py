@@ -1,20 +1,20 @@
-"""keras-hub generate() compiled on torch for a model compiled with jit_compile=True.
+"""keras-hub generate() compiled on torch for a sharded model with jit_compile=True.
 
 keras-hub compiles generation on JAX and TensorFlow and runs it eagerly on
-torch: every new token pays a whole eager forward pass, and on a sharded
-model each of its ops is a dispatched DTensor op. Here a ``CausalLM``
-compiled with ``jit_compile=True`` runs each new token's cached decoder call
-(``call_with_cache`` on one token) through ``torch.compile``: the cache keeps
-its shape and the position is a tensor, so one graph serves every position
-and every later ``generate()`` call. The prompt's pass (the cache's first
-fill) stays eager: it runs once per call, with the prompt's shape. Sharded,
-the graph holds this process's shards and collectives; its compile-cache key
-names the process, as the training steps' do (``state.cache_key_tag``); the
-prompt's pass runs its blocks on local tensors and the sampler's loop gets
-plain tensors, as eager generation does (below), so only the compiled token
-step touches DTensors. Within one generation, tokens skip dynamo's guard
-checks once one compiled nothing right after a token of the same kind
-(``compiled/steady.py``).
+torch: every new token pays a whole eager forward pass, and on a sharded model
+each of its ops is a dispatched DTensor op. Here, under ModelParallel, a
+``CausalLM`` compiled with ``jit_compile=True`` runs each new token's cached
+decoder call (``call_with_cache`` on one token) through ``torch.compile``: the
+cache keeps its shape and the position is a tensor, so one graph serves every
+position and every later ``generate()`` call. The prompt's pass (the cache's
+first fill) stays eager: it runs once per call, with the prompt's shape.
+Sharded, the graph holds this process's shards and collectives; its compile-
+cache key names the process, as the training steps' do
+(``state.cache_key_tag``); the prompt's pass runs its blocks on local tensors
+and the sampler's loop gets plain tensors, as eager generation does (below),
+so only the compiled token step touches DTensors. Within one generation,
+tokens skip dynamo's guard checks once one compiled nothing right after a
+token of the same kind (``compiled/steady.py``).
 
 ``jit_compile`` False or "auto" (Keras's default, eager on torch) generates
 eagerly, and on a sharded model each decoder block's cached call runs on
@@ -55,9 +55,12 @@ _COMPILED: dict[type, Any] = {}
 
 
 def _compiles(model: Any) -> bool:
+    # Only sharded: without ModelParallel keras-hub's eager generation stands,
+    # so a one-device script compiles exactly what it does without the plugin.
     call = getattr(type(model), "call_with_cache", None)
     return (
-        getattr(model, "jit_compile", False) is True
+        model_parallel() is not None
+        and getattr(model, "jit_compile", False) is True
         and callable(call)
         and "call_with_cache" not in vars(model)
         and not paths.eager(model)
