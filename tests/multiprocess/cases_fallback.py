@@ -1,4 +1,9 @@
-"""Scenario cases: generation's local fast paths defeated on purpose.
+"""Scenario cases: local fast paths defeated on purpose.
+
+Generation's (the ``hub`` group), then training's: the ``leaves`` and
+``layers`` families' local calls (the ``dropin`` group, upstream pinned in
+``test_dropin.py``) and blocks mode's compiled blocks (the ``blocks`` group,
+``test_blocks.py``); each section says what its cases do.
 
 Eager sharded generation runs each decoder block on local tensors where
 ``decoder.plan`` proves Megatron's layout, and the whole one-token call where
