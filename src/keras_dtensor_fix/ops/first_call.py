@@ -45,12 +45,15 @@ class FirstCall:
         except TypeError:  # no weak reference: never remembered
             return UNKNOWN
 
+    def _remember(self, owner: Any, outcome: bool) -> None:
+        try:
+            self._known[owner] = outcome
+        except TypeError:  # no weak reference: checked again at each call
+            pass
+
     def refuse(self, owner: Any, cause: str) -> None:
         """``owner`` calls its own from now on: one warning naming ``cause``."""
-        try:
-            self._known[owner] = REFUSED
-        except TypeError:
-            pass
+        self._remember(owner, REFUSED)
         name = getattr(owner, "name", None) or type(owner).__name__
         warnings.warn(
             f"keras-dtensor-fix: {self.name} on {name} {cause}; it runs on "
@@ -105,7 +108,7 @@ class FirstCall:
         pairs = _pairs(expected, result)
         pairs += list(zip(_values(written), after_fast, strict=True))
         if _agree(pairs, error is None):
-            self._known[owner] = PROVEN
+            self._remember(owner, PROVEN)
             _restore(written, after_fast)
             return result
         if error is None and _mine_agree(pairs):
@@ -159,9 +162,9 @@ def _full(value: Any) -> Any:
 def _close(a: Any, b: Any) -> bool:
     if b is None or a.shape != b.shape:
         return False
+    low = a.dtype in (torch.float16, torch.bfloat16)
     a, b = a.detach().float(), b.detach().float()
     scale = float(a.abs().max()) if a.numel() else 0.0
-    low = a.dtype in (torch.float16, torch.bfloat16)
     rtol = 1e-2 if low else 1e-4
     return bool(torch.allclose(a, b, rtol=rtol, atol=rtol * 0.1 * max(scale, 1.0)))
 
@@ -174,17 +177,17 @@ def _agree(pairs: list, ok: bool) -> bool:
     """Whether every process's pairs hold the same values (gathers and one
     all-reduce, alike on every process); ``pairs`` becomes (a, b, close)."""
     mesh = None
-    for index, (a, b) in enumerate(pairs):
-        if mesh is None and isinstance(a, DTensor):
-            mesh = a.device_mesh
-        full_a = _full(a)
-        full_b = _full(a if b is None else b)
-        close = b is not None and _close(full_a, full_b)
-        pairs[index] = (a, b, close)
-        ok = ok and close
-    if mesh is None:
-        return ok
     with torch.no_grad():
+        for index, (a, b) in enumerate(pairs):
+            if mesh is None and isinstance(a, DTensor):
+                mesh = a.device_mesh
+            full_a = _full(a)
+            full_b = _full(a if b is None else b)
+            close = b is not None and _close(full_a, full_b)
+            pairs[index] = (a, b, close)
+            ok = ok and close
+        if mesh is None:
+            return ok
         flag = torch.tensor([0.0 if ok else 1.0], device=mesh.device_type)
         total = all_reduce_sum(flag, mesh, tuple(range(mesh.ndim)))
     return float(total) == 0.0
