@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cases_dropin import RAW_OPERATOR_CASES
+from cases_fallback import LOCAL_FALLBACKS
 from scenarios import CASES
 from test_parity import assert_parity
 
@@ -48,6 +49,12 @@ UPSTREAM = {
     "separable_conv2d": "expected weight to be at least 4",
     "conv2d_transpose": "must match the size of tensor b",
     "mha_causal_mask": "ok",
+    # cases_fallback.py: the plugin's local fast paths defeated on purpose;
+    # upstream takes every op through DTensor and equals one process.
+    "leaves_region_raises": "ok",
+    "leaves_region_accepts_split": "ok",
+    "dense_local_raises": "ok",
+    "dense_activation_misread": "ok",
 }
 
 
@@ -70,6 +77,29 @@ def check(name: str, ranks: list[dict], single: dict) -> None:
 @pytest.mark.parametrize("name", cases("dropin"))
 def test_dropin_parity(runs, name: str) -> None:
     check(name, runs.get("dropin", world=2), runs.get("dropin", world=1)[0])
+
+
+@pytest.mark.parametrize("name", sorted(LOCAL_FALLBACKS))
+def test_local_fast_paths_fall_back(runs, name: str) -> None:
+    """A local fast path of the training step defeated on purpose
+    (``cases_fallback.py``: the ``leaves`` family's recognition raising or
+    accepting a softmax over split features, the ``layers`` family's local
+    dense call raising or taking a softmax activation for an elementwise
+    one): each object's first call is checked against its own call on
+    DTensors (``ops/first_call.py``), so every process warns once per
+    layer, naming the cause, and trains as upstream does, one process's
+    losses and weights (test_dropin_parity). Without the check the raising
+    cases failed in fit() with the error, and the accepting ones trained to
+    other losses than one process's, silently. Upstream equals one process
+    (:data:`UPSTREAM`)."""
+    every, some = LOCAL_FALLBACKS[name]
+    for rank, result in enumerate(runs.get("dropin", world=2)):
+        mine = result[name]
+        assert "error" not in mine, (rank, mine.get("traceback"))
+        warned = mine["plugin_warnings"]
+        assert warned and all(every in w for w in warned), (rank, warned)
+        assert any(some in w for w in warned), (rank, warned)
+        assert len(warned) == len(set(warned)), warned  # once per layer
 
 
 @pytest.mark.parametrize("name", scenario_params("dropin_compiled"))

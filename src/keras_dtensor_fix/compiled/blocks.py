@@ -176,10 +176,12 @@ def _region_call(
         if not failure(error):
             raise
         _FAILED.add(cls)
-        first = (str(error).splitlines() or [""])[0][:200]
+        # dynamo's BackendCompilerFailed holds the backend's own error
+        cause = getattr(error, "inner_exception", None) or error
+        first = (str(cause).splitlines() or [""])[0][:200]
         warnings.warn(
             f"keras-dtensor-fix: torch.compile failed on {cls.__name__} "
-            f"({type(error).__name__}: {first}); its blocks run eagerly from now on.",
+            f"({type(cause).__name__}: {first}); its blocks run eagerly from now on.",
             stacklevel=2,
         )
         return original(block, *args, **kwargs)

@@ -9,7 +9,9 @@ Where the kernel and bias are DTensors whose placements have a local form
 tensors between one unwrap per input and one wrap of the output. Anything else
 (LoRA, quantized kernels, a plain kernel, placements without a local form, an
 activation the output's sharding would split) calls the original ``call``, as
-do compiled steps.
+do compiled steps. Each layer's first local call is checked against its own
+``call`` on DTensors (``ops.first_call``): one that raises, or differs, warns
+once and runs on DTensors from then on.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from keras_dtensor_fix.dtensor.einsum import linear_equation, local_dense
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import compiling
+from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED, FirstCall
 from keras_dtensor_fix.ops.values import resolve
 
 #: Keras activations (``keras.activations.<name>``) by how far they reach.
@@ -56,6 +59,8 @@ ELEMENTWISE = (
 LAST_AXIS = ("glu", "log_softmax", "softmax", "sparsemax")
 
 _SCOPES: dict[Any, str] = {}
+#: Each layer's first local call, checked against DTensor's path.
+FIRST = FirstCall("the layers family's local dense call")
 
 
 def activation_scope(activation: Any) -> str:
@@ -85,23 +90,30 @@ def _dense_call(wrapped, instance, args, kwargs):
         or len(args) + len(kwargs) < 1
     ):
         return wrapped(*args, **kwargs)
-    inputs = resolve(args[0] if args else kwargs.get("inputs"))
-    bias = instance.bias
-    activation = instance.activation
-    operands = (
-        inputs,
-        resolve(instance.kernel),
-        None if bias is None else resolve(bias),
-        activation,
-        "elementwise" if activation is None else activation_scope(activation),
-    )
-    equation = getattr(instance, "equation", None)  # EinsumDense's own
-    if not isinstance(equation, str):
-        equation = linear_equation(getattr(inputs, "ndim", 0))
-    result = None if equation is None else local_dense(equation, *operands)
-    if result is None:
+    known = FIRST.known(instance)
+    if known is REFUSED:
         return wrapped(*args, **kwargs)
-    return result
+
+    def local() -> Any:
+        inputs = resolve(args[0] if args else kwargs.get("inputs"))
+        bias = instance.bias
+        activation = instance.activation
+        operands = (
+            inputs,
+            resolve(instance.kernel),
+            None if bias is None else resolve(bias),
+            activation,
+            "elementwise" if activation is None else activation_scope(activation),
+        )
+        equation = getattr(instance, "equation", None)  # EinsumDense's own
+        if not isinstance(equation, str):
+            equation = linear_equation(getattr(inputs, "ndim", 0))
+        return None if equation is None else local_dense(equation, *operands)
+
+    if known is PROVEN:
+        result = local()
+        return wrapped(*args, **kwargs) if result is None else result
+    return FIRST.run(instance, local, lambda: wrapped(*args, **kwargs))
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
@@ -121,4 +133,4 @@ def patches(module: types.ModuleType) -> list[Patch]:
     ]
 
 
-IMPLEMENTATION = Implementation(patches)
+IMPLEMENTATION = Implementation(patches, after_revert=FIRST.forget)

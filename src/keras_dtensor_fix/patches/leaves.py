@@ -18,7 +18,9 @@ Anything else calls the original: a layer with sublayers, sharded weights, a
 seed generator (dropout draws its own way), a Keras mask, an activity
 regularizer, an output layout in the distribution's LayoutMap, a layer not yet
 built, a stateless scope, a nested call, a first argument that is not a
-DTensor and compiled steps. Gated.
+DTensor and compiled steps. Each layer's first local call is checked
+against its own call on DTensors (``ops.first_call``): one that raises, or
+differs, warns once and runs on DTensors from then on. Gated.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import compiling
 from keras_dtensor_fix.hub import layers as hub_layers
+from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED, FirstCall
 from keras_dtensor_fix.ops.values import (
     flatten_call,
     local_tensors,
@@ -47,6 +50,8 @@ _ACTIVE: list[bool] = []
 #: Layer class -> its kind in :data:`targets.MIXING_LAYERS` or
 #: ``hub.layers.MIXING_LAYERS``, or None.
 _KINDS: dict[type, str | None] = {}
+#: Each layer's first local call, checked against DTensor's path.
+FIRST = FirstCall("the leaves family's local call")
 #: Layers whose output the LayoutMap lays out (checked once per layer).
 _LAID_OUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -104,6 +109,9 @@ def _call(wrapped, instance, args, kwargs):
     """``Layer.__call__`` on local tensors where every rank's piece computes alone."""
     if _ACTIVE or not args or not isinstance(args[0], DTensor) or _plain(instance):
         return wrapped(*args, **kwargs)
+    known = FIRST.known(instance)
+    if known is REFUSED:
+        return wrapped(*args, **kwargs)
     variables = instance._trainable_variables + instance._non_trainable_variables
     for variable in variables:
         value = getattr(variable, "_value", None)
@@ -114,21 +122,32 @@ def _call(wrapped, instance, args, kwargs):
         if getattr(leaf, "_keras_mask", None) is not None:
             return wrapped(*args, **kwargs)
     first = args[0]
-    # A layer with weights runs locally only where everything is replicated:
-    # its weights would meet the shards whole.
-    axes = None if variables else mixes(instance, first.ndim)
-    found = local_region(leaves, axes)
+    try:
+        # A layer with weights runs locally only where everything is
+        # replicated: its weights would meet the shards whole.
+        axes = None if variables else mixes(instance, first.ndim)
+        found = local_region(leaves, axes)
+    except Exception as error:  # the recognition itself: DTensor's path
+        FIRST.failed(instance, error)
+        return wrapped(*args, **kwargs)
     if found is None or _laid_out(instance):
         return wrapped(*args, **kwargs)
-    mesh, placements, local = found
-    args, kwargs = unflatten_call(args, kwargs, structure, local)
-    _ACTIVE.append(True)
-    try:
-        with local_tensors(variables, grad=True):
-            result = wrapped(*args, **kwargs)
-    finally:
-        _ACTIVE.pop()
-    return _wrap_all(result, mesh, placements)
+
+    def local() -> Any:
+        mesh, placements, local = found
+        local_args, local_kwargs = unflatten_call(args, kwargs, structure, local)
+        _ACTIVE.append(True)
+        try:
+            with local_tensors(variables, grad=True):
+                result = wrapped(*local_args, **local_kwargs)
+        finally:
+            _ACTIVE.pop()
+        return _wrap_all(result, mesh, placements)
+
+    if known is PROVEN:
+        return local()
+    written = instance._non_trainable_variables
+    return FIRST.run(instance, local, lambda: wrapped(*args, **kwargs), written)
 
 
 def _wrap_all(result: Any, mesh: Any, placements: tuple) -> Any:
@@ -157,4 +176,4 @@ def patches(module: types.ModuleType) -> list[Patch]:
     ]
 
 
-IMPLEMENTATION = Implementation(patches)
+IMPLEMENTATION = Implementation(patches, after_revert=FIRST.forget)

@@ -1,0 +1,193 @@
+"""A local fast path's first call on each object, checked against DTensor's.
+
+The ``leaves`` family runs a layer on local tensors and the ``layers`` family
+a dense layer, where ``dtensor.planner`` finds that each rank's piece
+computes alone. A recognition that is wrong would raise in the middle of a
+step or, worse, give other numbers than the DTensor path, silently. So the
+first call of each object runs both (:meth:`FirstCall.run`): the fast path,
+then the object's own call on DTensors without gradients, its writes undone
+(variables, ``add_loss`` losses), and compares outputs and written variables
+as every process finds them (one all-reduce: every process decides alike).
+Where the fast path raised or differs, one warning names the object and the
+cause, the call returns the object's own result (upstream's path) and that
+object calls its own from then on. Objects are held weakly; a proven
+object's later calls pay one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from keras_dtensor_fix.dtensor import DTensor, all_reduce_sum
+from keras_dtensor_fix.engine import targets
+
+#: What :meth:`FirstCall.known` says of an object: not yet checked, its fast
+#: path matched, or it failed (its own call from then on).
+UNKNOWN, PROVEN, REFUSED = None, True, False
+
+
+class FirstCall:
+    """The first-call check of one fast path (``name``, for the warning)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def known(self, owner: Any) -> bool | None:
+        """:data:`PROVEN`, :data:`REFUSED` or :data:`UNKNOWN` for ``owner``."""
+        try:
+            return self._known.get(owner)
+        except TypeError:  # no weak reference: never remembered
+            return UNKNOWN
+
+    def _remember(self, owner: Any, outcome: bool) -> None:
+        try:
+            self._known[owner] = outcome
+        except TypeError:  # no weak reference: checked again at each call
+            pass
+
+    def refuse(self, owner: Any, cause: str) -> None:
+        """``owner`` calls its own from now on: one warning naming ``cause``."""
+        self._remember(owner, REFUSED)
+        name = getattr(owner, "name", None) or type(owner).__name__
+        warnings.warn(
+            f"keras-dtensor-fix: {self.name} on {name} {cause}; it runs on "
+            "DTensors from now on, as upstream Keras runs it.",
+            stacklevel=4,
+        )
+
+    def failed(self, owner: Any, error: BaseException) -> None:
+        """:meth:`refuse` for a recognition that raised ``error``."""
+        self.refuse(owner, f"raised ({_first_line(error)})")
+
+    def forget(self) -> None:
+        """Forget every outcome (on deactivation)."""
+        self._known.clear()
+
+    def run(
+        self,
+        owner: Any,
+        fast: Callable[[], Any],
+        own: Callable[[], Any],
+        written: Sequence[Any] = (),
+    ) -> Any:
+        """``owner``'s first call: ``fast()`` checked against ``own()``.
+
+        ``fast()`` returns None to decline (``own()`` then runs, nothing is
+        learnt); ``written`` are the variables a call may assign.
+        """
+        before, losses = _values(written), _losses(owner)
+        try:
+            result, error = fast(), None
+        except Exception as caught:
+            result, error = None, caught
+        if result is None and error is None:
+            return own()
+        after_fast, fast_losses = _values(written), _losses(owner)
+        _restore(written, before)
+        try:
+            with torch.no_grad():
+                expected = own()
+        except Exception:
+            # DTensor's path fails too: nothing to check against.
+            if error is not None:
+                raise error from None
+            _restore(written, after_fast)
+            _set_losses(owner, fast_losses)
+            return result
+        _set_losses(owner, fast_losses)
+        if error is not None:
+            cause = f"raised ({_first_line(error)})"
+        else:
+            cause = "did not match DTensor's path"
+        pairs = _pairs(expected, result)
+        pairs += list(zip(_values(written), after_fast, strict=True))
+        if _agree(pairs, error is None):
+            self._remember(owner, PROVEN)
+            _restore(written, after_fast)
+            return result
+        if error is None and _mine_agree(pairs):
+            cause = "did not match DTensor's path on another process"
+        _restore(written, before)
+        _set_losses(owner, losses)
+        self.refuse(owner, cause)
+        return own()
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {(lines or [''])[0][:200]}"
+
+
+def _values(variables: Sequence[Any]) -> list[Any]:
+    return [variable._value.detach().clone() for variable in variables]
+
+
+def _restore(variables: Sequence[Any], values: list[Any]) -> None:
+    with torch.no_grad():
+        for variable, value in zip(variables, values, strict=True):
+            variable._value.copy_(value)
+
+
+def _losses(owner: Any) -> list[Any] | None:
+    losses = getattr(owner, "_losses", None)
+    return list(losses) if isinstance(losses, list) else None
+
+
+def _set_losses(owner: Any, losses: list[Any] | None) -> None:
+    if losses is not None:
+        owner._losses[:] = losses
+
+
+def _pairs(expected: Any, result: Any) -> list[tuple[Any, Any]]:
+    """(DTensor's, the fast path's) tensors; the fast path's missing or shaped
+    otherwise, DTensor's own in its place (the same gathers on every process)."""
+    flatten = targets.keras_object("tree").flatten
+    want = [v for v in flatten(expected) if isinstance(v, torch.Tensor)]
+    got = [v for v in flatten(result) if isinstance(v, torch.Tensor)]
+    if len(got) != len(want):
+        return [(a, None) for a in want]
+    return list(zip(want, got, strict=True))
+
+
+def _full(value: Any) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _close(a: Any, b: Any) -> bool:
+    if b is None or a.shape != b.shape:
+        return False
+    low = a.dtype in (torch.float16, torch.bfloat16)
+    a, b = a.detach().float(), b.detach().float()
+    scale = float(a.abs().max()) if a.numel() else 0.0
+    rtol = 1e-2 if low else 1e-4
+    return bool(torch.allclose(a, b, rtol=rtol, atol=rtol * 0.1 * max(scale, 1.0)))
+
+
+def _mine_agree(pairs: list[tuple[Any, Any]]) -> bool:
+    return all(close for *_, close in pairs)
+
+
+def _agree(pairs: list, ok: bool) -> bool:
+    """Whether every process's pairs hold the same values (gathers and one
+    all-reduce, alike on every process); ``pairs`` becomes (a, b, close)."""
+    mesh = None
+    with torch.no_grad():
+        for index, (a, b) in enumerate(pairs):
+            if mesh is None and isinstance(a, DTensor):
+                mesh = a.device_mesh
+            full_a = _full(a)
+            full_b = _full(a if b is None else b)
+            close = b is not None and _close(full_a, full_b)
+            pairs[index] = (a, b, close)
+            ok = ok and close
+        if mesh is None:
+            return ok
+        flag = torch.tensor([0.0 if ok else 1.0], device=mesh.device_type)
+        total = all_reduce_sum(flag, mesh, tuple(range(mesh.ndim)))
+    return float(total) == 0.0
