@@ -211,6 +211,8 @@ def _preload(family: loader.Family) -> None:
     if not _gate_open(family, targets.KERAS):
         return
     for name in family.modules:
+        if targets.find_spec(name) is None:  # another layout's module
+            continue
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - never break the user's import
