@@ -289,6 +289,10 @@ BRANCHING = {
     "ema_overwrite_compiled": lambda: keras.optimizers.Adam(
         1e-2, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=2
     ),
+    # both conds in one step, weight decay inside the update branch (slow tier)
+    "accumulate2_ema_overwrite3_compiled": lambda: keras.optimizers.AdamW(
+        1e-2, gradient_accumulation_steps=2, use_ema=True, ema_overwrite_frequency=3
+    ),
 }
 
 
@@ -302,7 +306,7 @@ def _branching_case(name: str, factory) -> None:
         return result
 
     run.__name__ = name
-    case("dropin_compiled", layout=COLUMNS)(run)
+    case("dropin_compiled", layout=COLUMNS, slow="_ema_overwrite3" in name)(run)
 
 
 for _name, _factory in BRANCHING.items():

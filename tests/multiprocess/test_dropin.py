@@ -158,11 +158,15 @@ def test_upstream_compiled_gan(runs) -> None:
     np.testing.assert_allclose(upstream["losses"], single["losses"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(BRANCHING))
+@pytest.mark.parametrize(
+    "name",
+    scenario_params("dropin_compiled", tuple(n for n in CASES if n not in BRANCHING)),
+)
 def test_optimizer_branches_compiled(runs, name: str) -> None:
     """Gradient accumulation (2 steps with clipnorm, 3 with global_clipnorm)
-    and EMA overwrites every 2 steps compile into one graph with no break, on
-    both ranks (parity and no warning: ``test_dropin_compiled``). Before the
+    and EMA overwrites every 2 steps (both at once in the slow tier) compile
+    into one graph with no break, on both ranks (parity and no warning:
+    ``test_dropin_compiled``). Before the
     ``optimizers`` family selected ``cond``'s branches, Keras's ``if pred:``
     on the step count broke the graph, the first batch's compile failed
     ("expected example_value to be a FakeTensor, got DTensor") and the model
