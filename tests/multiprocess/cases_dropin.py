@@ -275,6 +275,44 @@ def unseeded_dropout_compiled():
     return fit_model(model, x, y, batch_size=16, jit_compile=True)
 
 
+# ---------------------------------------------------------------- branches
+# Gradient accumulation and EMA overwrites branch on the step count through
+# Keras's ``ops.cond``; compiled, both branches run and torch.where keeps one.
+
+BRANCHING = {
+    "accumulate2_clipnorm_compiled": lambda: keras.optimizers.Adam(
+        1e-2, gradient_accumulation_steps=2, clipnorm=0.5
+    ),
+    "accumulate3_global_clipnorm_compiled": lambda: keras.optimizers.SGD(
+        0.05, momentum=0.9, gradient_accumulation_steps=3, global_clipnorm=0.5
+    ),
+    "ema_overwrite_compiled": lambda: keras.optimizers.Adam(
+        1e-2, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=2
+    ),
+    # both conds in one step, weight decay inside the update branch (slow tier)
+    "accumulate2_ema_overwrite3_compiled": lambda: keras.optimizers.AdamW(
+        1e-2, gradient_accumulation_steps=2, use_ema=True, ema_overwrite_frequency=3
+    ),
+}
+
+
+def _branching_case(name: str, factory) -> None:
+    def run():
+        import torch._dynamo.utils
+
+        result = _plugin_warnings(fit_mlp, factory(), jit_compile=True)
+        breaks = torch._dynamo.utils.counters["graph_break"]
+        result["graph_breaks"] = sum(breaks.values())
+        return result
+
+    run.__name__ = name
+    case("dropin_compiled", layout=COLUMNS, slow="_ema_overwrite3" in name)(run)
+
+
+for _name, _factory in BRANCHING.items():
+    _branching_case(_name, _factory)
+
+
 # ---------------------------------------------------------------- GAN
 
 

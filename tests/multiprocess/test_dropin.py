@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cases_dropin import RAW_OPERATOR_CASES
+from cases_dropin import BRANCHING, RAW_OPERATOR_CASES
 from cases_fallback import LOCAL_FALLBACKS
 from scenarios import CASES
 from test_parity import assert_parity
@@ -186,6 +186,42 @@ def test_upstream_compiled_gan(runs) -> None:
     assert "error" not in upstream, upstream.get("traceback")
     assert upstream["dynamo_graphs"] == 0
     np.testing.assert_allclose(upstream["losses"], single["losses"], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name",
+    scenario_params("dropin_compiled", tuple(n for n in CASES if n not in BRANCHING)),
+)
+def test_optimizer_branches_compiled(runs, name: str) -> None:
+    """Gradient accumulation (2 steps with clipnorm, 3 with global_clipnorm)
+    and EMA overwrites every 2 steps (both at once in the slow tier) compile
+    into one graph with no break, on both ranks (parity and no warning:
+    ``test_dropin_compiled``). Before the
+    ``optimizers`` family selected ``cond``'s branches, Keras's ``if pred:``
+    on the step count broke the graph, the first batch's compile failed
+    ("expected example_value to be a FakeTensor, got DTensor") and the model
+    ran eagerly, warned: 0 graphs, 1 break. Upstream: see the test below."""
+    if not compiles_model_parallel():
+        pytest.skip("this Keras does not compile under ModelParallel")
+    for rank in runs.get("dropin_compiled", world=2):
+        result = rank[name]
+        assert "error" not in result, result.get("traceback")
+        assert result["dynamo_graphs"] == 1, result["plugin_warnings"]
+        assert result["graph_breaks"] == 0
+
+
+def test_upstream_compiled_optimizer_branches(runs) -> None:
+    """Upstream runs accumulation and EMA overwrites eagerly under
+    ModelParallel (0 dynamo graphs: it compiles nothing there) and equals one
+    process; the plugin compiles them (test above)."""
+    upstream = upstream_compiled(runs)
+    single = runs.get("dropin_compiled", world=1)[0]
+    for name in filter(runs.ran, BRANCHING):
+        assert "error" not in upstream[name], upstream[name].get("traceback")
+        assert upstream[name]["dynamo_graphs"] == 0
+        np.testing.assert_allclose(
+            upstream[name]["losses"], single[name]["losses"], rtol=1e-5
+        )
 
 
 @pytest.mark.parametrize("name", cases("dropin"))

@@ -38,7 +38,7 @@ class Family:
 FAMILIES: tuple[Family, ...] = (
     Family(
         "optimizers",
-        ("optimizers", "parallel_optimizer"),
+        ("optimizers", "parallel_optimizer", "base_optimizer", "core"),
         "optimizers",
         "optimizer steps on aligned gradients, shard-wise",
         preload=True,

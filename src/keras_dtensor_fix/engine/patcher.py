@@ -210,7 +210,7 @@ def _preload(family: loader.Family) -> None:
     """Keras is in: import the family's modules, whose hooks apply it now."""
     if not _gate_open(family, targets.KERAS):
         return
-    for name in family.modules:
+    for name in filter(targets.find_spec, family.modules):  # not the other layout's
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - never break the user's import

@@ -9,10 +9,8 @@ block compiles once for all its instances (:mod:`keras_dtensor_fix.compiled.bloc
 The step runs eagerly, warned, where torch cannot compile it (torch < 2.12;
 Keras's generic RNN loop, seeded random layers on 2.13). Static shapes: DTensor
 fails on symbolic shard sizes (torch 2.13; pytorch/pytorch#152963). A step that fails to
-compile before an optimizer update runs the batch again eagerly, warned; so do
-gradient accumulation and EMA with ``ema_overwrite_frequency`` on their first
-batch (``ops.cond``'s Python test of the step count is a graph break, where
-torch 2.13 asserts "expected example_value to be a FakeTensor" on a DTensor).
+compile before an optimizer update runs the batch again eagerly, warned.
+(Gradient accumulation and EMA overwrites compile: the ``optimizers`` family.)
 """
 
 from __future__ import annotations

@@ -9,13 +9,25 @@ builds each step (they miss PyTorch's sharding cache and leak into it). Under
 torch.compile the original runs on the aligned DTensors. Keras imports a torch
 optimizer's module only when one is built: the family's row declares
 ``preload``, so the engine imports them with Keras.
+
+Gradient accumulation and EMA with ``ema_overwrite_frequency`` branch on the
+step count through Keras's ``ops.cond``, whose ``if pred:`` on a tensor breaks
+a compiled step's graph; dynamo cannot break under the optimizer's
+``name_scope``, so it breaks at ``optimizer.apply`` and compiles the forward and
+backward alone, where torch 2.13's check of the outputs against the traced
+``autograd.grad`` asserts a FakeTensor and finds a DTensor. Compiled and
+sharded, those two ``cond`` calls run both branches and keep each variable's
+branch with ``torch.where`` (:func:`_selected_cond`): no break, the same values.
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
 
 from keras_dtensor_fix.dtensor import DTensor, planner, to_placements
 from keras_dtensor_fix.engine import targets
@@ -77,7 +89,87 @@ def _increment_accumulators(wrapped, instance, args, kwargs):
     return wrapped(align_gradients(grads, values), acc_grads, *args[2:], **kwargs)
 
 
+#: While a compiled, sharded optimizer applies gradients with accumulation or
+#: EMA overwrites: the variables its ``cond`` branches may write (the newest
+#: last). Empty otherwise, so every other ``cond`` runs as Keras wrote it.
+_SELECTING: list[list[Any]] = []
+
+
+def _branching(optimizer: Any) -> bool:
+    return bool(
+        optimizer.gradient_accumulation_steps
+        or (optimizer.use_ema and optimizer.ema_overwrite_frequency)
+    )
+
+
+def _apply_gradients(wrapped, instance, args, kwargs):
+    """Compiled and sharded, let :func:`_cond` select the step's branches."""
+    if not compiling() or not _branching(instance):
+        return wrapped(*args, **kwargs)
+    trainable = list(args[1] if len(args) > 1 else kwargs["trainable_variables"])
+    written = [*trainable, *instance._trainable_variables, *instance.variables]
+    if not any(isinstance(v.value, DTensor) for v in written):
+        return wrapped(*args, **kwargs)
+    unique = list({id(v): v for v in written}.values())
+    _SELECTING.append(unique)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _SELECTING.pop()
+
+
+def _selected_cond(
+    pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any], variables
+) -> Any:
+    """``cond`` without a branch: each branch runs from the same variable
+    values, and every variable keeps the value of the branch ``pred`` picks.
+    Exact (a selection, not arithmetic) as long as the branches write only
+    ``variables``, which is what Keras's optimizer branches do."""
+    values = [v.value for v in variables]
+    with torch.no_grad():
+        before = [value.clone() for value in values]
+        true_out = true_fn()
+        after_true = [value.clone() for value in values]
+        for value, old in zip(values, before, strict=True):
+            value.copy_(old)
+        false_out = false_fn()
+        for value, new in zip(values, after_true, strict=True):
+            value.copy_(torch.where(pred, new, value))
+    if true_out is None and false_out is None:
+        return None
+    return tree_map(lambda t, f: torch.where(pred, t, f), true_out, false_out)
+
+
+def _cond(wrapped, instance, args, kwargs):
+    if not _SELECTING or not compiling():
+        return wrapped(*args, **kwargs)
+    pred, true_fn, false_fn = _bind_cond(*args, **kwargs)
+    if not isinstance(pred, torch.Tensor):
+        return wrapped(*args, **kwargs)
+    return _selected_cond(pred, true_fn, false_fn, _SELECTING[-1])
+
+
+def _bind_cond(pred, true_fn, false_fn):
+    return pred, true_fn, false_fn
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
+    if targets.is_kind(module.__name__, "core"):
+        return [
+            Patch(
+                module.__name__,
+                "cond",
+                _cond,
+                also_in=targets.aliases("core_star"),
+                gated=True,
+                traced=True,
+            )
+        ]
+    if targets.is_kind(module.__name__, "base_optimizer"):
+        attribute = "BaseOptimizer._backend_apply_gradients"
+        return [
+            Patch(module.__name__, attribute, _apply_gradients, gated=True, traced=True)
+        ]
     if targets.is_kind(module.__name__, "parallel_optimizer"):
         attribute = "TorchParallelOptimizer._backend_increment_gradient_accumulators"
         return [Patch(module.__name__, attribute, _increment_accumulators, gated=True)]
