@@ -176,6 +176,29 @@ def test_upstream_compiled_recurrent(runs) -> None:
         )
 
 
+def test_gan_compiled(runs) -> None:
+    """The guide's GAN (two models, two optimizers, two ``backward()`` calls
+    in one custom ``train_step``) compiles and runs its compiled step on
+    every batch, on both ranks: dynamo graphs, ``fit``'s train function still
+    the compiled one at the end, no fallback warning ("runs eagerly"), and
+    one process's losses and weights (test_dropin_compiled). Issue 50 saw
+    torch's "Expected a DTensor tangent but got a plain Tensor" in
+    ``d_loss.backward()`` after the first batches, and the step rebuilt
+    eagerly, warned: ``compiled_to_the_end`` false. Upstream runs it eagerly
+    (test below)."""
+    if not runs.ran("gan_compiled"):
+        pytest.skip("gan_compiled not selected")
+    if not compiles_model_parallel():
+        pytest.skip("this Keras does not compile under ModelParallel")
+    for rank, result in enumerate(runs.get("dropin_compiled", world=2)):
+        mine = result["gan_compiled"]
+        assert "error" not in mine, (rank, mine.get("traceback"))
+        assert mine["dynamo_graphs"] > 0, (rank, mine["plugin_warnings"])
+        assert mine["compiled_to_the_end"], (rank, mine["plugin_warnings"])
+        eager = [w for w in mine["plugin_warnings"] if "runs eagerly" in w]
+        assert eager == [], (rank, eager)
+
+
 def test_upstream_compiled_gan(runs) -> None:
     """Upstream runs the guide's GAN eagerly (0 dynamo graphs) and equals one
     process; the plugin compiles it (test_dropin_compiled)."""
@@ -185,6 +208,7 @@ def test_upstream_compiled_gan(runs) -> None:
     single = runs.get("dropin_compiled", world=1)[0]["gan_compiled"]
     assert "error" not in upstream, upstream.get("traceback")
     assert upstream["dynamo_graphs"] == 0
+    assert not upstream["compiled_to_the_end"]
     np.testing.assert_allclose(upstream["losses"], single["losses"], rtol=1e-5)
 
 
