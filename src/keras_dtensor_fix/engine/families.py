@@ -38,7 +38,13 @@ class Family:
 FAMILIES: tuple[Family, ...] = (
     Family(
         "optimizers",
-        ("optimizers", "parallel_optimizer", "base_optimizer", "core"),
+        (
+            "optimizers",
+            "parallel_optimizer",
+            "base_optimizer",
+            "loss_scale_optimizer",
+            "core",
+        ),
         "optimizers",
         "optimizer steps on aligned gradients, shard-wise",
         preload=True,

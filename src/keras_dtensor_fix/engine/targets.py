@@ -85,6 +85,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "optimizers": tuple(f"{_OPTIMIZERS}.torch_{name}" for name in OPTIMIZERS),
     "parallel_optimizer": (f"{_OPTIMIZERS}.torch_parallel_optimizer",),
     "base_optimizer": ("keras.src.optimizers.base_optimizer",),
+    "loss_scale_optimizer": ("keras.src.optimizers.loss_scale_optimizer",),
     "loss_and_metrics": (COMPILE_UTILS, "keras.src.metrics.reduction_metrics"),
     "dense_layers": ("keras.src.layers.core.dense", EINSUM_DENSE),
     "layer_base": ("keras.src.layers.layer",),

@@ -18,6 +18,8 @@ backward alone, where torch 2.13's check of the outputs against the traced
 ``autograd.grad`` asserts a FakeTensor and finds a DTensor. Compiled and
 sharded, those two ``cond`` calls run both branches and keep each variable's
 branch with ``torch.where`` (:func:`_selected_cond`): no break, the same values.
+``LossScaleOptimizer``'s ``cond`` on finite gradients (and its nested one on
+the growth counter) broke the same way: its ``_common_apply`` selects too.
 """
 
 from __future__ import annotations
@@ -108,6 +110,28 @@ def _apply_gradients(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     trainable = list(args[1] if len(args) > 1 else kwargs["trainable_variables"])
     written = [*trainable, *instance._trainable_variables, *instance.variables]
+    return _selecting(written, wrapped, args, kwargs)
+
+
+def _loss_scaled_apply(wrapped, instance, args, kwargs):
+    """Compiled and sharded, ``LossScaleOptimizer``'s ``cond`` on finite
+    gradients selects its branch: they write the trainable variables, the
+    inner optimizer's variables and the scale's (``instance.variables``)."""
+    if not compiling():
+        return wrapped(*args, **kwargs)
+    trainable = args[1] if len(args) > 1 else kwargs.get("trainable_variables")
+    inner = instance.inner_optimizer
+    written = [
+        *(trainable or instance._trainable_variables),
+        *inner._trainable_variables,
+        *instance.variables,
+    ]
+    return _selecting(written, wrapped, args, kwargs)
+
+
+def _selecting(written: list[Any], wrapped, args, kwargs) -> Any:
+    """``wrapped``, its ``cond`` calls selecting over ``written`` when one is
+    a DTensor (:func:`_cond`)."""
     if not any(isinstance(v.value, DTensor) for v in written):
         return wrapped(*args, **kwargs)
     unique = list({id(v): v for v in written}.values())
@@ -169,6 +193,15 @@ def patches(module: types.ModuleType) -> list[Patch]:
         attribute = "BaseOptimizer._backend_apply_gradients"
         return [
             Patch(module.__name__, attribute, _apply_gradients, gated=True, traced=True)
+        ]
+    if targets.is_kind(module.__name__, "loss_scale_optimizer"):
+        attribute = "LossScaleOptimizer._common_apply"
+        if "_common_apply" not in vars(getattr(module, "LossScaleOptimizer", object)):
+            raise LookupError(f"{attribute} not found: this Keras moved it")
+        return [
+            Patch(
+                module.__name__, attribute, _loss_scaled_apply, gated=True, traced=True
+            )
         ]
     if targets.is_kind(module.__name__, "parallel_optimizer"):
         attribute = "TorchParallelOptimizer._backend_increment_gradient_accumulators"
