@@ -407,9 +407,13 @@ def gan_compiled():
     (as here, after the group's earlier cases), the first batch's compile of
     the loss's ``__call__`` frame fails in inductor's partitioner ("Node
     tangents_2 was invalid, but is output") and the step runs eagerly, warned
-    (``compile._eager_if_compile_fails``). Issue 50 saw "Expected a DTensor
-    tangent but got a plain Tensor" in ``d_loss.backward()`` on a later batch.
-    Upstream runs it eagerly."""
+    (``compile._eager_if_compile_fails``; aot_eager alike). Where the graph
+    breaks: ``binary_cross_entropy_with_logits`` has no DTensor sharding rule,
+    so traced it fails on fake DTensors inside Keras's ``name_scope``, which
+    dynamo cannot break under: the loss's frames run eagerly (the ``ops``
+    family's full-value fallback) between compiled graphs. Issue 50 saw
+    "Expected a DTensor tangent but got a plain Tensor" in ``d_loss.backward()``
+    on a later batch. Upstream runs it eagerly."""
     keras.utils.set_random_seed(0)
     discriminator = keras.Sequential(
         [
