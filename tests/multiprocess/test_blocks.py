@@ -86,7 +86,7 @@ def test_upstream_blocks(runs) -> None:
 def test_blocks_fall_back(runs, name: str) -> None:
     """A compiled block that fails (``cases_fallback.py``, two GPT decoder
     blocks): its compilation raising sends its class to its own ``call``
-    (``ops/blocks.py``), its backward raising at run time in the first step
+    (``compiled/blocks.py``), its backward raising at run time in the first step
     runs that step again eagerly (the ``compile`` family's fallback). Every
     process warns once, naming the cause, and trains as upstream's eager
     step does, one process's losses and weights. Without the fallbacks
