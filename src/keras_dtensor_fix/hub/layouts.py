@@ -141,7 +141,8 @@ NO_ROW: dict[tuple[str, str], str] = {
     (f"{_MODELS}.rwkv7.rwkv7_backbone", "RWKV7Backbone"): (
         "its time mix writes each step's output into a plain tensor "
         "(out[:, t : t + 1] = o on the torch backend), and DTensor refuses "
-        "an o computed from sharded weights (AssertionError)"
+        "an o that is a DTensor (AssertionError): any weight sharded before "
+        "the last time mix makes it one, even the channel mix's alone"
     ),
 }
 
