@@ -31,12 +31,33 @@ def blocks_mode():
         del os.environ["KERAS_DTENSOR_FIX_COMPILE"]
 
 
+@contextlib.contextmanager
+def eager_f():
+    """How many Megatron "f" ops ran eagerly (outside any graph)."""
+    from keras_dtensor_fix.dtensor import local
+
+    made = []
+    saved = vars(local._ReduceGradient)["forward"]
+    forward = local._ReduceGradient.forward
+
+    def counted(ctx, value):
+        made.append(True)
+        return forward(ctx, value)
+
+    local._ReduceGradient.forward = staticmethod(counted)
+    try:
+        yield made
+    finally:
+        local._ReduceGradient.forward = saved
+
+
 def _blocks(fit) -> dict:
     from keras_dtensor_fix.ops import blocks
 
-    with blocks_mode() as compiled:
+    with blocks_mode() as compiled, eager_f() as made:
         result = watched(fit)
     result["compiled"] = sorted(set(compiled))
+    result["eager_f"] = len(made)
     # blocks whose later steps skipped dynamo's guards (their results, checked
     # against one process, are the skipped calls')
     result["settled"] = blocks.settled()

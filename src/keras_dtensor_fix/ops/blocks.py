@@ -17,9 +17,13 @@ Two things would make each instance a graph of its own:
   only an output's layout (a LayoutMap key ``<path>/output``), so a block with
   such a layout inside it is not compiled (:func:`refusal`).
 - Megatron's "f" (:func:`~keras_dtensor_fix.dtensor.reducing_gradient`)
-  keeps its op on the value it reads: made inside a region for the block's
-  input, it would be set on a tensor from outside the graph, an extra output
-  that gets no gradient. It is made before the region, eagerly.
+  keeps its op on the value it reads: set inside a region on the block's
+  input, a tensor from outside the graph, it is an extra output that gets no
+  gradient. The region's first op instead is the "f" of each DTensor input
+  (:func:`_with_f`), kept on its own in-graph result, which the block reads:
+  its all-reduce runs in the block's backward graph, not eagerly between two
+  graphs with a DTensor wrapped around it. Where that graph fails to compile,
+  the "f" is made before the region, eagerly (warned).
 
 Outside training (``torch.no_grad``: evaluation, prediction, generation),
 inside a compiled step, without a ModelParallel distribution and in Keras's
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import warnings
 import weakref
 from collections import Counter
@@ -37,8 +42,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
-from keras_dtensor_fix.dtensor import DTensor, reducing_gradient
+from keras_dtensor_fix.dtensor import DTensor, reducing_gradient, reducing_input
 from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.generation.steady import Steady, code_of
 from keras_dtensor_fix.ops.values import flatten_call, output_laid_out
@@ -165,23 +171,33 @@ def _region_call(
         or targets.keras_object("in_stateless_scope")()
     ):
         return original(block, *args, **kwargs)
-    leaves, _ = flatten_call(args, kwargs)
-    for value in leaves:
-        if isinstance(value, DTensor):
-            reducing_gradient(value)
+    in_graph = IN_GRAPH_F and cls not in _EAGER_F
+    if not in_graph:
+        leaves, _ = flatten_call(args, kwargs)
+        for value in leaves:
+            if isinstance(value, DTensor):
+                reducing_gradient(value)
     try:
         with _region():
-            return _compiled(cls, original, distribution)(block, *args, **kwargs)
+            compiled = _compiled(cls, original, distribution, in_graph)
+            return compiled(block, *args, **kwargs)
     except Exception as error:
         if not failure(error):
             raise
-        _FAILED.add(cls)
+        (_EAGER_F if in_graph else _FAILED).add(cls)
         first = (str(error).splitlines() or [""])[0][:200]
+        then = (
+            'Megatron\'s "f" of its inputs runs eagerly from now on'
+            if in_graph
+            else "its blocks run eagerly from now on"
+        )
         warnings.warn(
             f"keras-dtensor-fix: torch.compile failed on {cls.__name__} "
-            f"({type(error).__name__}: {first}); its blocks run eagerly from now on.",
+            f"({type(error).__name__}: {first}); {then}.",
             stacklevel=2,
         )
+        if in_graph:
+            return _region_call(block, original, failure, *args, **kwargs)
         return original(block, *args, **kwargs)
 
 
@@ -204,21 +220,45 @@ def _region() -> Iterator[None]:
 
 
 def _compiled(
-    cls: type, original: Callable[..., Any], distribution: Any
+    cls: type, original: Callable[..., Any], distribution: Any, in_graph: bool
 ) -> Callable[..., Any]:
     user_tag = torch.compiler.config.cache_key_tag
     by_class = _COMPILED.setdefault(distribution, {})
-    compiled = by_class.get((cls, user_tag))
+    compiled = by_class.get((cls, user_tag, in_graph))
     if compiled is None:
         tag = state.cache_key_tag(distribution, user_tag)
         # Static shapes: DTensor sharding propagation fails on symbolic sizes.
-        compiled = torch.compile(original, dynamic=False)
+        traced = _with_f(original) if in_graph else original
+        compiled = torch.compile(traced, dynamic=False)
         compiled = torch.compiler.config.patch(cache_key_tag=tag)(compiled)
         # Every block of the class calls it in turn, once forward per step:
         # each block's guards run until a step of its calls compiles nothing.
-        compiled = Steady(compiled, code_of(original), interleaved=True)
-        by_class[(cls, user_tag)] = compiled
+        compiled = Steady(compiled, code_of(traced), interleaved=True)
+        by_class[(cls, user_tag, in_graph)] = compiled
     return compiled
+
+
+#: Megatron's "f" of a block's DTensor inputs inside its graph (False: made
+#: eagerly before the region, as the mode did first; benchmarks compare).
+IN_GRAPH_F = True
+#: Block classes whose graph with the "f" inside failed to compile.
+_EAGER_F: set[type] = set()
+
+
+def _with_f(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` with Megatron's "f" of each DTensor input in its graph."""
+
+    def call(block: Any, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = pytree.tree_map(reducing_input, (args, kwargs))
+        return original(block, *args, **kwargs)
+
+    # A code object of the class's own: dynamo keeps cache entries per code.
+    code = call.__code__.replace(co_qualname=original.__qualname__)
+    named = types.FunctionType(
+        code, call.__globals__, original.__name__, None, call.__closure__
+    )
+    named.__qualname__ = original.__qualname__
+    return named
 
 
 def settled() -> int:
@@ -231,6 +271,7 @@ def forget() -> None:
     """Drop the compiled regions, failures and routes (on deactivation)."""
     _COMPILED.clear()
     _FAILED.clear()
+    _EAGER_F.clear()
     _ROUTED.clear()
 
 
