@@ -66,10 +66,17 @@ def test_blocks_compile_once(runs, name: str) -> None:
             assert result[name]["settled"] == SETTLED[name]
         if name in EAGER_F:
             assert result[name]["eager_f"] == EAGER_F[name]
+        how = "block by block: " + WHY.get(name, "KERAS_DTENSOR_FIX_COMPILE=blocks")
+        assert any(how in line for line in result[name]["why"])
 
 
 #: Blocks whose calls skip their guards after ``fit()`` (one signature each).
 SETTLED = {"gpt_4_layers_blocks": 4}
+
+
+#: Why each case compiled block by block (``status()``'s note), where not
+#: the mode set: the GPT case runs the default (``auto``).
+WHY = {"gpt_4_layers_blocks": "the default for repeated blocks (4 TransformerDecoder)"}
 
 
 #: Megatron "f" ops made eagerly during ``fit()``: the head's, one per step.

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import types
 import warnings
 import weakref
@@ -102,6 +103,51 @@ def refusal(block: Any) -> str | None:
         if getattr(layer, "activity_regularizer", None) is not None:
             return f"{layer.name} has an activity regularizer"
     return None
+
+
+def choose(model: Any, mode: str, building: str | None) -> tuple[str, str]:
+    """Which compilation ``model``'s step gets, ``step`` or ``blocks``, and why.
+
+    ``mode`` is the configured one (``engine/config.compile_mode``),
+    ``building`` the ``make_*_function`` building the step. ``auto`` compiles
+    a training step block by block where the model repeats blocks and none is
+    refused: as fast a step as the whole step's, and a start flat in depth.
+    Evaluation and prediction stay whole (their blocks run without gradients,
+    which regions leave to the block's own call).
+    """
+    if mode != "auto":
+        return mode, f"KERAS_DTENSOR_FIX_COMPILE={mode}"
+    if building not in (None, "make_train_function"):
+        return "step", "the default compiles evaluation and prediction whole"
+    found = repeated(model)
+    if not found:
+        return "step", "the default: the model repeats no block"
+    for block in found:
+        reason = refusal(block)
+        if reason is not None:
+            return "step", f"the default: block {block.name} cannot ({reason})"
+    counts = Counter(type(block).__name__ for block in found)
+    named = ", ".join(f"{count} {name}" for name, count in counts.items())
+    return "blocks", (
+        f"the default for repeated blocks ({named}); "
+        "KERAS_DTENSOR_FIX_COMPILE=step compiles the whole step"
+    )
+
+
+#: How the last step built compiles, and why (``status()``'s notes).
+LAST: list[str] = []
+
+
+def tell(model: Any, building: str | None, mode: str, why: str) -> None:
+    """Log once which compilation a step got (``mode``) and why."""
+    if mode == "step" and why.endswith("=blocks"):
+        why += ", but the model repeats no block it can compile alone"
+    how = "block by block" if mode == "blocks" else "as a whole"
+    what = (building or "make_train_function")[len("make_") : -len("_function")]
+    line = f"{model.name}'s {what} step compiles {how}: {why}"
+    if line not in LAST:
+        logging.getLogger("keras_dtensor_fix").info("keras-dtensor-fix: %s", line)
+    LAST[:] = [line]
 
 
 def install(model: Any, failure: Callable[[BaseException], bool]) -> list[Any]:

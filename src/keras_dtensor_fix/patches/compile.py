@@ -63,10 +63,19 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
             stacklevel=2,
         )
         return False
-    if config.compile_mode() == "blocks" and blocks.install(instance, compile_failure):
+    building = _BUILDING[-1] if _BUILDING else None
+    mode, why = blocks.choose(instance, config.compile_mode(), building)
+    if mode == "blocks" and blocks.install(instance, compile_failure):
+        blocks.tell(instance, building, "blocks", why)
         return False  # the step runs eagerly, its blocks compiled
-    blocks.uninstall(instance)
+    if building in (None, "make_train_function"):  # evaluation keeps them
+        blocks.uninstall(instance)
+    blocks.tell(instance, building, "step", why)
     return True
+
+
+#: The ``make_*_function`` running now (innermost last).
+_BUILDING: list[str] = []
 
 
 def _torch_version() -> str:
@@ -143,7 +152,11 @@ def _static_shapes(wrapped, instance, args, kwargs):
     and dynamo's "automatic dynamic" then makes the batch size symbolic; DTensor
     sharding propagation fails on symbolic shard sizes.
     """
-    result = wrapped(*args, **kwargs)
+    _BUILDING.append(wrapped.__name__)
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        _BUILDING.pop()
 
     attribute = STEP_FUNCTIONS[wrapped.__name__]
     function = getattr(instance, attribute, None)
@@ -410,7 +423,8 @@ def patches(module: types.ModuleType) -> list[Patch]:
 
 
 def notes() -> list[str]:
-    """Whether this nightly and this torch can compile a ModelParallel step."""
+    """Whether this nightly and this torch can compile a ModelParallel step,
+    and how the last one compiled (whole or block by block) and why."""
     module = sys.modules.get(targets.TRAINER)
     if module is None:
         return []
@@ -428,7 +442,7 @@ def notes() -> list[str]:
             f"{torch.__version__} (dynamo cannot trace autograd.grad over "
             "DTensors); torch>=2.12 compiles"
         ]
-    return []
+    return list(blocks.LAST)
 
 
 IMPLEMENTATION = Implementation(patches, after_revert=blocks.forget, notes=notes)
