@@ -58,12 +58,10 @@ x = Block(name="b1")(x)
 x = layers.Dense(4, name="head")(x)   # no sublayers: no block
 model = keras.Model(inputs, x)
 found = [layer.name for layer in blocks.repeated(model)]
-train, test = "make_train_function", "make_test_function"
-chosen = {m: blocks.choose(model, m, train) for m in ("auto", "step", "blocks")}
-chosen["auto_test"] = blocks.choose(model, "auto", test)
+chosen = {m: blocks.choose(model, m) for m in ("auto", "step", "blocks")}
 plain = keras.Sequential([layers.Dense(4)])
 plain.build((None, 4))
-chosen["auto_plain"] = blocks.choose(plain, "auto", train)
+chosen["auto_plain"] = blocks.choose(plain, "auto")
 original = Block.call
 routed = [layer.name for layer in blocks.install(model, lambda error: False)]
 installed = all("call" in vars(layer) for layer in blocks.repeated(model))
@@ -84,14 +82,13 @@ print(json.dumps({
 def test_blocks_are_the_repeated_composite_layers(run_py) -> None:
     """Also which compilation each mode gives: by default (``auto``) a model
     repeating blocks trains block by block (before issue 53's default switch
-    it compiled the whole step), evaluates whole; ``step`` opts out."""
+    it compiled the whole step); ``step`` opts out."""
     out = last_json(run_py(REPEATED))
     chosen = {mode: tuple(why) for mode, why in out["chosen"].items()}
     assert chosen["auto"][0] == "blocks"
     assert "the default for repeated blocks (2 Block)" in chosen["auto"][1]
     assert chosen["step"] == ("step", "KERAS_DTENSOR_FIX_COMPILE=step")
     assert chosen["blocks"] == ("blocks", "KERAS_DTENSOR_FIX_COMPILE=blocks")
-    assert chosen["auto_test"][0] == "step"
     assert chosen["auto_plain"] == ("step", "the default: the model repeats no block")
     assert out["found"] == ["b0", "b1"]
     assert out["routed"] == ["b0", "b1"] and out["installed"]

@@ -25,8 +25,8 @@ ENV_STRICT = "KERAS_DTENSOR_FIX_STRICT"
 ENV_SAVE_TIMEOUT = "KERAS_DTENSOR_FIX_SAVE_TIMEOUT"
 ENV_COMPILE = "KERAS_DTENSOR_FIX_COMPILE"
 #: What ``jit_compile=True`` compiles under ModelParallel: ``auto`` (the
-#: default: a training step block by block where the model repeats blocks,
-#: else whole), the whole step, or each repeated block once.
+#: default: block by block where the model repeats blocks, else whole), the
+#: whole step, or each repeated block once.
 COMPILE_MODES: tuple[str, ...] = ("auto", "step", "blocks")
 DEFAULT_SAVE_SECONDS = 900.0
 
@@ -151,8 +151,8 @@ def save_seconds(environ: Mapping[str, str] | None = None) -> float:
 def compile_mode(environ: Mapping[str, str] | None = None) -> str:
     """``KERAS_DTENSOR_FIX_COMPILE``: one of :data:`COMPILE_MODES`.
 
-    ``auto`` (unset): a model's training step compiles block by block where
-    the model repeats blocks, else whole (``ops/blocks.choose``). Read when a
+    ``auto`` (unset): a model's steps compile block by block where the model
+    repeats blocks, else whole (``ops/blocks.choose``). Read when a
     model builds its step, so a script may set it late; a value not
     understood warns and the default (``auto``) stands.
     """

@@ -105,20 +105,17 @@ def refusal(block: Any) -> str | None:
     return None
 
 
-def choose(model: Any, mode: str, building: str | None) -> tuple[str, str]:
-    """Which compilation ``model``'s step gets, ``step`` or ``blocks``, and why.
+def choose(model: Any, mode: str) -> tuple[str, str]:
+    """Which compilation ``model``'s steps get, ``step`` or ``blocks``, and why.
 
-    ``mode`` is the configured one (``engine/config.compile_mode``),
-    ``building`` the ``make_*_function`` building the step. ``auto`` compiles
-    a training step block by block where the model repeats blocks and none is
-    refused: as fast a step as the whole step's, and a start flat in depth.
-    Evaluation and prediction stay whole (their blocks run without gradients,
-    which regions leave to the block's own call).
+    ``mode`` is the configured one (``engine/config.compile_mode``). ``auto``
+    compiles block by block where the model repeats blocks and none is
+    refused: as fast a training step as the whole step's, and a start flat in
+    depth. Evaluation and prediction then run eagerly, as in ``blocks`` mode
+    (their blocks run without gradients: the block's own call).
     """
     if mode != "auto":
         return mode, f"KERAS_DTENSOR_FIX_COMPILE={mode}"
-    if building not in (None, "make_train_function"):
-        return "step", "the default compiles evaluation and prediction whole"
     found = repeated(model)
     if not found:
         return "step", "the default: the model repeats no block"

@@ -64,12 +64,11 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
         )
         return False
     building = _BUILDING[-1] if _BUILDING else None
-    mode, why = blocks.choose(instance, config.compile_mode(), building)
+    mode, why = blocks.choose(instance, config.compile_mode())
     if mode == "blocks" and blocks.install(instance, compile_failure):
         blocks.tell(instance, building, "blocks", why)
         return False  # the step runs eagerly, its blocks compiled
-    if building in (None, "make_train_function"):  # evaluation keeps them
-        blocks.uninstall(instance)
+    blocks.uninstall(instance)
     blocks.tell(instance, building, "step", why)
     return True
 
