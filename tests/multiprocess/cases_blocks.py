@@ -6,9 +6,18 @@ from __future__ import annotations
 import contextlib
 import os
 
+import keras
+import numpy as np
 import torch
-from cases_hub import GPT_LAYOUT, fit_and_generate, fit_gpt, hub_layout, watched
-from scenario_kit import case
+from cases_hub import (
+    GPT_LAYOUT,
+    fit_and_generate,
+    fit_gpt,
+    hub_layout,
+    tiny_gpt,
+    watched,
+)
+from scenario_kit import case, weights
 
 
 @contextlib.contextmanager
@@ -74,6 +83,43 @@ def gpt_4_layers_blocks():
     """Four keras-hub TransformerDecoder blocks, Megatron's layout by hand,
     in the default mode (``auto``: a model with repeated blocks)."""
     return _blocks(lambda: fit_gpt(True, depth=4), mode=None)
+
+
+@case("blocks", layout=GPT_LAYOUT)
+def gpt_blocks_evaluate():
+    """The default mode's evaluation and prediction: two TransformerDecoder
+    blocks train block by block, validation, ``evaluate()`` and ``predict()``
+    compile their steps whole (no backward to save). Upstream fails as on
+    ``gpt_4_layers_blocks``."""
+
+    def fit() -> dict:
+        model = tiny_gpt(2)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=True,
+        )
+        tokens = np.random.default_rng(0).integers(1, 64, size=(8, 12))
+        x, y = tokens.astype("int32"), np.roll(tokens, -1, axis=1).astype("int32")
+        history = model.fit(
+            x,
+            y,
+            batch_size=4,
+            epochs=2,
+            shuffle=False,
+            validation_data=(x, y),
+            verbose=0,
+        )
+        evaluated = model.evaluate(x, y, batch_size=4, verbose=0)
+        logits = model.predict(x, batch_size=4, verbose=0)
+        return {
+            "losses": history.history["loss"] + history.history["val_loss"],
+            "evaluated": [float(evaluated)],
+            "predicted": np.asarray(logits, "float64").ravel()[:64].tolist(),
+            "weights": weights(model),
+        }
+
+    return _blocks(fit, mode=None)
 
 
 def _hub_blocks(kind: str, **options) -> None:

@@ -51,7 +51,8 @@ BLOCK = {
 
 
 @pytest.mark.parametrize(
-    "name", scenario_params("blocks", leave_out=tuple(BLOCK_FALLBACKS))
+    "name",
+    scenario_params("blocks", leave_out=(*BLOCK_FALLBACKS, "gpt_blocks_evaluate")),
 )
 def test_blocks_compile_once(runs, name: str) -> None:
     ranks, single = runs.get("blocks", world=2), runs.get("blocks", world=1)[0]
@@ -86,6 +87,24 @@ WHY = {"gpt_4_layers_blocks": "the default for repeated blocks (4 TransformerDec
 EAGER_F = {"gpt_4_layers_blocks": 4}
 
 
+def test_blocks_evaluate_compiles_whole(runs) -> None:
+    """By default a model with repeated blocks trains block by block, and its
+    validation, ``evaluate()`` and ``predict()`` steps compile whole (grad-free
+    blocks run their own call: in ``blocks`` mode those steps run eagerly).
+    Equal to one process; every graph but the block's is a step's forward;
+    no break, no warning. Before, the default made those steps eager: the
+    only graph was the block's. Upstream fails (:data:`UPSTREAM`)."""
+    name = "gpt_blocks_evaluate"
+    ranks, single = runs.get("blocks", world=2), runs.get("blocks", world=1)[0]
+    assert_parity(name, ranks, single)
+    for result in ranks:
+        assert "TransformerDecoder.call" in result[name]["compiled"]
+        assert len(result[name]["compiled"]) > 1, result[name]["compiled"]
+        assert result[name]["graph_breaks"] == 0
+        assert result[name]["plugin_warnings"] == []
+        assert any("this step has no backward" in line for line in result[name]["why"])
+
+
 #: What upstream does on each case (the first line of its error).
 UPSTREAM = {
     "gpt_4_layers_blocks": "must match the size of tensor b",
@@ -94,6 +113,7 @@ UPSTREAM = {
     "qwen_moe_blocks": "Unable to automatically build",
     "gpt_blocks_compile_raises": "must match the size of tensor b",
     "gpt_blocks_backward_raises": "must match the size of tensor b",
+    "gpt_blocks_evaluate": "must match the size of tensor b",
 }
 
 

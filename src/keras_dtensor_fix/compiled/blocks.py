@@ -111,8 +111,9 @@ def choose(model: Any, mode: str) -> tuple[str, str]:
     ``mode`` is the configured one (``engine/config.compile_mode``). ``auto``
     compiles block by block where the model repeats blocks and none is
     refused: as fast a training step as the whole step's, and a start flat in
-    depth. Evaluation and prediction then run eagerly, as in ``blocks`` mode
-    (their blocks run without gradients: the block's own call).
+    depth. Evaluation and prediction then compile whole (the ``compile``
+    family: a forward graph); in ``blocks`` mode they run eagerly (their
+    blocks run without gradients: the block's own call).
     """
     if mode != "auto":
         return mode, f"KERAS_DTENSOR_FIX_COMPILE={mode}"

@@ -71,7 +71,15 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
         )
         return False
     building = _BUILDING[-1] if _BUILDING else None
-    mode, why = blocks.choose(instance, config.compile_mode())
+    configured = config.compile_mode()
+    mode, why = blocks.choose(instance, configured)
+    if mode == "blocks" and configured == "auto" and building in _FORWARD:
+        # Grad-free blocks run their own call: by default, evaluation and
+        # prediction compile whole (a forward graph); the training step's
+        # blocks stay installed (their region steps aside inside a graph).
+        why = "the default: training goes block by block, this step has no backward"
+        blocks.tell(instance, building, "step", why)
+        return True
     if mode == "blocks" and blocks.install(instance, compile_failure):
         blocks.tell(instance, building, "blocks", why)
         return False  # the step runs eagerly, its blocks compiled
@@ -82,6 +90,8 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
 
 #: The ``make_*_function`` running now (innermost last).
 _BUILDING: list[str] = []
+#: Steps without a backward: compiled whole even where training goes by blocks.
+_FORWARD = ("make_test_function", "make_predict_function")
 
 
 def _torch_version() -> str:
