@@ -13,6 +13,8 @@ train function once, then runs ``--rounds`` rounds of one epoch each
             block its class's compiled graph, guards skipped once settled
   guarded   blocks with every call evaluating dynamo's guards (blocks mode
             before its calls skipped them)
+  eager-f   blocks with Megatron's "f" of each block's inputs made eagerly
+            before its graph (blocks mode before it moved into the graph)
 
 and prints each configuration's median step (rank 0, the steps of every
 round) and its ratios to eager and to the whole step, paired by round.
@@ -36,7 +38,8 @@ from pathlib import Path
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 HERE = Path(__file__).resolve().parent
-CONFIGS = ("eager", "step", "blocks", "guarded")
+CONFIGS = ("eager", "step", "blocks", "eager-f")
+BLOCKS = ("blocks", "guarded", "eager-f")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -83,19 +86,35 @@ def worker(args: argparse.Namespace) -> None:
 
     def switch(config: str) -> None:
         steady._unguarded = (lambda: None) if config == "guarded" else unguarded
-        if config in ("blocks", "guarded"):
+        blocks.IN_GRAPH_F = config != "eager-f"
+        if config in BLOCKS:
             blocks.install(model, compile_failure)  # its guards settle again
         else:
             blocks.uninstall(model)
         model.train_function = functions[config]
+
+    def profile(config: str) -> str:
+        """One epoch of ``config`` under torch.profiler: ops by self CPU time."""
+        nonlocal times
+        switch(config)
+        times = []
+        epoch()  # settle after the switch
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities) as prof:
+            times = []
+            epoch()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+        step = 1e3 * statistics.median(times)
+        return f"== {config}: {args.layers} layers, step {step:.0f} ms\n{table}"
 
     functions, starts = {}, {}
     for config in configs:
         if config == "guarded" and "blocks" in functions:
             functions[config], starts[config] = functions["blocks"], 0.0
             continue
-        mode = "blocks" if config in ("blocks", "guarded") else "step"
+        mode = "blocks" if config in BLOCKS else "step"
         os.environ["KERAS_DTENSOR_FIX_COMPILE"] = mode
+        blocks.IN_GRAPH_F = config != "eager-f"
         model.jit_compile = config != "eager"
         model.train_function = None
         began, times = time.perf_counter(), []
@@ -110,7 +129,11 @@ def worker(args: argparse.Namespace) -> None:
             times = []
             epoch()
             rounds[config].append(times)
+    if args.profile:
+        profiles = {config: profile(config) for config in configs}
     if int(os.environ.get("RANK", "0")) == 0:
+        if args.profile:
+            Path(args.profile).write_text("\n\n".join(profiles.values()))
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
         Path(args.out).write_text(
             json.dumps({"rounds": rounds, "starts": starts, "breaks": breaks})
@@ -126,7 +149,7 @@ def launch(args: argparse.Namespace, layers: int) -> dict:
         f"--layers={layers}", f"--hidden={args.hidden}", f"--seq={args.seq}",
         f"--batch={args.batch}", f"--steps={args.steps}",
         f"--rounds={args.rounds}", f"--configs={args.configs}",
-    ]  # fmt: skip
+    ] + ([f"--profile={args.profile}"] if args.profile else [])  # fmt: skip
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.exists():
         return {"error": proc.stderr[-3000:]}
@@ -169,6 +192,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--json", help="write every launch's result here")
+    parser.add_argument(
+        "--profile", help="rank 0: after the rounds, one profiled epoch each, here"
+    )
     args = parser.parse_args()
     if args.worker:
         args.layers = int(args.layers)

@@ -75,6 +75,7 @@ from hub_worker import (  # noqa: E402
 def run_config(config: str, cases: list[str], args) -> dict:
     env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
     env["CUDA_VISIBLE_DEVICES"] = ""
+    env["KERAS_DTENSOR_FIX_COMPILE"] = "step"  # compiled: the whole step
     off = config.startswith(("upstream", "single-off"))
     env["KERAS_DTENSOR_FIX"] = "0" if off else "1"
     if config == "eager-noleaves":
@@ -311,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.leave()
     if args.profile:
         env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
+        env["KERAS_DTENSOR_FIX_COMPILE"] = "step"  # compiled: the whole step
         which = "kinds" if args.kinds else "profile"
         script = [__file__, f"--worker={which}", f"--cases={args.profile}"]
         command = [sys.executable, *script, *_shape_args(args)]

@@ -199,8 +199,9 @@ def launch(args: argparse.Namespace, model: str, config: str, cache: str) -> dic
     out = Path(tempfile.mkdtemp()) / "result.json"
     env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
     env["TORCHINDUCTOR_CACHE_DIR"] = cache
-    if config.startswith(("blocks", "base")):
-        env["KERAS_DTENSOR_FIX_COMPILE"] = "blocks"
+    # "step" is the whole step (blocks mode is the default for repeated blocks)
+    blocks = config.startswith(("blocks", "base"))
+    env["KERAS_DTENSOR_FIX_COMPILE"] = "blocks" if blocks else "step"
     if config.startswith("base"):
         env["PYTHONPATH"] = os.pathsep.join(
             [args.baseline_src, *filter(None, [env.get("PYTHONPATH")])]

@@ -324,8 +324,8 @@ import keras_dtensor_fix as kdf
 from keras_dtensor_fix.patches import compile as compile_patch
 compile_patch.model_parallel = lambda: object()    # as if ModelParallel were set
 from keras.src.backend.torch import trainer
-model = types.SimpleNamespace(jit_compile=True, run_eagerly=False,
-                              _flatten_layers=lambda include_self: [])
+model = types.SimpleNamespace(jit_compile=True, run_eagerly=False, name="model",
+                              _flatten_layers=lambda **kwargs: [])
 cls = getattr(trainer, "Trainer", None) or trainer.TorchTrainer
 out = {"nightly_compiles": "_use_torch_compile" in vars(cls),
        "installed": torch.__version__}

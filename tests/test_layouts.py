@@ -1,6 +1,8 @@
 """The ``layouts`` family: keras-hub backbones without a ``get_layout_map``
 get one (``hub/layouts.py``), checked on one process against each model's
-real variables; deactivation takes it away. The sharded runs are
+real variables; a backbone without a row (RWKV7) gets an error saying what to
+write and why (upstream has no ``get_layout_map`` there: AttributeError);
+deactivation takes it away. The sharded runs are
 ``tests/multiprocess/test_layouts.py``."""
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json, re, sys
 sys.path.insert(0, sys.argv[1])
 import keras, keras_hub
 import keras_dtensor_fix as kdf
-from cases_layouts import CAUSAL_LMS, _BASE, _classes
+from cases_layouts import CAUSAL_LMS, _classes, backbone_args
 from keras_dtensor_fix.hub import layouts
 
 devices = keras.distribution.list_devices()[:1]
@@ -25,7 +27,7 @@ out = {"models": {}, "rows": len(layouts.ROWS)}
 for kind in CAUSAL_LMS:
     backbone_cls, _ = _classes(kind)
     layout_map = backbone_cls.get_layout_map(mesh)
-    backbone = backbone_cls(**_BASE, **CAUSAL_LMS[kind][1])
+    backbone = backbone_cls(**backbone_args(kind))
     sharded, bad = 0, []
     for v in backbone.weights:
         keys = [k for k in layout_map._layout_map if re.fullmatch(k, v.path)]
@@ -42,6 +44,10 @@ try:
     keras_hub.models.MistralBackbone.get_layout_map(mesh, "tensor")
 except ValueError as exc:
     out["bad_axis"] = str(exc)
+try:
+    keras_hub.models.RWKV7Backbone.get_layout_map(mesh)
+except NotImplementedError as exc:
+    out["rwkv7"] = str(exc)
 out["own"] = keras_hub.models.GemmaBackbone.get_layout_map.__qualname__
 kdf.deactivate()
 out["after"] = hasattr(keras_hub.models.MistralBackbone, "get_layout_map")
@@ -53,13 +59,15 @@ print(json.dumps(out))
 def test_every_row_fits_its_model(run_py) -> None:
     multiprocess = ROOT / "tests" / "multiprocess"
     out = last_json(run_py(PROGRAM, argv=[str(multiprocess)]))
-    assert len(out["models"]) == out["rows"] == 16
+    assert len(out["models"]) == out["rows"] == 17
     for kind, found in out["models"].items():
         # each path matches one rule at most, with one axis per weight axis
         assert found["bad"] == [], kind
         # Q/K/V, the attention output, the MLP and the embedding at least
         assert found["sharded"] >= 7, (kind, found)
     assert "BertBackbone" in out["unknown"] and "LayoutMap" in out["unknown"]
+    # no row (hub/layouts.NO_ROW): what to write, and why it has none
+    assert "LayoutMap" in out["rwkv7"] and "RWKV7Backbone: its time mix" in out["rwkv7"]
     assert (
         "'tensor'" in out["bad_axis"] and "model_parallel_dim_name" in (out["bad_axis"])
     )

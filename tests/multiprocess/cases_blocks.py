@@ -6,15 +6,24 @@ from __future__ import annotations
 import contextlib
 import os
 
+import keras
+import numpy as np
 import torch
-from cases_hub import GPT_LAYOUT, fit_and_generate, fit_gpt, hub_layout, watched
-from scenario_kit import case
+from cases_hub import (
+    GPT_LAYOUT,
+    fit_and_generate,
+    fit_gpt,
+    hub_layout,
+    tiny_gpt,
+    watched,
+)
+from scenario_kit import case, weights
 
 
 @contextlib.contextmanager
-def blocks_mode():
-    """The mode a user sets in the environment, and what torch.compile got:
-    the qualified names of the functions compiled."""
+def blocks_mode(mode: str | None = "blocks"):
+    """The mode a user sets in the environment (None: the default), and what
+    torch.compile got: the qualified names of the functions compiled."""
     compiled: list[str] = []
     original = torch.compile
 
@@ -22,21 +31,47 @@ def blocks_mode():
         compiled.append(getattr(function, "__qualname__", repr(function)))
         return original(function, *args, **kwargs)
 
-    os.environ["KERAS_DTENSOR_FIX_COMPILE"] = "blocks"
+    saved = os.environ.pop("KERAS_DTENSOR_FIX_COMPILE", None)
+    if mode is not None:
+        os.environ["KERAS_DTENSOR_FIX_COMPILE"] = mode
     torch.compile = compile_and_name
     try:
         yield compiled
     finally:
         torch.compile = original
-        del os.environ["KERAS_DTENSOR_FIX_COMPILE"]
+        os.environ.pop("KERAS_DTENSOR_FIX_COMPILE", None)
+        if saved is not None:
+            os.environ["KERAS_DTENSOR_FIX_COMPILE"] = saved
 
 
-def _blocks(fit) -> dict:
+@contextlib.contextmanager
+def eager_f():
+    """How many Megatron "f" ops ran eagerly (outside any graph)."""
+    from keras_dtensor_fix.dtensor import local
+
+    made = []
+    saved = vars(local._ReduceGradient)["forward"]
+    forward = local._ReduceGradient.forward
+
+    def counted(ctx, value):
+        made.append(True)
+        return forward(ctx, value)
+
+    local._ReduceGradient.forward = staticmethod(counted)
+    try:
+        yield made
+    finally:
+        local._ReduceGradient.forward = saved
+
+
+def _blocks(fit, mode: str | None = "blocks") -> dict:
     from keras_dtensor_fix.compiled import blocks
 
-    with blocks_mode() as compiled:
+    with blocks_mode(mode) as compiled, eager_f() as made:
         result = watched(fit)
+    result["why"] = list(blocks.LAST)
     result["compiled"] = sorted(set(compiled))
+    result["eager_f"] = len(made)
     # blocks whose later steps skipped dynamo's guards (their results, checked
     # against one process, are the skipped calls')
     result["settled"] = blocks.settled()
@@ -45,8 +80,46 @@ def _blocks(fit) -> dict:
 
 @case("blocks", layout=GPT_LAYOUT)
 def gpt_4_layers_blocks():
-    """Four keras-hub TransformerDecoder blocks, Megatron's layout by hand."""
-    return _blocks(lambda: fit_gpt(True, depth=4))
+    """Four keras-hub TransformerDecoder blocks, Megatron's layout by hand,
+    in the default mode (``auto``: a model with repeated blocks)."""
+    return _blocks(lambda: fit_gpt(True, depth=4), mode=None)
+
+
+@case("blocks", layout=GPT_LAYOUT)
+def gpt_blocks_evaluate():
+    """The default mode's evaluation and prediction: two TransformerDecoder
+    blocks train block by block, validation, ``evaluate()`` and ``predict()``
+    compile their steps whole (no backward to save). Upstream fails as on
+    ``gpt_4_layers_blocks``."""
+
+    def fit() -> dict:
+        model = tiny_gpt(2)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=True,
+        )
+        tokens = np.random.default_rng(0).integers(1, 64, size=(8, 12))
+        x, y = tokens.astype("int32"), np.roll(tokens, -1, axis=1).astype("int32")
+        history = model.fit(
+            x,
+            y,
+            batch_size=4,
+            epochs=2,
+            shuffle=False,
+            validation_data=(x, y),
+            verbose=0,
+        )
+        evaluated = model.evaluate(x, y, batch_size=4, verbose=0)
+        logits = model.predict(x, batch_size=4, verbose=0)
+        return {
+            "losses": history.history["loss"] + history.history["val_loss"],
+            "evaluated": [float(evaluated)],
+            "predicted": np.asarray(logits, "float64").ravel()[:64].tolist(),
+            "weights": weights(model),
+        }
+
+    return _blocks(fit, mode=None)
 
 
 def _hub_blocks(kind: str, **options) -> None:

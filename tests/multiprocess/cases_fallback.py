@@ -265,7 +265,7 @@ def _blocks_case(name: str, backend: Callable[[], Callable], expected: str) -> N
         from cases_blocks import blocks_mode
         from cases_hub import fit_gpt, watched
 
-        from keras_dtensor_fix.ops import blocks
+        from keras_dtensor_fix.compiled import blocks
 
         original, chosen = torch.compile, backend()
 

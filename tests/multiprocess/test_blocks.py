@@ -11,12 +11,18 @@ Each must equal one eager process (losses, weights, greedy tokens) with
 exactly one dynamo graph: the block's ``call``, nothing else compiled. Each
 block's calls skip dynamo's guards once a step of them compiled nothing
 (``compiled/steady.Steady``): the GPT decoder's 4 blocks do by its last steps.
+Megatron's "f" of each block's input runs inside the block's graph: the only
+"f" made eagerly is the vocabulary-split head's, one a step (4 in the GPT
+case's 4 steps; 20 with the "f" of each block made before its region, the
+mode before, ``blocks.IN_GRAPH_F = False``).
 
 Can it fail: with Keras's name scope left open inside the region each block
 compiles its own graph (its sublayers' paths are guarded), 4 graphs for the
-GPT decoder; with Megatron's "f" made inside the region the backward fails
-("Expected a DTensor tangent but got a plain Tensor"); with the ``compile``
-family off nothing compiles (upstream's behaviour, below).
+GPT decoder; with Megatron's "f" set inside the region on the block's input
+itself (a tensor from outside the graph) the backward fails ("Expected a
+DTensor tangent but got a plain Tensor"); with the "f" made eagerly (the
+mode before) ``eager_f`` counts 20; with the ``compile`` family off nothing
+compiles (upstream's behaviour, below).
 
 Upstream (``KERAS_DTENSOR_FIX=0``) ignores the mode and runs the step eagerly
 ("Running without torch.compile"), and fails on these models: GPT "must match
@@ -45,7 +51,8 @@ BLOCK = {
 
 
 @pytest.mark.parametrize(
-    "name", scenario_params("blocks", leave_out=tuple(BLOCK_FALLBACKS))
+    "name",
+    scenario_params("blocks", leave_out=(*BLOCK_FALLBACKS, "gpt_blocks_evaluate")),
 )
 def test_blocks_compile_once(runs, name: str) -> None:
     ranks, single = runs.get("blocks", world=2), runs.get("blocks", world=1)[0]
@@ -61,10 +68,41 @@ def test_blocks_compile_once(runs, name: str) -> None:
         assert result[name].get("restored", True)  # generate() left the regions
         if name in SETTLED:
             assert result[name]["settled"] == SETTLED[name]
+        if name in EAGER_F:
+            assert result[name]["eager_f"] == EAGER_F[name]
+        how = "block by block: " + WHY.get(name, "KERAS_DTENSOR_FIX_COMPILE=blocks")
+        assert any(how in line for line in result[name]["why"])
 
 
 #: Blocks whose calls skip their guards after ``fit()`` (one signature each).
 SETTLED = {"gpt_4_layers_blocks": 4}
+
+
+#: Why each case compiled block by block (``status()``'s note), where not
+#: the mode set: the GPT case runs the default (``auto``).
+WHY = {"gpt_4_layers_blocks": "the default for repeated blocks (4 TransformerDecoder)"}
+
+
+#: Megatron "f" ops made eagerly during ``fit()``: the head's, one per step.
+EAGER_F = {"gpt_4_layers_blocks": 4}
+
+
+def test_blocks_evaluate_compiles_whole(runs) -> None:
+    """By default a model with repeated blocks trains block by block, and its
+    validation, ``evaluate()`` and ``predict()`` steps compile whole (grad-free
+    blocks run their own call: in ``blocks`` mode those steps run eagerly).
+    Equal to one process; every graph but the block's is a step's forward;
+    no break, no warning. Before, the default made those steps eager: the
+    only graph was the block's. Upstream fails (:data:`UPSTREAM`)."""
+    name = "gpt_blocks_evaluate"
+    ranks, single = runs.get("blocks", world=2), runs.get("blocks", world=1)[0]
+    assert_parity(name, ranks, single)
+    for result in ranks:
+        assert "TransformerDecoder.call" in result[name]["compiled"]
+        assert len(result[name]["compiled"]) > 1, result[name]["compiled"]
+        assert result[name]["graph_breaks"] == 0
+        assert result[name]["plugin_warnings"] == []
+        assert any("this step has no backward" in line for line in result[name]["why"])
 
 
 #: What upstream does on each case (the first line of its error).
@@ -75,6 +113,7 @@ UPSTREAM = {
     "qwen_moe_blocks": "Unable to automatically build",
     "gpt_blocks_compile_raises": "must match the size of tensor b",
     "gpt_blocks_backward_raises": "must match the size of tensor b",
+    "gpt_blocks_evaluate": "must match the size of tensor b",
 }
 
 
@@ -86,7 +125,7 @@ def test_upstream_blocks(runs) -> None:
 def test_blocks_fall_back(runs, name: str) -> None:
     """A compiled block that fails (``cases_fallback.py``, two GPT decoder
     blocks): its compilation raising sends its class to its own ``call``
-    (``ops/blocks.py``), its backward raising at run time in the first step
+    (``compiled/blocks.py``), its backward raising at run time in the first step
     runs that step again eagerly (the ``compile`` family's fallback). Every
     process warns once, naming the cause, and trains as upstream's eager
     step does, one process's losses and weights. Without the fallbacks

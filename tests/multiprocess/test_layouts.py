@@ -1,17 +1,17 @@
 """keras-hub causal LMs sharded by the ``layouts`` family's ``get_layout_map``.
 
-Sixteen backbones that ship no ``get_layout_map`` (``hub/layouts.py``) train
+Seventeen backbones that ship no ``get_layout_map`` (``hub/layouts.py``) train
 two epochs with ``fit()`` and generate greedily on 2 ranks, meshes (1, 2)
 and (2, 1), equal to one process (losses, weights, tokens).
 
 Upstream Keras (``KERAS_DTENSOR_FIX=0``) has no ``get_layout_map`` on these
 backbones; given the same layouts (built from ``hub/layouts.py`` directly)
 it fails every case of the default run, keras-nightly 3.16.0.dev2026102704:
-the sharded KV cache's ``index_put_`` (Gemma3, Gemma4, PaliGemma; Mixtral, Falcon,
-Bloom on (2, 1)), "must match the size of tensor b" (GPT-2, OPT, GPT-NeoX,
-Mistral on (2, 1)), a Partial norm's ``add_`` (SmolLM3), a sharded
-``_unsafe_view`` (GPT-OSS on (2, 1)), failed assertions and build errors
-(the rest).
+the sharded KV cache's ``index_put_`` (Gemma3, Gemma4, PaliGemma; Mixtral,
+Falcon, Bloom on (2, 1)), the batch-split prompt's ``index_put_`` (Gemma3n),
+"must match the size of tensor b" (GPT-2, OPT, GPT-NeoX, Mistral on (2, 1)),
+a Partial norm's ``add_`` (SmolLM3), a sharded ``_unsafe_view`` (GPT-OSS on
+(2, 1)), failed assertions and build errors (the rest).
 """
 
 from __future__ import annotations
@@ -51,5 +51,5 @@ def test_upstream_fails_the_same_layouts(runs) -> None:
 
 @pytest.mark.slow
 def test_upstream_fails_the_same_layouts_batch_split(runs) -> None:
-    """The (2, 1) cases, Gemma4 and PaliGemma (``upstream_slow``)."""
+    """The (2, 1) cases, Gemma4, PaliGemma and Gemma3n (``upstream_slow``)."""
     _upstream_fails(runs, slow=True)

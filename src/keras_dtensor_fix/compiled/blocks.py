@@ -17,9 +17,13 @@ Two things would make each instance a graph of its own:
   only an output's layout (a LayoutMap key ``<path>/output``), so a block with
   such a layout inside it is not compiled (:func:`refusal`).
 - Megatron's "f" (:func:`~keras_dtensor_fix.dtensor.reducing_gradient`)
-  keeps its op on the value it reads: made inside a region for the block's
-  input, it would be set on a tensor from outside the graph, an extra output
-  that gets no gradient. It is made before the region, eagerly.
+  keeps its op on the value it reads: set inside a region on the block's
+  input, a tensor from outside the graph, it is an extra output that gets no
+  gradient. The region's first op instead is the "f" of each DTensor input
+  (:func:`_with_f`), kept on its own in-graph result, which the block reads:
+  its all-reduce runs in the block's backward graph, not eagerly between two
+  graphs with a DTensor wrapped around it. Where that graph fails to compile,
+  the "f" is made before the region, eagerly (warned).
 
 Outside training (``torch.no_grad``: evaluation, prediction, generation),
 inside a compiled step, without a ModelParallel distribution and in Keras's
@@ -30,6 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import types
 import warnings
 import weakref
 from collections import Counter
@@ -37,9 +43,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from keras_dtensor_fix.compiled.steady import Steady, code_of
-from keras_dtensor_fix.dtensor import DTensor, reducing_gradient
+from keras_dtensor_fix.dtensor import DTensor, reducing_gradient, reducing_input
 from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.ops.values import flatten_call, output_laid_out
 
@@ -96,6 +103,49 @@ def refusal(block: Any) -> str | None:
         if getattr(layer, "activity_regularizer", None) is not None:
             return f"{layer.name} has an activity regularizer"
     return None
+
+
+def choose(model: Any, mode: str) -> tuple[str, str]:
+    """Which compilation ``model``'s steps get, ``step`` or ``blocks``, and why.
+
+    ``mode`` is the configured one (``engine/config.compile_mode``). ``auto``
+    compiles block by block where the model repeats blocks and none is
+    refused: as fast a training step as the whole step's, and a start flat in
+    depth. Evaluation and prediction then compile whole (the ``compile``
+    family: a forward graph); in ``blocks`` mode they run eagerly (their
+    blocks run without gradients: the block's own call).
+    """
+    if mode != "auto":
+        return mode, f"KERAS_DTENSOR_FIX_COMPILE={mode}"
+    found = repeated(model)
+    if not found:
+        return "step", "the default: the model repeats no block"
+    for block in found:
+        reason = refusal(block)
+        if reason is not None:
+            return "step", f"the default: block {block.name} cannot ({reason})"
+    counts = Counter(type(block).__name__ for block in found)
+    named = ", ".join(f"{count} {name}" for name, count in counts.items())
+    return "blocks", (
+        f"the default for repeated blocks ({named}); "
+        "KERAS_DTENSOR_FIX_COMPILE=step compiles the whole step"
+    )
+
+
+#: How the last step built compiles, and why (``status()``'s notes).
+LAST: list[str] = []
+
+
+def tell(model: Any, building: str | None, mode: str, why: str) -> None:
+    """Log once which compilation a step got (``mode``) and why."""
+    if mode == "step" and why.endswith("=blocks"):
+        why += ", but the model repeats no block it can compile alone"
+    how = "block by block" if mode == "blocks" else "as a whole"
+    what = (building or "make_train_function")[len("make_") : -len("_function")]
+    line = f"{model.name}'s {what} step compiles {how}: {why}"
+    if line not in LAST:
+        logging.getLogger("keras_dtensor_fix").info("keras-dtensor-fix: %s", line)
+    LAST[:] = [line]
 
 
 def install(model: Any, failure: Callable[[BaseException], bool]) -> list[Any]:
@@ -165,20 +215,34 @@ def _region_call(
         or targets.keras_object("in_stateless_scope")()
     ):
         return original(block, *args, **kwargs)
-    leaves, _ = flatten_call(args, kwargs)
-    for value in leaves:
-        if isinstance(value, DTensor):
-            reducing_gradient(value)
+    in_graph = IN_GRAPH_F and cls not in _EAGER_F
+    if not in_graph:
+        leaves, _ = flatten_call(args, kwargs)
+        for value in leaves:
+            if isinstance(value, DTensor):
+                reducing_gradient(value)
     try:
         with _region():
-            return _compiled(cls, original, distribution)(block, *args, **kwargs)
+            compiled = _compiled(cls, original, distribution, in_graph)
+            return compiled(block, *args, **kwargs)
     except Exception as error:
         if not failure(error):
             raise
-        _FAILED.add(cls)
         # dynamo's BackendCompilerFailed holds the backend's own error
         cause = getattr(error, "inner_exception", None) or error
         first = (str(cause).splitlines() or [""])[0][:200]
+        if in_graph:  # again with the "f" eager; one warning whatever it gives
+            _EAGER_F.add(cls)
+            result = _region_call(block, original, failure, *args, **kwargs)
+            if cls not in _FAILED:
+                warnings.warn(
+                    f"keras-dtensor-fix: torch.compile failed on {cls.__name__} "
+                    f'({type(cause).__name__}: {first}); Megatron\'s "f" of its '
+                    "inputs runs eagerly from now on.",
+                    stacklevel=2,
+                )
+            return result
+        _FAILED.add(cls)
         warnings.warn(
             f"keras-dtensor-fix: torch.compile failed on {cls.__name__} "
             f"({type(cause).__name__}: {first}); its blocks run eagerly from now on.",
@@ -206,21 +270,45 @@ def _region() -> Iterator[None]:
 
 
 def _compiled(
-    cls: type, original: Callable[..., Any], distribution: Any
+    cls: type, original: Callable[..., Any], distribution: Any, in_graph: bool
 ) -> Callable[..., Any]:
     user_tag = torch.compiler.config.cache_key_tag
     by_class = _COMPILED.setdefault(distribution, {})
-    compiled = by_class.get((cls, user_tag))
+    compiled = by_class.get((cls, user_tag, in_graph))
     if compiled is None:
         tag = state.cache_key_tag(distribution, user_tag)
         # Static shapes: DTensor sharding propagation fails on symbolic sizes.
-        compiled = torch.compile(original, dynamic=False)
+        traced = _with_f(original) if in_graph else original
+        compiled = torch.compile(traced, dynamic=False)
         compiled = torch.compiler.config.patch(cache_key_tag=tag)(compiled)
         # Every block of the class calls it in turn, once forward per step:
         # each block's guards run until a step of its calls compiles nothing.
-        compiled = Steady(compiled, code_of(original), interleaved=True)
-        by_class[(cls, user_tag)] = compiled
+        compiled = Steady(compiled, code_of(traced), interleaved=True)
+        by_class[(cls, user_tag, in_graph)] = compiled
     return compiled
+
+
+#: Megatron's "f" of a block's DTensor inputs inside its graph (False: made
+#: eagerly before the region, as the mode did first; benchmarks compare).
+IN_GRAPH_F = True
+#: Block classes whose graph with the "f" inside failed to compile.
+_EAGER_F: set[type] = set()
+
+
+def _with_f(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` with Megatron's "f" of each DTensor input in its graph."""
+
+    def call(block: Any, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = pytree.tree_map(reducing_input, (args, kwargs))
+        return original(block, *args, **kwargs)
+
+    # A code object of the class's own: dynamo keeps cache entries per code.
+    code = call.__code__.replace(co_qualname=original.__qualname__)
+    named = types.FunctionType(
+        code, call.__globals__, original.__name__, None, call.__closure__
+    )
+    named.__qualname__ = original.__qualname__
+    return named
 
 
 def settled() -> int:
@@ -233,6 +321,7 @@ def forget() -> None:
     """Drop the compiled regions, failures and routes (on deactivation)."""
     _COMPILED.clear()
     _FAILED.clear()
+    _EAGER_F.clear()
     _ROUTED.clear()
 
 

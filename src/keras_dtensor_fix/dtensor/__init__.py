@@ -17,7 +17,7 @@ setting from the package):
   with which collectives on the way out (pure: placements in, a plan out;
   imported as a module, ``planner.region``; ``whole`` is also here).
 - :mod:`.local`: ``wrap_local``, ``unwrap_local``, ``replicate``,
-  ``reducing_gradient``.
+  ``reducing_gradient``, ``reducing_input``.
 - :mod:`.promotion`: finding DTensors, promotion, ``PromotionError``,
   ``replicated_locals``, ``to_placements``.
 - :mod:`.gather`: op-specific layouts (embedding lookups, index reductions,
@@ -58,6 +58,7 @@ from keras_dtensor_fix.dtensor.gather import (
 )
 from keras_dtensor_fix.dtensor.local import (
     reducing_gradient,
+    reducing_input,
     replicate,
     unwrap_local,
     wrap_local,
@@ -113,6 +114,7 @@ __all__ = [
     "reduce_masked",
     "reduce_partial",
     "reducing_gradient",
+    "reducing_input",
     "replicate",
     "replicate_result",
     "replicated_locals",

@@ -136,6 +136,25 @@ def reducing_gradient(value: Any) -> Any:
     return reducing
 
 
+def reducing_input(value: Any) -> Any:
+    """:func:`reducing_gradient` of a compiled region's input, traced.
+
+    Kept on its own result, not on ``value``: set on a tensor from outside
+    the graph it would be an extra output that gets no gradient. The
+    region's ops read the result, whose readers share the one reduction.
+    """
+    if (
+        not isinstance(value, DTensor)
+        or value.is_leaf
+        or not value.requires_grad
+        or any(p.is_partial() for p in value.placements)
+    ):
+        return value
+    reducing = value.redistribute(value.device_mesh, value.placements)
+    setattr(reducing, _REDUCING, reducing)
+    return reducing
+
+
 #: The attribute :func:`reducing_gradient` keeps an activation's op in.
 _REDUCING = "_keras_dtensor_fix_reducing"
 

@@ -24,9 +24,10 @@ ENV_DISABLE = "KERAS_DTENSOR_FIX_DISABLE"
 ENV_STRICT = "KERAS_DTENSOR_FIX_STRICT"
 ENV_SAVE_TIMEOUT = "KERAS_DTENSOR_FIX_SAVE_TIMEOUT"
 ENV_COMPILE = "KERAS_DTENSOR_FIX_COMPILE"
-#: What ``jit_compile=True`` compiles under ModelParallel: the whole step (the
-#: default: the fastest steps) or each repeated block once (the fastest start).
-COMPILE_MODES: tuple[str, ...] = ("step", "blocks")
+#: What ``jit_compile=True`` compiles under ModelParallel: ``auto`` (the
+#: default: block by block where the model repeats blocks, else whole), the
+#: whole step, or each repeated block once.
+COMPILE_MODES: tuple[str, ...] = ("auto", "step", "blocks")
 DEFAULT_SAVE_SECONDS = 900.0
 
 #: Every patch family's name (the table is :mod:`keras_dtensor_fix.engine.families`).
@@ -150,8 +151,10 @@ def save_seconds(environ: Mapping[str, str] | None = None) -> float:
 def compile_mode(environ: Mapping[str, str] | None = None) -> str:
     """``KERAS_DTENSOR_FIX_COMPILE``: one of :data:`COMPILE_MODES`.
 
-    Read when a model builds its step, so a script may set it late; a value
-    not understood warns and the default (``step``) stands.
+    ``auto`` (unset): a model's steps compile block by block where the model
+    repeats blocks, else whole (``ops/blocks.choose``). Read when a
+    model builds its step, so a script may set it late; a value not
+    understood warns and the default (``auto``) stands.
     """
     raw = (os.environ if environ is None else environ).get(ENV_COMPILE, "")
     value = raw.strip().lower()

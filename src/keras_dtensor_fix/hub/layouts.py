@@ -2,7 +2,7 @@
 
 keras-hub ships ``get_layout_map(mesh)`` on Gemma, Llama (and Llama3), Qwen,
 QwenMoe and Qwen3Moe backbones. :data:`ROWS` gives the causal LM backbones
-without one (not BLIP2, Gemma3n, PARSeq, nor RWKV7) in the same shape:
+without one (not BLIP2, PARSeq, nor RWKV7: :data:`NO_ROW`) in the same shape:
 Megatron's split on the model axis (column-parallel Q/K/V, MLP in and expert
 in-projections, with their biases; row-parallel attention and MLP out), and
 the batch axis on the other weight axis where keras-hub's own maps put it (the
@@ -97,6 +97,18 @@ SMOLLM3: tuple[Rule, ...] = (
     (_BLOCK + r"mlp/(gate|up)_proj/kernel", (DATA, MODEL)),
     (_BLOCK + r"mlp/down_proj/kernel", (MODEL, DATA)),
 )
+# Gemma3n's text decoder: Dense Q/K/V kernels (hidden, heads * head_dim). Its
+# embedding (tied to the logits) keeps its hidden axis whole: split on the
+# batch axis, (2, 1) training drifted from one process. AltUp, LAuReL, the
+# per-layer inputs and their embedding are small and replicated.
+_GEMMA3N = r"text_model/decoder_block_\d+/"
+GEMMA3N: tuple[Rule, ...] = (
+    (r"text_model/embed_tokens/embedding/embeddings", (MODEL, None)),
+    (_GEMMA3N + r"attention/(q|k|v)_proj/kernel", (DATA, MODEL)),
+    (_GEMMA3N + r"attention/o_proj/kernel", (MODEL, DATA)),
+    (_GEMMA3N + r"mlp/(gate|up)_proj/kernel", (DATA, MODEL)),
+    (_GEMMA3N + r"mlp/down_proj/kernel", (MODEL, DATA)),
+)
 
 _MODELS = "keras_hub.src.models"
 #: ``(backbone module, class name)`` -> its rules: the keras-hub text causal
@@ -121,6 +133,17 @@ ROWS: dict[tuple[str, str], tuple[Rule, ...]] = {
     (f"{_MODELS}.bloom.bloom_backbone", "BloomBackbone"): BLOOM,
     (f"{_MODELS}.gpt_neo_x.gpt_neo_x_backbone", "GPTNeoXBackbone"): GPT_NEOX,
     (f"{_MODELS}.gpt2.gpt2_backbone", "GPT2Backbone"): LLAMA_STYLE,
+    (f"{_MODELS}.gemma3n.gemma3n_backbone", "Gemma3nBackbone"): GEMMA3N,
+}
+
+#: Causal LM backbones known to have no row, and why: said by NoLayoutError.
+NO_ROW: dict[tuple[str, str], str] = {
+    (f"{_MODELS}.rwkv7.rwkv7_backbone", "RWKV7Backbone"): (
+        "its time mix writes each step's output into a plain tensor "
+        "(out[:, t : t + 1] = o on the torch backend), and DTensor refuses "
+        "an o that is a DTensor (AssertionError): any weight sharded before "
+        "the last time mix makes it one, even the channel mix's alone"
+    ),
 }
 
 
@@ -161,12 +184,14 @@ def get_layout_map(
             )
     rules = rules_for(cls)
     if rules is None:
+        why = NO_ROW.get((cls.__module__, cls.__qualname__))
         raise NoLayoutError(
             f"keras-dtensor-fix knows no tensor-parallel layout for "
             f"{cls.__qualname__}. Write a keras.distribution.LayoutMap by hand: "
             "its keys are re.fullmatch regexes over the variable paths "
             "(print [(v.path, v.shape) for v in backbone.weights]), its "
             "values one mesh axis name or None per weight axis."
+            + (f" ({cls.__qualname__}: {why})" if why else "")
         )
     names = {MODEL: model_parallel_dim_name, DATA: data_parallel_dim_name}
     layout_map = keras.distribution.LayoutMap(device_mesh)

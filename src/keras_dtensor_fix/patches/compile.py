@@ -2,9 +2,10 @@
 
 Upstream (keras-nightly 3.16.0.dev2026102704) refuses it ("Running without
 `torch.compile`"): its promotion mode makes dynamo skip every frame. With the
-mode kept off (``promotion`` family) the step compiles like any other. With
-``KERAS_DTENSOR_FIX_COMPILE=blocks`` the step runs eagerly and each repeated
-block compiles once for all its instances (:mod:`keras_dtensor_fix.compiled.blocks`).
+mode kept off (``promotion`` family) the step compiles like any other. A model
+with repeated blocks (by default; ``KERAS_DTENSOR_FIX_COMPILE=step`` opts out)
+runs its step eagerly and each repeated block compiles once for all its
+instances (:mod:`keras_dtensor_fix.compiled.blocks`).
 
 The step runs eagerly, warned, where torch cannot compile it (torch < 2.12;
 Keras's generic RNN loop, seeded random layers on 2.13). Static shapes: DTensor
@@ -18,7 +19,7 @@ from __future__ import annotations
 import sys
 import types
 
-from keras_dtensor_fix.compiled import blocks, updates
+from keras_dtensor_fix.compiled import blocks, refusals, updates
 from keras_dtensor_fix.engine import config, state, targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import model_parallel
@@ -46,7 +47,7 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
             stacklevel=2,
         )
         return False
-    recurrent = recurrent_layers(instance)
+    recurrent = refusals.recurrent_layers(instance)
     if recurrent:
         warnings.warn(
             "keras-dtensor-fix: jit_compile=True is not used for this "
@@ -58,7 +59,7 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
             stacklevel=2,
         )
         return False
-    seeded = seeded_random_layers(instance)
+    seeded = refusals.seeded_random_layers(instance)
     if seeded:
         warnings.warn(
             "keras-dtensor-fix: jit_compile=True is not used for this "
@@ -69,70 +70,34 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
             stacklevel=2,
         )
         return False
-    if config.compile_mode() == "blocks" and blocks.install(instance, compile_failure):
+    building = _BUILDING[-1] if _BUILDING else None
+    configured = config.compile_mode()
+    mode, why = blocks.choose(instance, configured)
+    if mode == "blocks" and configured == "auto" and building in _FORWARD:
+        # Grad-free blocks run their own call: by default, evaluation and
+        # prediction compile whole (a forward graph); the training step's
+        # blocks stay installed (their region steps aside inside a graph).
+        why = "the default: training goes block by block, this step has no backward"
+        blocks.tell(instance, building, "step", why)
+        return True
+    if mode == "blocks" and blocks.install(instance, compile_failure):
+        blocks.tell(instance, building, "blocks", why)
         return False  # the step runs eagerly, its blocks compiled
     blocks.uninstall(instance)
+    blocks.tell(instance, building, "step", why)
     return True
+
+
+#: The ``make_*_function`` running now (innermost last).
+_BUILDING: list[str] = []
+#: Steps without a backward: compiled whole even where training goes by blocks.
+_FORWARD = ("make_test_function", "make_predict_function")
 
 
 def _torch_version() -> str:
     import torch
 
     return torch.__version__
-
-
-def recurrent_layers(model) -> list[str]:
-    """Recurrent layers of ``model`` that run Keras's generic RNN loop.
-
-    LSTM and GRU on their backend path (``use_cudnn`` "auto" or True, no
-    recurrent dropout, GRU's ``reset_after``, no mask) compile, their sharded
-    weights gathered once per call (the ``rnn`` family). The generic loop (any
-    other RNN, those options, or a mask, which Keras's torch LSTM and GRU hand
-    to the generic loop) does not compile under ModelParallel: torch 2.13 fails on
-    the graph it leaves before its first graph break, after tracing for as
-    long as a whole step takes to compile. A mask is seen where the model's
-    graph shows it (functional and Sequential models); a subclassed model's
-    masked LSTM still fails to compile and then runs eagerly.
-    """
-    rnn = targets.keras_object("RNN")
-    fast = (targets.keras_object("LSTM"), targets.keras_object("GRU"))
-    found = []
-    for layer in model._flatten_layers(include_self=False):
-        if not isinstance(layer, rnn):
-            continue
-        if (
-            isinstance(layer, fast)
-            and getattr(layer, "use_cudnn", None) in ("auto", True)
-            and not getattr(layer, "recurrent_dropout", 0)
-            and getattr(layer, "reset_after", True)
-            and not _receives_mask(layer)
-        ):
-            continue
-        found.append(layer.name)
-    return found
-
-
-def _receives_mask(layer) -> bool:
-    """Whether the model's graph feeds ``layer`` a Keras mask (``Masking``,
-    ``Embedding(mask_zero=True)`` before it)."""
-    for node in getattr(layer, "_inbound_nodes", None) or ():
-        for tensor in getattr(node, "input_tensors", None) or ():
-            if getattr(tensor, "_keras_mask", None) is not None:
-                return True
-    return False
-
-
-def seeded_random_layers(model) -> list[str]:
-    """Layers whose seeded generator makes a graph break (Dropout(seed=...))."""
-    seed_generator = targets.keras_object("SeedGenerator")
-    found = []
-    for layer in model._flatten_layers(include_self=False):
-        for value in vars(layer).values():
-            if isinstance(value, seed_generator) and value._initial_seed is not None:
-                if getattr(layer, "rate", 1.0) not in (0, 0.0):
-                    found.append(layer.name)
-                break
-    return found
 
 
 STEP_FUNCTIONS = {
@@ -149,7 +114,11 @@ def _static_shapes(wrapped, instance, args, kwargs):
     and dynamo's "automatic dynamic" then makes the batch size symbolic; DTensor
     fails on symbolic shard sizes (torch 2.13; pytorch/pytorch#152963).
     """
-    result = wrapped(*args, **kwargs)
+    _BUILDING.append(wrapped.__name__)
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        _BUILDING.pop()
 
     attribute = STEP_FUNCTIONS[wrapped.__name__]
     function = getattr(instance, attribute, None)
@@ -419,7 +388,8 @@ def patches(module: types.ModuleType) -> list[Patch]:
 
 
 def notes() -> list[str]:
-    """Whether this nightly and this torch can compile a ModelParallel step."""
+    """Whether this nightly and this torch can compile a ModelParallel step,
+    and how the last one compiled (whole or block by block) and why."""
     module = sys.modules.get(targets.TRAINER)
     if module is None:
         return []
@@ -437,7 +407,7 @@ def notes() -> list[str]:
             f"{torch.__version__} (dynamo cannot trace autograd.grad over "
             "DTensors); torch>=2.12 compiles"
         ]
-    return []
+    return list(blocks.LAST)
 
 
 IMPLEMENTATION = Implementation(patches, after_revert=blocks.forget, notes=notes)
