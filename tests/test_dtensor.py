@@ -137,6 +137,31 @@ def test_placed_is_shared_by_an_activations_readers(mesh1) -> None:
     assert after is not before and torch.equal(after.full_tensor(), other.full_tensor())
 
 
+def test_placed_keeps_nothing_on_a_view_of_a_weight(mesh1) -> None:
+    """A view of a weight (keras-hub Gemma3n's tied logits read
+    ``ops.transpose(embeddings)`` made once, at construction) outlives the
+    step while the optimizer writes the weight's local shard in place unseen
+    by the view's version counters: its redistribution is made again at each
+    call, and so is its Megatron "f". Before, ``placed`` kept the first one,
+    and a (2, 1) mesh trained Gemma3n's logits on the step-1 embedding
+    (epoch-2 loss 4.0780 against one process's 4.0649)."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from keras_dtensor_fix.dtensor import placed, reducing_gradient
+
+    weight = distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh1, [Replicate()])
+    weight.requires_grad_(True)
+    view = weight.transpose(0, 1)
+    first = placed(view, (Shard(0),))
+    with torch.no_grad():
+        weight._local_tensor.data.add_(1)  # no version counter sees it
+    again = placed(view, (Shard(0),))
+    assert again is not first
+    assert torch.equal(again.full_tensor(), weight.full_tensor().T)
+    assert reducing_gradient(view) is not reducing_gradient(view)
+
+
 def test_on_mesh_moves_a_value_to_an_equal_mesh_object(mesh1) -> None:
     import torch
     from torch.distributed.device_mesh import DeviceMesh

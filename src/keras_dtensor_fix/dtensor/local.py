@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from keras_dtensor_fix.dtensor.collectives import all_reduce_copy
-from keras_dtensor_fix.dtensor.placement import settle
+from keras_dtensor_fix.dtensor.placement import settle, views_leaf
 from keras_dtensor_fix.dtensor.spec import (
     INTERNALS,
     SPECS,
@@ -126,6 +126,10 @@ def reducing_gradient(value: Any) -> Any:
         or any(p.is_partial() for p in value.placements)
     ):
         return value
+    if views_leaf(value):  # may outlive the step: kept, it would be stale
+        if torch.compiler.is_compiling():
+            return value.redistribute(value.device_mesh, value.placements)
+        return _ReduceGradient.apply(value)
     reducing = getattr(value, _REDUCING, None)
     if reducing is None:
         if torch.compiler.is_compiling():

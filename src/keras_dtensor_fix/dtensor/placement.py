@@ -150,9 +150,10 @@ def placed(value: DTensor, placements: Sequence[Any]) -> DTensor:
     compiled graph needs this too: inductor does not merge collectives. A
     result made without gradient serves only callers without; one made before
     an in-place change to the activation (eager: its version) is not reused.
+    A view of a weight is no activation (:func:`views_leaf`): never kept.
     """
     placements = tuple(placements)
-    if value.is_leaf:
+    if value.is_leaf or views_leaf(value):
         return settle(value, placements)
     grad = torch.is_grad_enabled()
     # Dynamo reads no version counter; a traced activation is not changed in
@@ -170,6 +171,19 @@ def placed(value: DTensor, placements: Sequence[Any]) -> DTensor:
     kept[:] = [entry for entry in kept if entry[0] != placements]
     kept.append((placements, version, grad, result))
     return result
+
+
+def views_leaf(value: torch.Tensor) -> bool:
+    """Whether ``value`` is a view of a leaf (a weight's transpose).
+
+    Such a value may outlive a step (keras-hub Gemma3n's tied logits read a
+    transpose of the embedding made once, at construction, a constant of the
+    functional graph) while the optimizer writes its weight's local shard in
+    place, unseen by the view's version counters (both stay 0): anything kept
+    on it would be the weight as it was.
+    """
+    base = value._base
+    return base is not None and base.is_leaf
 
 
 #: The attribute :func:`placed` keeps an activation's redistributions in.

@@ -98,12 +98,12 @@ SMOLLM3: tuple[Rule, ...] = (
     (_BLOCK + r"mlp/down_proj/kernel", (MODEL, DATA)),
 )
 # Gemma3n's text decoder: Dense Q/K/V kernels (hidden, heads * head_dim). Its
-# embedding (tied to the logits) keeps its hidden axis whole: split on the
-# batch axis, (2, 1) training drifted from one process. AltUp, LAuReL, the
-# per-layer inputs and their embedding are small and replicated.
+# embedding is tied to the logits through a transpose made once, at
+# construction (dtensor.views_leaf). AltUp, LAuReL, the per-layer inputs and
+# their embedding are small and replicated.
 _GEMMA3N = r"text_model/decoder_block_\d+/"
 GEMMA3N: tuple[Rule, ...] = (
-    (r"text_model/embed_tokens/embedding/embeddings", (MODEL, None)),
+    (r"text_model/embed_tokens/embedding/embeddings", (MODEL, DATA)),
     (_GEMMA3N + r"attention/(q|k|v)_proj/kernel", (DATA, MODEL)),
     (_GEMMA3N + r"attention/o_proj/kernel", (MODEL, DATA)),
     (_GEMMA3N + r"mlp/(gate|up)_proj/kernel", (DATA, MODEL)),
