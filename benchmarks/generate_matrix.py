@@ -11,7 +11,10 @@ runs beside it, as each of the 2 sharded processes does). Each run is
 own ``get_layout_map`` on (1, 2)), on an empty compile cache of its own.
 Prints a Markdown table (ms/token, the ratio to the two one-process eager
 runs, the first call) and whether every run generated the same tokens;
-``--json`` keeps the records.
+``--json`` keeps the records. Since 2026-11-28 the plugin compiles tokens only
+under ModelParallel: the one-process ``jit_compile=True`` run generates as
+keras-hub does on torch, eagerly (the dated results before then measured the
+plugin's unsharded compiled step).
 
     python benchmarks/generate_matrix.py --json results/DATE-generate-matrix.json
 """

@@ -5,7 +5,8 @@ A tiny random ``GemmaCausalLM`` (4 layers, vocabulary 1024, heads 4 / kv heads
 tokens (16) to ``--length`` (64), sharded by Gemma's own ``get_layout_map``
 on (1, N), or on one process with no distribution; ``--compile``:
 ``jit_compile=True``, so that ``generate()`` compiles its token step (the
-``generate`` family). Prints ms/token (median of 3 calls after the first),
+``generate`` family, sharded only: one process generates eagerly). Prints
+ms/token (median of 3 calls after the first),
 eager: aten ops per token with a DTensor among their arguments and without,
 the most frequent DTensor ops; collectives per token (torch's profiler);
 sharded, what one all-reduce of a token's hidden vector costs here (the
