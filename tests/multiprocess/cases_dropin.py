@@ -18,6 +18,7 @@ from scenario_kit import (  # noqa: E402
     apply_step,
     case,
     data,
+    distribute,
     fit_mlp,
     fit_model,
     mlp,
@@ -390,30 +391,36 @@ class _GAN(keras.Model):
         return {m.name: m.result() for m in self.metrics}
 
 
+# The GAN's first discriminator layer, and the MLP fit before it.
+GAN_LAYOUT = {".*gan_d1/kernel": (None, "model"), **COLUMNS}
+
+
 @case(
     "dropin_compiled",
-    layout={".*gan_d1/kernel": (None, "model")},
-    inductor=True,
-    # Its ``backward()`` calls break the graph by design (reported); a
-    # compiled batch whose compile fails runs again eagerly (reported).
-    warns=("graph break(s)", "runs eagerly from now on"),
+    layout=GAN_LAYOUT,
+    # Its ``backward()`` calls break the graph by design (reported).
+    warns=("graph break(s)",),
 )
 def gan_compiled():
-    """The guide's GAN compiled, equal to one process; whether ``fit``'s train
-    function still runs the compiled step at the end is recorded
-    (``compiled_to_the_end``). As the first compiled step of a process it
-    compiles (34 graphs, 41 breaks: Keras's seeded draws, ``backward()``) and
-    runs compiled to the end. After another compiled step in the same process
-    (as here, after the group's earlier cases), the first batch's compile of
-    the loss's ``__call__`` frame fails in inductor's partitioner ("Node
-    tangents_2 was invalid, but is output") and the step runs eagerly, warned
-    (``compile._eager_if_compile_fails``; aot_eager alike). Where the graph
-    breaks: ``binary_cross_entropy_with_logits`` has no DTensor sharding rule,
-    so traced it fails on fake DTensors inside Keras's ``name_scope``, which
-    dynamo cannot break under: the loss's frames run eagerly (the ``ops``
-    family's full-value fallback) between compiled graphs. Issue 50 saw
-    "Expected a DTensor tangent but got a plain Tensor" in ``d_loss.backward()``
-    on a later batch. Upstream runs it eagerly."""
+    """The guide's GAN compiled after another distribution's compiled fit in
+    the same process (a compiled MLP on an equal (1, 2) mesh, then a new
+    distribution), equal to one process, compiled to the end
+    (``compiled_to_the_end``: ``fit``'s train function still runs the
+    compiled step) with no fallback warning (test_compiled_gan_stays_compiled).
+    Before ``dtensor.forget_meshes``: DTensor's sharding caches (the C++ fast
+    path's too) match meshes by value and handed the GAN's loss ops the
+    earlier mesh object; the first batch's compile of a loss frame failed in
+    AOT autograd's partitioner ("Node tangents_2 was invalid, but is output":
+    that mesh was reachable only through the tangent built from the frame's
+    output) and the step ran eagerly, warned (``runs eagerly from now on``),
+    inductor and aot_eager alike. Its graph breaks:
+    ``binary_cross_entropy_with_logits`` has no DTensor sharding rule, so the
+    loss's frames run eagerly (the ``ops`` family's full-value fallback)
+    between compiled graphs; ``backward()``. Issue 50 saw "Expected a DTensor
+    tangent but got a plain Tensor" in ``d_loss.backward()`` on a later
+    batch. Upstream runs it eagerly."""
+    fit_mlp(keras.optimizers.Adam(1e-2), epochs=2, jit_compile=True)
+    distribute((1, 2), GAN_LAYOUT)  # a new mesh, equal to the one before
     keras.utils.set_random_seed(0)
     discriminator = keras.Sequential(
         [

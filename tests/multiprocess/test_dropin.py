@@ -195,6 +195,27 @@ def test_upstream_compiled_gan(runs) -> None:
     np.testing.assert_allclose(upstream["losses"], single["losses"], rtol=1e-5)
 
 
+def test_compiled_gan_stays_compiled(runs) -> None:
+    """The guide's GAN, compiled after another distribution's compiled fit in
+    the same process, compiles its first batch and runs the compiled step to
+    the end on both ranks, with no fallback warning (parity:
+    test_dropin_compiled). Without ``dtensor.forget_meshes`` DTensor's
+    sharding caches handed it the earlier, equal mesh object, a loss frame's
+    backward failed to partition ("Node tangents_2 was invalid, but is
+    output") and the step ran eagerly from the first batch, warned. Upstream
+    runs it eagerly (test below)."""
+    if not runs.ran("gan_compiled"):
+        pytest.skip("gan_compiled not selected")
+    if not compiles_model_parallel():
+        pytest.skip("this Keras does not compile under ModelParallel")
+    for rank, result in enumerate(runs.get("dropin_compiled", world=2)):
+        gan = result["gan_compiled"]
+        assert "error" not in gan, (rank, gan.get("traceback"))
+        eager = [w for w in gan["plugin_warnings"] if "runs eagerly" in w]
+        assert eager == [], (rank, eager)
+        assert gan["compiled_to_the_end"], rank
+
+
 @pytest.mark.parametrize(
     "name",
     scenario_params("dropin_compiled", tuple(n for n in CASES if n not in SELECTING)),

@@ -7,7 +7,8 @@ rank's shard of the partner is refused with :class:`PromotionError`.
 Modules, by job (each imports only those above it; collectives reads its
 setting from the package):
 
-- :mod:`.spec`: the DTensorSpec cache.
+- :mod:`.spec`: the DTensorSpec cache; ``forget_meshes`` empties it and
+  torch's sharding caches when a new mesh is made.
 - :mod:`.collectives`: the one all-reduce path (and generation's all-gather),
   polled on CPU.
 - :mod:`.placement`: mesh and placement checks, ``settle``, ``placed``,
@@ -87,6 +88,7 @@ from keras_dtensor_fix.dtensor.promotion import (
     to_placements,
 )
 from keras_dtensor_fix.dtensor.region import local_region
+from keras_dtensor_fix.dtensor.spec import forget_meshes
 
 __all__ = [
     "DTensor",
@@ -98,6 +100,7 @@ __all__ = [
     "batch_parallel_call",
     "describe",
     "find_dtensor",
+    "forget_meshes",
     "gather_axes_splitting",
     "gather_axis",
     "gather_non_batch_axes",

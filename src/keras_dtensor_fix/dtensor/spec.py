@@ -49,6 +49,30 @@ def cached_spec(mesh: Any, placements: tuple, meta: Any) -> Any:
     return spec
 
 
+def forget_meshes() -> None:
+    """Empty torch's sharding-propagation caches (Python's and the C++ fast
+    path's), called when a new torch mesh is made.
+
+    They match a mesh by value and hand back the output spec of the first
+    equal mesh they met: after an earlier distribution, an op's output holds
+    that older mesh object. Compiled, AOT autograd's joint graph then finds
+    the older mesh only in the tangent built from that output, and a forward
+    output that refers to a tangent fails to partition ("Node tangents_2 was
+    invalid, but is output"); dynamo also guards on the mesh's identity.
+    """
+    import torch
+
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        getattr(getattr(propagator, cached, None), "cache_clear", lambda: None)()
+    getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()
+    SPECS.clear()
+
+
 def _spec_internals() -> tuple[Any, Any, Any] | None:
     try:
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta

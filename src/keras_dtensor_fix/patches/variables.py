@@ -16,7 +16,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from keras_dtensor_fix.dtensor import is_replicated, replicate, same_mesh
+from keras_dtensor_fix.dtensor import (
+    forget_meshes,
+    is_replicated,
+    replicate,
+    same_mesh,
+)
 from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import compiling, model_parallel, note_sharding
@@ -168,6 +173,7 @@ def _to_backend_mesh(wrapped, instance, args, kwargs):
     if cached is not None:
         return cached
     mesh = wrapped(*args, **kwargs)
+    forget_meshes()
     try:
         state.set_attribute(device_mesh, "_backend_mesh", mesh)
     except AttributeError:
