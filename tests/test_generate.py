@@ -15,6 +15,22 @@ from support import last_json
 
 pytest.importorskip("keras_hub")
 
+#: Each child sets a one-rank ModelParallel: the family compiles tokens only
+#: under ModelParallel (unsharded, keras-hub's eager generation stands).
+ONE_RANK = r"""
+def one_rank_model_parallel():
+    import keras
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = keras.distribution.DeviceMesh(
+        (1, 1), ["batch", "model"], keras.distribution.list_devices()
+    )
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch"
+    ))
+"""
+
 CODE = r"""
 import json, warnings
 import numpy as np
@@ -25,19 +41,6 @@ from keras_hub.src.models import causal_lm
 from keras_dtensor_fix.patches import generate as family
 
 original = causal_lm.CausalLM.__dict__["make_generate_function"].__wrapped__
-
-
-def one_rank_model_parallel():  # the family compiles tokens under ModelParallel only
-    import torch.distributed as dist
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    mesh = keras.distribution.DeviceMesh(
-        (1, 1), ["batch", "model"], keras.distribution.list_devices()
-    )
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(
-        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch"
-    ))
-
-
 one_rank_model_parallel()
 
 
@@ -83,7 +86,7 @@ def test_a_failed_compile_generates_eagerly_and_leaves_nothing(run_py) -> None:
     """The compiled token step raises: one warning, the same tokens as an
     eager model (both calls), nothing left on the model, and deactivation
     puts keras-hub's own ``make_generate_function`` back."""
-    out = last_json(run_py(CODE, timeout=300))
+    out = last_json(run_py(ONE_RANK + CODE, timeout=300))
     assert len(out["warnings"]) == 1, out["warnings"]
     assert "runs eagerly" in out["warnings"][0]
     assert "no compiler here" in out["warnings"][0]
@@ -98,18 +101,6 @@ import numpy as np
 import keras, keras_hub
 import keras_dtensor_fix
 from keras_dtensor_fix.patches import generate as family
-
-
-def one_rank_model_parallel():  # the family compiles tokens under ModelParallel only
-    import torch.distributed as dist
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    mesh = keras.distribution.DeviceMesh(
-        (1, 1), ["batch", "model"], keras.distribution.list_devices()
-    )
-    keras.distribution.set_distribution(keras.distribution.ModelParallel(
-        layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch"
-    ))
-
 
 one_rank_model_parallel()
 
@@ -165,7 +156,7 @@ def test_a_defeated_token_step_generates_eagerly(run_py) -> None:
     token step read the model's signature, the first raised a TypeError from
     the step; before it caught its first token's failure, the second raised
     its error."""
-    out = last_json(run_py(DEFEATED, timeout=300))
+    out = last_json(run_py(ONE_RANK + DEFEATED, timeout=300))
     causes = {"signature": "does not take", "first_token": "defeated on purpose"}
     for name, cause in causes.items():
         warned = out[name]["warnings"]
