@@ -10,10 +10,12 @@ import keras
 import numpy as np
 
 
-def set_distribution() -> None:
-    """ModelParallel over every process, the MLP's Megatron layout."""
+def set_distribution(shape: tuple[int, int] | None = None) -> None:
+    """ModelParallel over every process (a ``shape`` mesh, default (1, N)),
+    the MLP's Megatron layout."""
     devices = keras.distribution.list_devices()
-    mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
+    shape = shape or (1, len(devices))
+    mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)
     layout = keras.distribution.LayoutMap(mesh)
     layout[".*hidden/kernel"] = (None, "model")  # column parallel
     layout[".*hidden/bias"] = ("model",)

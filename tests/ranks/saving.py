@@ -29,6 +29,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlp  # noqa: E402  (beside this script)
+
 from support import leave  # noqa: E402
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
@@ -51,16 +53,7 @@ def distribute() -> None:
         data_parallel.auto_shard_dataset = False
         keras.distribution.set_distribution(data_parallel)
         return
-    mesh = keras.distribution.DeviceMesh(MESH, ["batch", "model"], devices)
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[".*hidden/kernel"] = (None, "model")  # column parallel
-    layout_map[".*hidden/bias"] = ("model",)
-    layout_map[".*output/kernel"] = ("model", None)  # row parallel
-    dist = keras.distribution.ModelParallel(
-        layout_map=layout_map, batch_dim_name="batch"
-    )
-    dist.auto_shard_dataset = False
-    keras.distribution.set_distribution(dist)
+    mlp.set_distribution(MESH)
 
 
 def build() -> keras.Model:

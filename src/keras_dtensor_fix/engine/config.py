@@ -152,7 +152,7 @@ def compile_mode(environ: Mapping[str, str] | None = None) -> str:
     """``KERAS_DTENSOR_FIX_COMPILE``: one of :data:`COMPILE_MODES`.
 
     ``auto`` (unset): a model's steps compile block by block where the model
-    repeats blocks, else whole (``ops/blocks.choose``). Read when a
+    repeats blocks, else whole (``compiled/blocks.choose``). Read when a
     model builds its step, so a script may set it late; a value not
     understood warns and the default (``auto``) stands.
     """
