@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from keras_dtensor_fix.compiled import cache_key
 from keras_dtensor_fix.compiled.steady import Steady, code_of
 from keras_dtensor_fix.dtensor import DTensor, reducing_gradient, reducing_input
 from keras_dtensor_fix.engine import state, targets
@@ -276,11 +277,10 @@ def _compiled(
     by_class = _COMPILED.setdefault(distribution, {})
     compiled = by_class.get((cls, user_tag, in_graph))
     if compiled is None:
-        tag = state.cache_key_tag(distribution, user_tag)
         # Static shapes: DTensor sharding propagation fails on symbolic sizes.
         traced = _with_f(original) if in_graph else original
         compiled = torch.compile(traced, dynamic=False)
-        compiled = torch.compiler.config.patch(cache_key_tag=tag)(compiled)
+        compiled = cache_key.keyed(compiled, distribution)
         # Every block of the class calls it in turn, once forward per step:
         # each block's guards run until a step of its calls compiles nothing.
         compiled = Steady(compiled, code_of(traced), interleaved=True)

@@ -5,8 +5,6 @@
 * Compiled steps: whether a ModelParallel step function was compiled (batches
   then keep static shapes).
 * The active ModelParallel distribution, and whether dynamo is tracing.
-* The compile caches' key tag for this process (:func:`cache_key_tag`),
-  for every step the families compile.
 * Attributes a patch sets on a Keras object (a cache, a replaced step
   function): recorded by :func:`set_attribute` and undone by
   :func:`undo_attributes` when the plugin is deactivated.
@@ -183,30 +181,3 @@ def undo_attributes() -> None:
                     setattr(obj, name, value)
             except (AttributeError, TypeError):
                 continue
-
-
-def cache_key_tag(dist, user_tag: str = "") -> str:
-    """The compile caches' key tag for this process's compiled steps.
-
-    AOT autograd keys its on-disk cache on dynamo's graph, which is the same
-    on every process, but the graph it compiles from a DTensor program holds
-    this process's own shard offsets and process group names. The caches are
-    shared by the processes of a machine and by every launch, so without the
-    process in the key one process runs a graph compiled for another (a
-    (2, 2) mesh: "Could not resolve the process group registered under the
-    name 3"). The tag keeps the user's own ``cache_key_tag`` in front.
-    """
-    from keras_dtensor_fix.dtensor import world as place
-
-    mesh = dist.device_mesh
-    rank, world = place.rank(), place.world()
-    groups = ""
-    backend_mesh = getattr(mesh, "backend_mesh", None)
-    if backend_mesh is not None and world > 1:
-        names = [backend_mesh.get_group(i).group_name for i in range(backend_mesh.ndim)]
-        groups = ",".join(names)
-    ours = (
-        f"keras_dtensor_fix:rank={rank}/{world}"
-        f":mesh={tuple(mesh.shape)}:groups={groups}"
-    )
-    return f"{user_tag}|{ours}" if user_tag else ours

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import types
 
-from keras_dtensor_fix.compiled import blocks, refusals, updates
+from keras_dtensor_fix.compiled import blocks, cache_key, refusals, updates
 from keras_dtensor_fix.engine import config, state, targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import model_parallel
@@ -131,8 +131,7 @@ def _static_shapes(wrapped, instance, args, kwargs):
         import torch
 
         static = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(function)
-        tag = state.cache_key_tag(model_parallel(), torch.compiler.config.cache_key_tag)
-        static = torch.compiler.config.patch(cache_key_tag=tag)(static)
+        static = cache_key.keyed(static, model_parallel())
         static = _eager_if_compile_fails(static, instance, wrapped.__name__)
         static._keras_dtensor_fix_static = True
         state.set_attribute(instance, attribute, static)

@@ -10,7 +10,7 @@ position and every later ``generate()`` call. The prompt's pass (the cache's
 first fill) stays eager: it runs once per call, with the prompt's shape.
 Sharded, the graph holds this process's shards and collectives; its compile-
 cache key names the process, as the training steps' do
-(``state.cache_key_tag``); the prompt's pass runs its blocks on local tensors
+(``compiled/cache_key``); the prompt's pass runs its blocks on local tensors
 and the sampler's loop gets plain tensors, as eager generation does (below),
 so only the compiled token step touches DTensors. Within one generation,
 tokens skip dynamo's guard checks once one compiled nothing right after a
@@ -41,10 +41,11 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from keras_dtensor_fix.compiled import cache_key
 from keras_dtensor_fix.compiled.steady import Steady, code_of
 from keras_dtensor_fix.dtensor import DTensor, on_mesh, one_rank_replicated
 from keras_dtensor_fix.engine.contract import Implementation, Patch
-from keras_dtensor_fix.engine.state import cache_key_tag, model_parallel
+from keras_dtensor_fix.engine.state import model_parallel
 from keras_dtensor_fix.generation import causal_lm, decoder, paths, token_args
 from keras_dtensor_fix.generation.paths import CHECKED, DTENSOR
 from keras_dtensor_fix.hub import generation as hub
@@ -93,7 +94,6 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
     (image embeddings, masks) go on as given (:mod:`.token_args`). The first
     token's step falls back to the eager call where it raises.
     """
-    import torch
     from torch.utils._pytree import tree_map
 
     eager = model.call_with_cache
@@ -101,8 +101,7 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
     compiled = _compiled(type(model))
     dist = model_parallel()
     if dist is not None:
-        tag = cache_key_tag(dist, torch.compiler.config.cache_key_tag)
-        compiled = torch.compiler.config.patch(cache_key_tag=tag)(compiled)
+        compiled = cache_key.keyed(compiled, dist)
         plain, prompt = causal_lm.whole_inputs, _blocks_local
         # the weights' mesh: the graph guards on its identity
         meshes = (getattr(v, "_value", None) for v in model.weights)
