@@ -109,6 +109,19 @@ CAUSAL_LMS: dict[str, tuple[str, dict]] = {
             "laurel_rank": 2,
         },
     ),
+    # a recurrent time mix (keras-hub's pure-Python loop), split by heads
+    "rwkv7": (
+        "RWKV7",
+        {
+            "hidden_size": 32,
+            "head_size": 8,
+            "intermediate_dim": 64,
+            "gate_lora": 8,
+            "mv_lora": 8,
+            "aaa_lora": 8,
+            "decay_lora": 8,
+        },
+    ),
 }
 
 
@@ -119,6 +132,8 @@ def backbone_args(kind: str) -> dict:
         args["text_vocab_size"] = args.pop("vocabulary_size")
         args["num_hidden_layers"] = args.pop("num_layers")
         args["text_hidden_size"] = args.pop("hidden_dim")
+    if kind == "rwkv7":
+        del args["hidden_dim"]
     return args
 
 
@@ -151,6 +166,23 @@ def layout_of(kind: str):
     return layout
 
 
+def _rwkv7_prompt(prompt: np.ndarray) -> dict:
+    """RWKV-7's generate() inputs, as its preprocessor's generate_preprocess
+    makes them: all but the last prompt token left-padded for the prefill,
+    the last one first in the ids to predict."""
+    batch, length = prompt.shape
+    token_ids = np.zeros((batch, 4), "int32")
+    token_ids[:, 4 - (length - 1) :] = prompt[:, :-1]
+    predict = np.zeros((batch, 4), "int32")
+    predict[:, 0] = prompt[:, -1]
+    return {
+        "token_ids": token_ids,
+        "input_padding_mask": (token_ids != 0).astype("int32"),
+        "padding_mask": (predict != 0).astype("int32"),
+        "predict_token_ids": predict,
+    }
+
+
 def fit_generate(kind: str, batch_ranks: int) -> dict:
     """Two epochs of fit() on token ids, then one greedy generate()."""
     backbone_cls, causal_lm_cls = _classes(kind)
@@ -163,6 +195,8 @@ def fit_generate(kind: str, batch_ranks: int) -> dict:
         sampler="greedy",
     )
     ids = np.random.default_rng(0).integers(1, 64, size=(8, 12)).astype("int32")
+    if kind == "rwkv7":  # a Python loop per token and layer: a short sequence
+        ids = ids[:, :6]
     inputs = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
     if kind == "gemma4":  # an input of its backbone's
         inputs["position_ids"] = np.tile(np.arange(12, dtype="int32"), (8, 1))
@@ -180,6 +214,10 @@ def fit_generate(kind: str, batch_ranks: int) -> dict:
     prompt = {"token_ids": ids[:2].copy(), "padding_mask": np.zeros((2, 12), "int32")}
     prompt["padding_mask"][:, :5] = 1
     prompt["token_ids"][:, 5:] = 0
+    if kind == "rwkv7":  # its own generate() inputs (the preprocessor's)
+        # four rows, as a training batch: DTensor's sharding propagation of
+        # the time mix's batched matmuls (most of this case's time), once
+        prompt = _rwkv7_prompt(ids[:4, :3])
     if kind == "gemma3":
         # generate() returns inputs["images"] and cannot concatenate a None
         # (keras-hub, without a preprocessor, on one process too): no image
@@ -209,8 +247,19 @@ def _layout_case(kind: str, mesh: tuple[int, int], slow: bool = False) -> None:
 
 
 #: On (2, 1) the default run takes one model per rule set of hub/layouts.py;
-#: these share theirs with one of it (the slow tier's).
-SLOW_2X1 = ("phi3", "qwen3", "qwen3_5", "qwen3_5_moe", "opt", "gemma4", "pali_gemma")
+#: these share theirs with one of it, or (RWKV-7: DTensor's first sharding
+#: propagation of its batched matmuls, seconds each) cost more than its (1, 2)
+#: case, which takes the same path (the slow tier's).
+SLOW_2X1 = (
+    "phi3",
+    "qwen3",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "opt",
+    "gemma4",
+    "pali_gemma",
+    "rwkv7",
+)
 for _kind in CAUSAL_LMS:
     _layout_case(_kind, (1, 2))
 for _kind in CAUSAL_LMS:
