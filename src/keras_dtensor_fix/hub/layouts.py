@@ -2,16 +2,15 @@
 
 keras-hub ships ``get_layout_map(mesh)`` on Gemma, Llama (and Llama3), Qwen,
 QwenMoe and Qwen3Moe backbones. :data:`ROWS` gives the causal LM backbones
-without one (not BLIP2 nor PARSeq, whose causal LMs take images) in the same
-shape: Megatron's split on the model axis (column-parallel Q/K/V, MLP in and
-expert in-projections, with their biases; RWKV-7's receptance, key, value and
-LoRA out-projections, so that its recurrence runs on each rank's heads;
+without one in the same shape (:data:`NO_ROW`: those known to have no row,
+and why): Megatron's split on the model axis (column-parallel Q/K/V, MLP in
+and expert in-projections, with their biases; RWKV-7's receptance, key, value
+and LoRA out-projections, so that its recurrence runs on each rank's heads;
 row-parallel attention and MLP out), and the batch axis on the other weight
 axis where keras-hub's own maps put it (the hidden axis), so a ``(N, 1)`` mesh
 shards weights too. Embeddings split by vocabulary on the model axis. Weights
 no rule names (norms, routers, position embeddings, Qwen3.5's linear
-attention, vision encoders) are replicated. :data:`NO_ROW` names backbones
-known to have no row, and why.
+attention, vision encoders, BLIP2's Q-Former) are replicated.
 
 A rule is ``(regex, axes)``; ``axes`` holds :data:`MODEL`, :data:`DATA` or
 ``None`` per weight axis. Keys are ``re.fullmatch`` regexes, as LayoutMap's,
@@ -153,6 +152,9 @@ ROWS: dict[tuple[str, str], tuple[Rule, ...]] = {
     (f"{_MODELS}.gpt2.gpt2_backbone", "GPT2Backbone"): LLAMA_STYLE,
     (f"{_MODELS}.gemma3n.gemma3n_backbone", "Gemma3nBackbone"): GEMMA3N,
     (f"{_MODELS}.rwkv7.rwkv7_backbone", "RWKV7Backbone"): RWKV7,
+    # OPT's decoder after a vision encoder and Q-Former (replicated: their
+    # paths match no rule)
+    (f"{_MODELS}.blip2.blip2_backbone", "BLIP2Backbone"): LLAMA_STYLE,
 }
 
 #: Causal LM backbones known to have no row, and why: said by NoLayoutError.
