@@ -68,7 +68,7 @@ print(json.dumps(out))
 def test_every_row_fits_its_model(run_py) -> None:
     multiprocess = ROOT / "tests" / "multiprocess"
     out = last_json(run_py(PROGRAM, argv=[str(multiprocess)]))
-    assert len(out["models"]) == out["rows"] == 19
+    assert len(out["models"]) == out["rows"] == 20
     for kind, found in out["models"].items():
         # each path matches one rule at most, with one axis per weight axis
         assert found["bad"] == [], kind

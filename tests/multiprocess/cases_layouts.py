@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import types
 import warnings
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -115,6 +116,19 @@ CAUSAL_LMS: dict[str, tuple[str, dict]] = {
         "BLIP2",
         {**_FFN, "num_heads": 4, "max_sequence_length": 32, "dropout": 0.0},
     ),
+    # a text decoder reading a tiny ViT's patches (replicated): build_backbone
+    "parseq": (
+        "PARSeq",
+        {
+            "max_label_length": 6,
+            "decoder_hidden_dim": 32,
+            "num_decoder_layers": 2,
+            "num_decoder_heads": 4,
+            "decoder_mlp_dim": 64,
+            "dropout_rate": 0.0,
+            "attention_dropout": 0.0,
+        },
+    ),
     # a recurrent time mix (keras-hub's pure-Python loop), split by heads
     "rwkv7": (
         "RWKV7",
@@ -138,14 +152,29 @@ def backbone_args(kind: str) -> dict:
         args["text_vocab_size"] = args.pop("vocabulary_size")
         args["num_hidden_layers"] = args.pop("num_layers")
         args["text_hidden_size"] = args.pop("hidden_dim")
-    if kind == "rwkv7":
+    if kind in ("rwkv7", "parseq"):
         del args["hidden_dim"]
+    if kind == "parseq":
+        del args["num_layers"]
     return args
 
 
 def build_backbone(kind: str):
-    """A tiny random backbone of ``kind``; BLIP2's of its three parts."""
+    """A tiny random backbone of ``kind``; BLIP2's of its three parts,
+    PARSeq's with its image encoder."""
     backbone_cls = _classes(kind)[0]
+    if kind == "parseq":
+        encoder = keras_hub_models().ViTBackbone(
+            image_shape=(16, 16, 3),
+            patch_size=(4, 4),
+            num_layers=1,
+            num_heads=2,
+            hidden_dim=32,
+            mlp_dim=64,
+            use_class_token=False,
+            name="encoder",
+        )
+        return backbone_cls(image_encoder=encoder, **backbone_args(kind))
     if kind != "blip2":
         return backbone_cls(**backbone_args(kind))
     from keras_hub.src.models.blip2 import blip2_custom_opt as opt
@@ -179,6 +208,31 @@ def build_backbone(kind: str):
     return backbone_cls(
         vision_encoder=encoder, qformer=former, language_model=language_model
     )
+
+
+def keras_hub_models():
+    import keras_hub
+
+    return keras_hub.models
+
+
+class _Tokenizer(keras.layers.Layer):
+    """PARSeq's stand-in preprocessor at construction: its ``compile()``
+    reads the tokenizer's pad id (its tokenizer needs TensorFlow)."""
+
+    tokenizer = types.SimpleNamespace(pad_token_id=0)
+
+
+def build_causal_lm(kind: str):
+    """The causal LM of a tiny ``kind`` backbone, without a preprocessor."""
+    causal_lm_cls = _classes(kind)[1]
+    if kind != "parseq":
+        return causal_lm_cls(backbone=build_backbone(kind), preprocessor=None)
+    # two training permutations, the forward one and its mirror: none drawn
+    backbone = build_backbone(kind)
+    model = causal_lm_cls(backbone=backbone, preprocessor=_Tokenizer(), num_perms=2)
+    model.preprocessor = None
+    return model
 
 
 def _classes(kind: str):
@@ -227,10 +281,16 @@ def _rwkv7_prompt(prompt: np.ndarray) -> dict:
     }
 
 
+def weights_of(kind: str, ids: np.ndarray, batch_ranks: int) -> np.ndarray | None:
+    """PARSeq's loss reads sample weights (without: an error); ones."""
+    if kind != "parseq":
+        return None
+    return batch_rows(np.ones(ids.shape, "float32"), 4, batch_ranks)
+
+
 def fit_generate(kind: str, batch_ranks: int, jit_compile: bool = False) -> dict:
     """Two epochs of fit() on token ids, then one greedy generate()."""
-    causal_lm_cls = _classes(kind)[1]
-    model = causal_lm_cls(backbone=build_backbone(kind), preprocessor=None)
+    model = build_causal_lm(kind)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -238,21 +298,24 @@ def fit_generate(kind: str, batch_ranks: int, jit_compile: bool = False) -> dict
         jit_compile=jit_compile,
     )
     ids = np.random.default_rng(0).integers(1, 64, size=(8, 12)).astype("int32")
-    if kind == "rwkv7":  # a Python loop per token and layer: a short sequence
+    if kind in ("rwkv7", "parseq"):  # a loop per token; PARSeq's label length
         ids = ids[:, :6]
+    if kind == "parseq":  # its head predicts all but two ids
+        ids = ids % 61 + 1
     inputs = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
     if kind == "gemma4":  # an input of its backbone's
         inputs["position_ids"] = np.tile(np.arange(12, dtype="int32"), (8, 1))
     images = np.random.default_rng(1).random((8, 16, 16, 3)).astype("float32")
     if kind == "pali_gemma":  # every token a response: the loss reads them all
         inputs.update(images=images, response_mask=np.ones_like(ids))
-    if kind == "blip2":
+    if kind in ("blip2", "parseq"):
         inputs["images"] = images
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         history = model.fit(
             {k: batch_rows(v, 4, batch_ranks) for k, v in inputs.items()},
             batch_rows(np.roll(ids, -1, axis=1), 4, batch_ranks),
+            sample_weight=weights_of(kind, ids, batch_ranks),
             batch_size=4 // batch_ranks,
             epochs=2,
             shuffle=False,
@@ -269,7 +332,11 @@ def fit_generate(kind: str, batch_ranks: int, jit_compile: bool = False) -> dict
         # generate() returns inputs["images"] and cannot concatenate a None
         # (keras-hub, without a preprocessor, on one process too): no image
         prompt["images"] = np.zeros((2, 0, 16, 16, 3), "float32")
-    if kind in ("pali_gemma", "blip2"):
+    if kind == "parseq":  # a label's length and the position after it
+        prompt = {"token_ids": np.zeros((2, 7), "int32"), "padding_mask": None}
+        prompt["token_ids"][:, :3] = ids[:2, :3]
+        prompt["padding_mask"] = (prompt["token_ids"] != 0).astype("int32")
+    if kind in ("pali_gemma", "blip2", "parseq"):
         prompt["images"] = images[:2]
     tokens = model.generate(prompt, max_length=12, stop_token_ids=None)
     return {
@@ -290,18 +357,18 @@ def _layout_case(kind: str, mesh: tuple[int, int], slow: bool = False) -> None:
     run.__name__ = f"{kind}_{mesh[0]}x{mesh[1]}_layout"  # names are unique in CASES
     # Upstream fails each (2, 1) case as it fails one on (1, 2) (after up to
     # 40 s of per-op DTensor training), Gemma4, PaliGemma and Gemma3n (the
-    # prompt's index_put_, after 48 s) as Gemma3, BLIP2 after 100 s (an
-    # attention's backward): the slow tier's.
-    slow_kinds = ("gemma4", "pali_gemma", "gemma3n", "blip2")
+    # prompt's index_put_, after 48 s) as Gemma3, PARSeq (after 26 s) as
+    # GPT-2, BLIP2 after 100 s (an attention's backward): the slow tier's.
+    slow_kinds = ("gemma4", "pali_gemma", "gemma3n", "blip2", "parseq")
     upstream_slow = mesh[0] > 1 or kind in slow_kinds
     options = {"per_rank": mesh[0] > 1, "slow": slow, "upstream_slow": upstream_slow}
     case("layouts", mesh=mesh, layout=layout_of(kind), **options)(run)
 
 
 #: On (2, 1) the default run takes one model per rule set of hub/layouts.py;
-#: these share theirs with one of it, or (RWKV-7: DTensor's first sharding
-#: propagation of its batched matmuls, seconds each) cost more than its (1, 2)
-#: case, which takes the same path (the slow tier's).
+#: these share theirs with one of it, or (PARSeq; RWKV-7: DTensor's first
+#: sharding propagation of its batched matmuls, seconds each) cost more than
+#: their (1, 2) case, which takes the same path (the slow tier's).
 SLOW_2X1 = (
     "phi3",
     "qwen3",
@@ -311,6 +378,7 @@ SLOW_2X1 = (
     "gemma4",
     "pali_gemma",
     "blip2",
+    "parseq",
     "rwkv7",
 )
 for _kind in CAUSAL_LMS:

@@ -126,6 +126,20 @@ RWKV7: tuple[Rule, ...] = (
     (_RWKV7 + r"RWKV_CMIX/dense_k/kernel", (DATA, MODEL)),
     (_RWKV7 + r"RWKV_CMIX/dense_v/kernel", (MODEL, DATA)),
 )
+# PARSeq's decoder (self- and cross-attention to the image encoder's
+# patches, which stay replicated) and its head, named "dense".
+_PARSEQ = r"decoder/decoder_layer_\d+/"
+PARSEQ: tuple[Rule, ...] = (
+    (r"decoder/token_embedding/embeddings", (MODEL, DATA)),
+    (_PARSEQ + r"(self|cross)_attention/(query|key|value)/kernel", (DATA, MODEL, None)),
+    (_PARSEQ + r"(self|cross)_attention/(query|key|value)/bias", (MODEL, None)),
+    (_PARSEQ + r"(self|cross)_attention/attention_output/kernel", (MODEL, None, DATA)),
+    (_PARSEQ + r"mlp/dense_1/kernel", (DATA, MODEL)),
+    (_PARSEQ + r"mlp/dense_1/bias", (MODEL,)),
+    (_PARSEQ + r"mlp/dense_2/kernel", (MODEL, DATA)),
+    (r"dense/kernel", (DATA, MODEL)),
+    (r"dense/bias", (MODEL,)),
+)
 
 _MODELS = "keras_hub.src.models"
 #: ``(backbone module, class name)`` -> its rules: the keras-hub text causal
@@ -155,6 +169,7 @@ ROWS: dict[tuple[str, str], tuple[Rule, ...]] = {
     # OPT's decoder after a vision encoder and Q-Former (replicated: their
     # paths match no rule)
     (f"{_MODELS}.blip2.blip2_backbone", "BLIP2Backbone"): LLAMA_STYLE,
+    (f"{_MODELS}.parseq.parseq_backbone", "PARSeqBackbone"): PARSEQ,
 }
 
 #: Causal LM backbones known to have no row, and why: said by NoLayoutError.
