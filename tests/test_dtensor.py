@@ -179,3 +179,43 @@ def test_on_mesh_moves_a_value_to_an_equal_mesh_object(mesh1) -> None:
     assert on_mesh(moved, mesh1) is moved  # already there
     plain = torch.ones(2)
     assert on_mesh(plain, mesh1) is plain
+
+
+def test_fori_loop_carries_take_a_bodys_dtensors(mesh1) -> None:
+    """A ``fori_loop`` body that closes over a DTensor and writes its values
+    into a plain carry in place (keras-hub's RWKV-7 time mix): the plugin
+    makes the carries Replicate DTensors, and values and gradients equal the
+    plain loop's. Keras's own loop (the wrapper's original) fails DTensor's
+    assertion that an in-place op's self is a DTensor."""
+    import keras
+    import torch
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from keras_dtensor_fix.dtensor import implicit_replication, set_implicit_replication
+
+    def run(weight, loop):
+        def step(t, carries):
+            out, total = carries
+            out[t : t + 1] = weight * (t + 1)  # Python's write, as RWKV-7's
+            return [out, total + weight.sum()]
+
+        return loop(0, 3, step, [torch.zeros(3, 4), torch.zeros(())])
+
+    fori_loop = keras.src.backend.torch.ops.core.fori_loop
+    full = torch.arange(4.0).reshape(1, 4)
+    plain = full.clone().requires_grad_()
+    expected = run(plain, fori_loop)
+    (expected[0] ** 2).sum().backward()
+    was = implicit_replication()
+    set_implicit_replication(True)
+    try:
+        weight = distribute_tensor(full, mesh1, [Shard(1)]).requires_grad_()
+        with pytest.raises(AssertionError):
+            run(weight, getattr(fori_loop, "__wrapped__", fori_loop))
+        out, total = run(weight, keras.ops.fori_loop)
+        assert isinstance(out, DTensor) and total.ndim == 0
+        assert torch.equal(out.full_tensor(), expected[0].detach())
+        (out**2).sum().backward()
+        assert torch.equal(weight.grad.full_tensor(), plain.grad)
+    finally:
+        set_implicit_replication(was)

@@ -20,7 +20,7 @@ setting from the package):
 - :mod:`.local`: ``wrap_local``, ``unwrap_local``, ``replicate``,
   ``reducing_gradient``, ``reducing_input``.
 - :mod:`.promotion`: finding DTensors, promotion, ``PromotionError``,
-  ``replicated_locals``, ``to_placements``.
+  ``replicated_locals``, ``to_placements``, ``replicate_plain``.
 - :mod:`.gather`: op-specific layouts (embedding lookups, index reductions,
   batch-only calls, per-element ops, slice updates, gathering outputs).
 - :mod:`.region`: a layer's computation on local tensors (``local_region``).
@@ -82,6 +82,7 @@ from keras_dtensor_fix.dtensor.promotion import (
     has_plain_tensor,
     implicit_replication,
     promote_args,
+    replicate_plain,
     replicate_result,
     replicated_locals,
     set_implicit_replication,
@@ -119,6 +120,7 @@ __all__ = [
     "reducing_gradient",
     "reducing_input",
     "replicate",
+    "replicate_plain",
     "replicate_result",
     "replicated_locals",
     "same_mesh",

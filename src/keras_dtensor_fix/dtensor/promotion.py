@@ -4,7 +4,8 @@ A plain tensor is promoted only as the *full logical value* (a Replicate
 DTensor on the partner's mesh); a tensor that looks like one rank's shard of
 the partner is refused with :class:`PromotionError`. Also DTensor's implicit
 replication switch, ``replicated_locals`` (when an op may run on local tensors),
-``to_placements`` and ``describe`` for error messages.
+``to_placements`` and ``describe`` for error messages; ``replicate_plain``
+(a loop's plain carries, for a body that reads DTensors).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils._pytree import tree_map_only
 
 from keras_dtensor_fix.dtensor import planner
 from keras_dtensor_fix.dtensor.local import replicate, wrap_local
@@ -77,6 +79,15 @@ def has_plain_tensor(values: Iterable[Any]) -> bool:
                 if _is_plain(item) and item.ndim:
                     return True
     return False
+
+
+def replicate_plain(tree: Any, mesh: Any) -> Any:
+    """Each non-scalar plain tensor in ``tree`` as a Replicate DTensor on ``mesh``."""
+
+    def one(value: torch.Tensor) -> torch.Tensor:
+        return replicate(value, mesh) if _is_plain(value) and value.ndim else value
+
+    return tree_map_only(torch.Tensor, one, tree)
 
 
 def describe(value: Any) -> str:

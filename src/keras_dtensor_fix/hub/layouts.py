@@ -2,13 +2,15 @@
 
 keras-hub ships ``get_layout_map(mesh)`` on Gemma, Llama (and Llama3), Qwen,
 QwenMoe and Qwen3Moe backbones. :data:`ROWS` gives the causal LM backbones
-without one (not BLIP2, PARSeq, nor RWKV7: :data:`NO_ROW`) in the same shape:
-Megatron's split on the model axis (column-parallel Q/K/V, MLP in and expert
-in-projections, with their biases; row-parallel attention and MLP out), and
-the batch axis on the other weight axis where keras-hub's own maps put it (the
-hidden axis), so a ``(N, 1)`` mesh shards weights too. Embeddings split by
-vocabulary on the model axis. Weights no rule names (norms, routers, position
-embeddings, Qwen3.5's linear attention, vision encoders) are replicated.
+without one in the same shape (:data:`NO_ROW`: those known to have no row,
+and why): Megatron's split on the model axis (column-parallel Q/K/V, MLP in
+and expert in-projections, with their biases; RWKV-7's receptance, key, value
+and LoRA out-projections, so that its recurrence runs on each rank's heads;
+row-parallel attention and MLP out), and the batch axis on the other weight
+axis where keras-hub's own maps put it (the hidden axis), so a ``(N, 1)`` mesh
+shards weights too. Embeddings split by vocabulary on the model axis. Weights
+no rule names (norms, routers, position embeddings, Qwen3.5's linear
+attention, vision encoders, BLIP2's Q-Former) are replicated.
 
 A rule is ``(regex, axes)``; ``axes`` holds :data:`MODEL`, :data:`DATA` or
 ``None`` per weight axis. Keys are ``re.fullmatch`` regexes, as LayoutMap's,
@@ -109,6 +111,35 @@ GEMMA3N: tuple[Rule, ...] = (
     (_GEMMA3N + r"mlp/(gate|up)_proj/kernel", (DATA, MODEL)),
     (_GEMMA3N + r"mlp/down_proj/kernel", (MODEL, DATA)),
 )
+# RWKV-7: receptance, key, value and the LoRA out-projections (decay, in-
+# context rate, value mix, gate) column-parallel, so that the time mix's
+# recurrence runs on each rank's heads; its output and the channel mix's
+# value row-parallel. Token shifts, mixes, norms and the LoRA in-projections
+# are replicated.
+_RWKV7 = r"rwkv_layer_\d+/"
+RWKV7: tuple[Rule, ...] = (
+    (r"token_embedding/embeddings", (MODEL, DATA)),
+    (r"head/kernel", (DATA, MODEL)),
+    (_RWKV7 + r"RWKV_TIME_MIX/(receptance|key|value)/kernel", (DATA, MODEL)),
+    (_RWKV7 + r"RWKV_TIME_MIX/(w2|a2|v2|g2)", (None, MODEL)),
+    (_RWKV7 + r"RWKV_TIME_MIX/output_layer/kernel", (MODEL, DATA)),
+    (_RWKV7 + r"RWKV_CMIX/dense_k/kernel", (DATA, MODEL)),
+    (_RWKV7 + r"RWKV_CMIX/dense_v/kernel", (MODEL, DATA)),
+)
+# PARSeq's decoder (self- and cross-attention to the image encoder's
+# patches, which stay replicated) and its head, named "dense".
+_PARSEQ = r"decoder/decoder_layer_\d+/"
+PARSEQ: tuple[Rule, ...] = (
+    (r"decoder/token_embedding/embeddings", (MODEL, DATA)),
+    (_PARSEQ + r"(self|cross)_attention/(query|key|value)/kernel", (DATA, MODEL, None)),
+    (_PARSEQ + r"(self|cross)_attention/(query|key|value)/bias", (MODEL, None)),
+    (_PARSEQ + r"(self|cross)_attention/attention_output/kernel", (MODEL, None, DATA)),
+    (_PARSEQ + r"mlp/dense_1/kernel", (DATA, MODEL)),
+    (_PARSEQ + r"mlp/dense_1/bias", (MODEL,)),
+    (_PARSEQ + r"mlp/dense_2/kernel", (MODEL, DATA)),
+    (r"dense/kernel", (DATA, MODEL)),
+    (r"dense/bias", (MODEL,)),
+)
 
 _MODELS = "keras_hub.src.models"
 #: ``(backbone module, class name)`` -> its rules: the keras-hub text causal
@@ -134,17 +165,15 @@ ROWS: dict[tuple[str, str], tuple[Rule, ...]] = {
     (f"{_MODELS}.gpt_neo_x.gpt_neo_x_backbone", "GPTNeoXBackbone"): GPT_NEOX,
     (f"{_MODELS}.gpt2.gpt2_backbone", "GPT2Backbone"): LLAMA_STYLE,
     (f"{_MODELS}.gemma3n.gemma3n_backbone", "Gemma3nBackbone"): GEMMA3N,
+    (f"{_MODELS}.rwkv7.rwkv7_backbone", "RWKV7Backbone"): RWKV7,
+    # OPT's decoder after a vision encoder and Q-Former (replicated: their
+    # paths match no rule)
+    (f"{_MODELS}.blip2.blip2_backbone", "BLIP2Backbone"): LLAMA_STYLE,
+    (f"{_MODELS}.parseq.parseq_backbone", "PARSeqBackbone"): PARSEQ,
 }
 
 #: Causal LM backbones known to have no row, and why: said by NoLayoutError.
-NO_ROW: dict[tuple[str, str], str] = {
-    (f"{_MODELS}.rwkv7.rwkv7_backbone", "RWKV7Backbone"): (
-        "its time mix writes each step's output into a plain tensor "
-        "(out[:, t : t + 1] = o on the torch backend), and DTensor refuses "
-        "an o that is a DTensor (AssertionError): any weight sharded before "
-        "the last time mix makes it one, even the channel mix's alone"
-    ),
-}
+NO_ROW: dict[tuple[str, str], str] = {}
 
 
 class NoLayoutError(NotImplementedError):

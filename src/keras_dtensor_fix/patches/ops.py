@@ -12,6 +12,12 @@ graph that reads the value (a graph break) and returns a view of a DTensor,
 which AOT autograd rebuilds with ``as_strided`` (refused on DTensors: torch
 2.13, pytorch/pytorch#184002). Traced,
 such a start becomes a gather of the rows it names, the same values in one graph.
+And ``fori_loop``: a body that reads a DTensor it closes over (keras-hub's
+RWKV-7 time mix) makes DTensor values, and writing one into a plain carry in
+place (``out[:, t : t + 1] = o``) fails DTensor's assertion that an in-place
+op's self is a DTensor. The plain carries (full values, as implicit
+replication takes them) enter such a loop as Replicate DTensors; the write
+is then DTensor's own copy, its gradient too.
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ from typing import Any
 
 import torch
 
-from keras_dtensor_fix.dtensor import DTensor, replicate
+from keras_dtensor_fix.dtensor import DTensor, find_dtensor, replicate, replicate_plain
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.ops import handlers
+from keras_dtensor_fix.ops.values import resolve
 
 #: The core module's own functions that write one tensor into another.
 CORE = ("slice_update",)
@@ -81,6 +88,31 @@ def _scalar(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.ndim == 0
 
 
+def _closed_over(fn: Any) -> list[Any]:
+    """The values ``fn`` closes over (Keras variables as their tensors)."""
+    values = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(resolve(cell.cell_contents))
+        except ValueError:  # a cell not yet filled
+            continue
+    return values
+
+
+def _fori_loop(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``fori_loop(lower, upper, body_fun, init_val)``: plain carries promoted
+    where the body closes over a DTensor (see the module)."""
+    names = ("lower", "upper", "body_fun", "init_val")
+    bound = dict(zip(names, args, strict=False), **kwargs)
+    if set(bound) != set(names):
+        return wrapped(*args, **kwargs)
+    partner = find_dtensor(_closed_over(bound["body_fun"]))
+    if partner is None:
+        return wrapped(*args, **kwargs)
+    bound["init_val"] = replicate_plain(bound["init_val"], partner.device_mesh)
+    return wrapped(**bound)
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
     core = targets.is_kind(module.__name__, "core")
     names = CORE if core else handlers.target_names(module)
@@ -91,6 +123,9 @@ def patches(module: types.ModuleType) -> list[Patch]:
         # traced: a generation's local token call (gate shut) needs it too
         patch = Patch(module.__name__, "slice", wrapper, also_in, True, traced=True)
         sliced.append(patch)
+    if core and hasattr(module, "fori_loop"):
+        also_in = targets.aliases("core")
+        sliced.append(Patch(module.__name__, "fori_loop", _fori_loop, also_in, True))
     return sliced + [
         Patch(
             module.__name__,
