@@ -3,6 +3,8 @@
 ``blocks`` (blocks mode, the default for repeated blocks: each repeated block
 compiled once for all its instances), ``refusals`` (layers a compiled step
 refuses up front), ``updates`` (whether a failed compiled step may
-run again eagerly: did an optimizer count a step) and ``steady`` (a compiled
-function called in a loop, its guard checks skipped once settled).
+run again eagerly: did an optimizer count a step), ``steady`` (a compiled
+function called in a loop, its guard checks skipped once settled) and
+``frames`` (DTensor's subclass methods that a compiled graph's backward
+calls, never compiled as frames of their own).
 """
