@@ -502,7 +502,9 @@ def conv_gan_compiled():
     ``backward()`` ran, before ``compiled/frames.py``, with dynamo compiling
     DTensor's ``__tensor_unflatten__`` once per gradient shape to its
     recompile limit. Minutes of compiling on 2 cores: the slow tier (the
-    Dense GAN is the default tier's). Upstream runs it eagerly."""
+    Dense GAN is the default tier's). Upstream fails it: torch's DTensor
+    convolution computes with the local kernel shard ("must match the size of
+    tensor b")."""
     keras.utils.set_random_seed(0)
     discriminator = keras.Sequential(
         [
