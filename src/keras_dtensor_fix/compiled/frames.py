@@ -10,8 +10,8 @@ trace with static shapes), up to its recompile limit (8, warned), a graph
 and guards per shape for code that upstream's eager step runs as plain
 Python. Skipped with their callees (dynamo's frame execution strategy, by
 code object) they run as plain Python; a graph that calls them still traces
-them (the strategy acts on frames, not on inlined calls). Applied once the
-first compiled ModelParallel step is built, undone by ``deactivate()``.
+them (the strategy acts on frames, not on inlined calls). Applied when a
+compiled ModelParallel step is built, undone by ``deactivate()``.
 """
 
 from __future__ import annotations
@@ -38,16 +38,19 @@ def helper_codes() -> list[types.CodeType]:
 
 
 def skip() -> None:
-    """Dynamo runs :data:`HELPERS` and what they call without compiling them."""
-    if _SKIPPED:
-        return
+    """Dynamo runs :data:`HELPERS` and what they call without compiling them.
+
+    Set again at each call (each compiled step built): ``torch._dynamo.reset()``
+    clears what it stored on a code object it has compiled.
+    """
     from torch._dynamo.eval_frame import set_code_exec_strategy
     from torch._dynamo.types import FrameAction, FrameExecStrategy
 
     for code in helper_codes():
         strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
         set_code_exec_strategy(code, strategy)
-        _SKIPPED.append(code)
+        if code not in _SKIPPED:
+            _SKIPPED.append(code)
 
 
 def restore() -> None:
