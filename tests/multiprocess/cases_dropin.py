@@ -452,9 +452,27 @@ def gan_compiled():
             "losses": losses,
             "weights": weights(gan),
             "compiled_to_the_end": _compiled_step(gan.train_function),
+            "helper_frames": _helper_frames(),
         }
 
     return _plugin_warnings(fit)
+
+
+def _helper_frames() -> int:
+    """The frames dynamo compiled of DTensor's subclass methods, which torch's
+    runtime of a compiled graph calls in ``backward()`` (0: run as plain
+    Python)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.distributed.tensor import DTensor
+
+    names = (
+        "__tensor_flatten__",
+        "__tensor_unflatten__",
+        "__coerce_tangent_metadata__",
+        "__coerce_same_metadata_as_tangent__",
+    )
+    codes = [getattr(DTensor, n).__code__ for n in names if hasattr(DTensor, n)]
+    return sum(len(_debug_get_cache_entry_list(code)) for code in codes)
 
 
 def _compiled_step(train_function) -> bool:
@@ -464,3 +482,74 @@ def _compiled_step(train_function) -> bool:
 
     cells = inspect.unwrap(train_function).__closure__ or ()
     return any(hasattr(c.cell_contents, "_torchdynamo_orig_callable") for c in cells)
+
+
+# The guide's conv GAN, small: each conv kernel's output channels on "model"
+# (a transposed conv's kernel is (h, w, out, in)); the last conv has one.
+CONV_GAN_LAYOUT = {
+    ".*gan_cd\\d/kernel": (None, None, None, "model"),
+    ".*gan_cg\\d/kernel": (None, None, "model", None),
+}
+
+
+@case("dropin_compiled", layout=CONV_GAN_LAYOUT, warns=("graph break(s)",), slow=True)
+def conv_gan_compiled():
+    """The guide's conv GAN (its layers on 8x8 images, few filters, conv
+    kernels split on "model") compiled: equal to one process, compiled to the
+    end, no fallback warning, and none of DTensor's subclass methods compiled
+    as a frame (``helper_frames``; test_compiled_gan_stays_compiled). Its
+    three random draws break the graph (Keras's seed generator); each
+    ``backward()`` ran, before ``compiled/frames.py``, with dynamo compiling
+    DTensor's ``__tensor_unflatten__`` once per gradient shape to its
+    recompile limit. Minutes of compiling on 2 cores: the slow tier (the
+    Dense GAN is the default tier's). Upstream fails it: torch's DTensor
+    convolution computes with the local kernel shard ("must match the size of
+    tensor b")."""
+    keras.utils.set_random_seed(0)
+    discriminator = keras.Sequential(
+        [
+            layers.Input((8, 8, 1)),
+            layers.Conv2D(4, 3, strides=2, padding="same", name="gan_cd1"),
+            layers.LeakyReLU(negative_slope=0.2),
+            layers.Conv2D(8, 3, strides=2, padding="same", name="gan_cd2"),
+            layers.LeakyReLU(negative_slope=0.2),
+            layers.GlobalMaxPooling2D(),
+            layers.Dense(1),
+        ]
+    )
+    generator = keras.Sequential(
+        [
+            layers.Input((4,)),
+            layers.Dense(2 * 2 * 8),
+            layers.LeakyReLU(negative_slope=0.2),
+            layers.Reshape((2, 2, 8)),
+            layers.Conv2DTranspose(8, 4, strides=2, padding="same", name="gan_cg1"),
+            layers.LeakyReLU(negative_slope=0.2),
+            layers.Conv2DTranspose(8, 4, strides=2, padding="same", name="gan_cg2"),
+            layers.LeakyReLU(negative_slope=0.2),
+            layers.Conv2D(1, 3, padding="same", activation="sigmoid"),
+        ]
+    )
+    gan = _GAN(discriminator, generator, latent_dim=4)
+    gan.compile(
+        d_optimizer=keras.optimizers.Adam(3e-4),
+        g_optimizer=keras.optimizers.Adam(3e-4),
+        loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    images = np.random.default_rng(0).uniform(size=(16, 8, 8, 1)).astype("float32")
+
+    def fit():
+        import torch._dynamo.utils
+
+        history = gan.fit(images, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        breaks = torch._dynamo.utils.counters["graph_break"]
+        return {
+            "losses": history.history["d_loss"] + history.history["g_loss"],
+            "weights": weights(gan),
+            "compiled_to_the_end": _compiled_step(gan.train_function),
+            "graph_breaks": sum(breaks.values()),
+            "helper_frames": _helper_frames(),
+        }
+
+    return _plugin_warnings(fit)

@@ -182,38 +182,65 @@ def test_upstream_compiled_recurrent(runs) -> None:
         )
 
 
-def test_upstream_compiled_gan(runs) -> None:
-    """Upstream runs the guide's GAN eagerly (0 dynamo graphs) and equals one
-    process; the plugin compiles it (test_dropin_compiled)."""
-    if not runs.ran("gan_compiled"):
-        pytest.skip("gan_compiled not selected")
-    upstream = upstream_compiled(runs)["gan_compiled"]
-    single = runs.get("dropin_compiled", world=1)[0]["gan_compiled"]
+#: The guide's GAN of Dense models (default tier) and its conv GAN (slow tier).
+GANS = [
+    "gan_compiled",
+    pytest.param("conv_gan_compiled", marks=pytest.mark.slow),
+]
+#: Upstream on them: it runs them eagerly; the conv GAN's sharded kernels meet
+#: torch's DTensor convolution, which computes with the local kernel shard
+#: (as ``conv2d_transpose``).
+UPSTREAM_GANS = {
+    "gan_compiled": "ok",
+    "conv_gan_compiled": UPSTREAM["conv2d_transpose"],
+}
+
+
+@pytest.mark.parametrize("name", GANS)
+def test_upstream_compiled_gan(runs, name: str) -> None:
+    """Upstream runs the guide's Dense GAN eagerly (0 dynamo graphs) and
+    equals one process, and fails its conv GAN; the plugin compiles both
+    (test_dropin_compiled)."""
+    if not runs.ran(name):
+        pytest.skip(f"{name} not selected")
+    upstream = upstream_compiled(runs)[name]
+    if UPSTREAM_GANS[name] != "ok":
+        assert_fails_with(upstream, UPSTREAM_GANS[name])
+        return
+    single = runs.get("dropin_compiled", world=1)[0][name]
     assert "error" not in upstream, upstream.get("traceback")
     assert upstream["dynamo_graphs"] == 0
     assert not upstream["compiled_to_the_end"]
     np.testing.assert_allclose(upstream["losses"], single["losses"], rtol=1e-5)
 
 
-def test_compiled_gan_stays_compiled(runs) -> None:
+@pytest.mark.parametrize("name", GANS)
+def test_compiled_gan_stays_compiled(runs, name: str) -> None:
     """The guide's GAN, compiled after another distribution's compiled fit in
-    the same process, compiles its first batch and runs the compiled step to
-    the end on both ranks, with no fallback warning (parity:
-    test_dropin_compiled). Without ``dtensor.forget_meshes`` DTensor's
-    sharding caches handed it the earlier, equal mesh object, a loss frame's
-    backward failed to partition ("Node tangents_2 was invalid, but is
-    output") and the step ran eagerly from the first batch, warned. Upstream
-    runs it eagerly (test below)."""
-    if not runs.ran("gan_compiled"):
-        pytest.skip("gan_compiled not selected")
+    the same process, and its conv GAN (conv kernels split on "model"),
+    compile their first batch and run the compiled step to the end on both
+    ranks, with no fallback warning (parity: test_dropin_compiled), and
+    dynamo compiles none of DTensor's subclass methods as a frame of its own
+    (``compiled/frames.py``). Without ``dtensor.forget_meshes`` DTensor's
+    sharding caches handed the Dense GAN the earlier, equal mesh object, a
+    loss frame's backward failed to partition ("Node tangents_2 was invalid,
+    but is output") and the step ran eagerly from the first batch, warned.
+    Without ``frames.skip`` each ``backward()`` (a graph break, run with
+    dynamo's frame hook on) had dynamo compile DTensor's
+    ``__tensor_unflatten__`` once per gradient shape up to its recompile limit
+    (8, warned) and ``__coerce_same_metadata_as_tangent__`` twice. Upstream
+    runs the Dense GAN eagerly and fails the conv GAN (test above)."""
+    if not runs.ran(name):
+        pytest.skip(f"{name} not selected")
     if not compiles_model_parallel():
         pytest.skip("this Keras does not compile under ModelParallel")
     for rank, result in enumerate(runs.get("dropin_compiled", world=2)):
-        gan = result["gan_compiled"]
+        gan = result[name]
         assert "error" not in gan, (rank, gan.get("traceback"))
         eager = [w for w in gan["plugin_warnings"] if "runs eagerly" in w]
         assert eager == [], (rank, eager)
         assert gan["compiled_to_the_end"], rank
+        assert gan["helper_frames"] == 0, rank
 
 
 @pytest.mark.parametrize(

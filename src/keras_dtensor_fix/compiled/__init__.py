@@ -4,6 +4,8 @@
 compiled once for all its instances), ``refusals`` (layers a compiled step
 refuses up front), ``updates`` (whether a failed compiled step may
 run again eagerly: did an optimizer count a step), ``steady`` (a compiled
-function called in a loop, its guard checks skipped once settled) and
-``cache_key`` (the compile caches' key tag naming this process).
+function called in a loop, its guard checks skipped once settled),
+``cache_key`` (the compile caches' key tag naming this process) and
+``frames`` (DTensor's subclass methods that a compiled graph's backward
+calls, never compiled as frames of their own).
 """

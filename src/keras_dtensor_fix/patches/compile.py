@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import types
 
-from keras_dtensor_fix.compiled import blocks, cache_key, refusals, updates
+from keras_dtensor_fix.compiled import blocks, cache_key, frames, refusals, updates
 from keras_dtensor_fix.engine import config, state, targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import model_parallel
@@ -137,6 +137,7 @@ def _static_shapes(wrapped, instance, args, kwargs):
         state.set_attribute(instance, attribute, static)
         _losses_consumed(instance)
         state.note_compiled_step()
+        frames.skip()
         _cache_backend_layouts(instance)
     return result
 
@@ -409,4 +410,9 @@ def notes() -> list[str]:
     return list(blocks.LAST)
 
 
-IMPLEMENTATION = Implementation(patches, after_revert=blocks.forget, notes=notes)
+def after_revert() -> None:
+    blocks.forget()
+    frames.restore()
+
+
+IMPLEMENTATION = Implementation(patches, after_revert=after_revert, notes=notes)
