@@ -2,7 +2,8 @@
 
 The cases live in ``cases_training.py`` (optimizers, data feeds, custom
 loops), ``cases_layers.py`` (layers, compiled steps, the harness's case),
-``cases_dropin.py`` (what runs on upstream too), ``cases_hub.py``
+``cases_dropin.py`` (what runs on upstream too), ``cases_gan.py`` (the
+guide's GANs, compiled), ``cases_hub.py``
 (keras-hub models) and ``cases_layouts.py`` (keras-hub models on the
 ``layouts`` family's maps); what they share (the registry, data, models, layouts) in
 ``scenario_kit.py``. Run as ``torchrun --nproc_per_node=2 scenarios.py
@@ -58,6 +59,7 @@ import cases_blocks  # noqa: E402, F401  (each registers its cases)
 import cases_collectives  # noqa: E402, F401
 import cases_dropin  # noqa: E402, F401
 import cases_fallback  # noqa: E402, F401
+import cases_gan  # noqa: E402, F401
 import cases_generate  # noqa: E402, F401
 import cases_hub  # noqa: E402, F401
 import cases_layers  # noqa: E402, F401
