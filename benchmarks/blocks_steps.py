@@ -15,8 +15,6 @@ train function once, then runs ``--rounds`` rounds of one epoch each
             before its calls skipped them)
   eager-f   blocks with Megatron's "f" of each block's inputs made eagerly
             before its graph (blocks mode before it moved into the graph)
-  eager-loss  blocks with the loss eager (blocks mode before the loss became
-            a compiled region of its own, ``compiled/loss.py``)
 
 and prints each configuration's median step (rank 0, the steps of every
 round) and its ratios to eager and to the whole step, paired by round.
@@ -41,7 +39,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = ("eager", "step", "blocks", "eager-f")
-BLOCKS = ("blocks", "guarded", "eager-f", "eager-loss")
+BLOCKS = ("blocks", "guarded", "eager-f")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -53,7 +51,7 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(HERE))
     import hub_worker as hub
 
-    from keras_dtensor_fix.compiled import blocks, loss, steady
+    from keras_dtensor_fix.compiled import blocks, steady
     from keras_dtensor_fix.patches.compile import compile_failure
 
     torch.set_num_threads(1)
@@ -89,7 +87,6 @@ def worker(args: argparse.Namespace) -> None:
     def switch(config: str) -> None:
         steady._unguarded = (lambda: None) if config == "guarded" else unguarded
         blocks.IN_GRAPH_F = config != "eager-f"
-        loss.ENABLED = config != "eager-loss"
         if config in BLOCKS:
             blocks.install(model, compile_failure)  # its guards settle again
         else:
@@ -118,7 +115,6 @@ def worker(args: argparse.Namespace) -> None:
         mode = "blocks" if config in BLOCKS else "step"
         os.environ["KERAS_DTENSOR_FIX_COMPILE"] = mode
         blocks.IN_GRAPH_F = config != "eager-f"
-        loss.ENABLED = config != "eager-loss"
         model.jit_compile = config != "eager"
         model.train_function = None
         began, times = time.perf_counter(), []

@@ -25,8 +25,6 @@ Two things would make each instance a graph of its own:
   graphs with a DTensor wrapped around it. Where that graph fails to compile,
   the "f" is made before the region, eagerly (warned).
 
-The model's loss is a compiled region of its own (:mod:`.loss`).
-
 Outside training (``torch.no_grad``: evaluation, prediction, generation),
 inside a compiled step, without a ModelParallel distribution and in Keras's
 symbolic calls the block's own ``call`` runs as it is.
@@ -47,7 +45,6 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from keras_dtensor_fix.compiled import loss
 from keras_dtensor_fix.compiled.steady import Steady, code_of
 from keras_dtensor_fix.dtensor import DTensor, reducing_gradient, reducing_input
 from keras_dtensor_fix.engine import state, targets
@@ -176,7 +173,6 @@ def install(model: Any, failure: Callable[[BaseException], bool]) -> list[Any]:
         routed.append(block)
     if routed:
         _ROUTED[model] = routed
-        loss.install(model, failure)  # the loss a region of its own too
     if refused:
         warnings.warn(
             "keras-dtensor-fix: KERAS_DTENSOR_FIX_COMPILE=blocks runs these "
@@ -191,7 +187,6 @@ def install(model: Any, failure: Callable[[BaseException], bool]) -> list[Any]:
 def uninstall(model: Any) -> None:
     """Give the model's blocks their own ``call`` back (the mode or
     ``jit_compile`` changed before a step was built again)."""
-    loss.uninstall(model)
     try:
         routed = _ROUTED.pop(model, ())
     except TypeError:  # an object no weak reference can hold: nothing routed
@@ -328,7 +323,6 @@ def forget() -> None:
     _FAILED.clear()
     _EAGER_F.clear()
     _ROUTED.clear()
-    loss.forget()
 
 
 def name_scope(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict):
