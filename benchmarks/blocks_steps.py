@@ -60,12 +60,12 @@ def worker(args: argparse.Namespace) -> None:
         (1, 2), ["batch", "model"], keras.distribution.list_devices()
     )
     distribution = keras.distribution.ModelParallel(
-        layout_map=hub.layout_map("gpt", mesh), batch_dim_name="batch"
+        layout_map=hub.layout_map(args.model, mesh), batch_dim_name="batch"
     )
     distribution.auto_shard_dataset = False  # each rank feeds the whole batch
     keras.distribution.set_distribution(distribution)
     keras.utils.set_random_seed(0)
-    model = hub.build("gpt", args.hidden, args.layers, args.seq)
+    model = hub.build(args.model, args.hidden, args.layers, args.seq)
     rng = np.random.default_rng(0)
     ids = rng.integers(1, hub.VOCAB, size=(args.batch * args.steps, args.seq))
     ids = ids.astype("int32")
@@ -149,6 +149,7 @@ def launch(args: argparse.Namespace, layers: int) -> dict:
         f"--layers={layers}", f"--hidden={args.hidden}", f"--seq={args.seq}",
         f"--batch={args.batch}", f"--steps={args.steps}",
         f"--rounds={args.rounds}", f"--configs={args.configs}",
+        f"--model={args.model}",
     ] + ([f"--profile={args.profile}"] if args.profile else [])  # fmt: skip
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.exists():
@@ -185,6 +186,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--layers", default="2,8")
+    parser.add_argument("--model", default="gpt", help="hub_worker.py's: gpt, gemma")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
@@ -201,8 +203,8 @@ def main() -> None:
         worker(args)
         return
     print(
-        f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.steps}"
-        f" steps a round, {args.rounds} rounds, 2 ranks, mesh (1, 2)\n"
+        f"{args.model}, hidden {args.hidden}, seq {args.seq}, batch {args.batch},"
+        f" {args.steps} steps a round, {args.rounds} rounds, 2 ranks, mesh (1, 2)\n"
         "layers | config | build + first epoch s | step ms (median)"
         " | / eager (paired) | / whole step (paired)",
         flush=True,

@@ -1,20 +1,21 @@
-"""Time to the first compiled step: ``fit()``'s first epoch, compiled and eager.
+"""Start and step of eager, the whole step and blocks mode, by depth, in one run.
 
-For each model (``--models``, from hub_worker.py: ``gpt`` and ``gemma``) on 2 ranks,
-mesh (1, 2), its own layout, each round (``--rounds``) runs, in this order and
-each in its own processes:
+For each model (``--models``, from hub_worker.py: ``gpt`` and ``gemma``) and
+depth (``--layers``, default 2, 8 and 16) on 2 ranks, mesh (1, 2), its own
+layout, each round (``--rounds``) runs, in this order and each in its own
+processes (``--configs`` picks a subset):
 
   eager   jit_compile=False
-  cold    jit_compile=True on an empty torch compile cache (a new
-          TORCHINDUCTOR_CACHE_DIR, which holds inductor's, AOT autograd's and
-          the FX graph caches)
-  warm    jit_compile=True again on the cache the cold run just filled: the
-          same script launched again
-  single-cold, single-warm (``--single``)   the same on one process with no
-          distribution: plain Keras's own compiled start
-  blocks-cold, blocks-warm (``--blocks``)   jit_compile=True with
-          KERAS_DTENSOR_FIX_COMPILE=blocks (the step eager, each repeated
-          block compiled once), on a cache of their own
+  cold    jit_compile=True, the whole step compiled
+          (KERAS_DTENSOR_FIX_COMPILE=step), on an empty torch compile cache (a
+          new TORCHINDUCTOR_CACHE_DIR, which holds inductor's, AOT autograd's
+          and the FX graph caches)
+  warm    the same again on the cache the cold run just filled: the same
+          script launched again
+  blocks-cold, blocks-warm   KERAS_DTENSOR_FIX_COMPILE=blocks (the step
+          eager, each repeated block compiled once), on a cache of their own
+  single-cold, single-warm (``--single``)   the whole step on one process
+          with no distribution: plain Keras's own compiled start
   base-cold, base-warm (``--baseline-src DIR``)   blocks mode with the plugin
           imported from DIR (another checkout's ``src``): before and after a
           change, interleaved in one run
@@ -22,7 +23,8 @@ each in its own processes:
 and prints each first epoch (build, compile, ``--steps`` steps), the later
 epochs' (``--epochs``) median time a step (the steady state), the ratios to
 eager's first epoch and to eager's and the whole step's (warm) step time,
-paired by round,
+paired by round, the start added per layer against the shallowest depth's, the
+compile caches' misses of each warm launch,
 and where a compiled start goes (dynamo's ``compile_times``, rank 0: tracing,
 AOT autograd, inductor). ``--sources`` also splits dynamo's tracing by the
 code it traced (rank 0): Keras, keras-hub, the plugin, torch, the rest,
@@ -30,8 +32,12 @@ each bytecode's time charged to the function it is in (a clock read around
 each traced instruction; the time of an op dynamo runs on fake tensors goes
 to the code that called it), and the graph's backend apart.
 
-    python benchmarks/start.py [--rounds 2] [--models gpt,gemma] [--single]
-        [--blocks] [--no-step] [--layers 4] [--sources]
+The step figures come from separate launches: on a shared machine they drift
+more than in ``blocks_steps.py``, which times the modes in one launch.
+
+    python benchmarks/start.py [--rounds 1] [--models gpt,gemma]
+        [--layers 2,8,16] [--configs eager,warm,blocks-cold,blocks-warm]
+        [--single] [--no-step] [--sources]
 """
 
 from __future__ import annotations
@@ -50,11 +56,11 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = ("eager", "cold", "warm")
+#: blocks mode, cold then warm (in the default run).
+BLOCKS = ("blocks-cold", "blocks-warm")
 #: ``--single``: the same model compiled on one process with no distribution
 #: (plain Keras), cold then warm: what tracing costs without DTensor.
 SINGLE = ("single-cold", "single-warm")
-#: ``--blocks``: KERAS_DTENSOR_FIX_COMPILE=blocks, cold then warm.
-BLOCKS = ("blocks-cold", "blocks-warm")
 #: ``--baseline-src``: blocks mode with another checkout's plugin.
 BASE = ("base-cold", "base-warm")
 
@@ -195,7 +201,9 @@ def worker(args: argparse.Namespace) -> None:
         )
 
 
-def launch(args: argparse.Namespace, model: str, config: str, cache: str) -> dict:
+def launch(
+    args: argparse.Namespace, model: str, layers: int, config: str, cache: str
+) -> dict:
     out = Path(tempfile.mkdtemp()) / "result.json"
     env = {**os.environ, "KERAS_BACKEND": "torch", "OMP_NUM_THREADS": "1"}
     env["TORCHINDUCTOR_CACHE_DIR"] = cache
@@ -215,17 +223,31 @@ def launch(args: argparse.Namespace, model: str, config: str, cache: str) -> dic
         f"--model={model}",
         f"--out={out}",
         f"--hidden={args.hidden}",
-        f"--layers={args.layers}",
+        f"--layers={layers}",
         f"--seq={args.seq}",
         f"--batch={args.batch}",
         f"--steps={args.steps}",
         f"--epochs={args.epochs}",
     ] + (["--compiled"] if config != "eager" else [])
     command += ["--sources"] if args.sources else []
+    began = time.perf_counter()
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.exists():
         return {"error": proc.stderr[-2000:]}
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "launch": time.perf_counter() - began}
+
+
+def configs_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """The configurations a round runs, in their order."""
+    chosen = args.configs.split(",")
+    if args.no_step:
+        chosen = [c for c in chosen if c not in ("cold", "warm")]
+    chosen += list(SINGLE if args.single else ())
+    chosen += list(BASE if args.baseline_src else ())
+    unknown = set(chosen) - set(CONFIGS + BLOCKS + SINGLE + BASE)
+    if unknown:
+        raise SystemExit(f"unknown configurations: {sorted(unknown)}")
+    return tuple(chosen)
 
 
 def main() -> None:
@@ -235,18 +257,20 @@ def main() -> None:
     parser.add_argument("--model", default="gpt", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--models", default="gpt,gemma")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", default="2,8,16", help="depths, comma-separated")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=2, help="2 or more")
+    parser.add_argument("--epochs", type=int, default=3, help="2 or more")
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGS + BLOCKS), help="a round's runs, in order"
+    )
     parser.add_argument(
         "--baseline-src", help="add " + str(BASE) + ": the plugin from this src"
     )
     parser.add_argument("--single", action="store_true", help="add " + str(SINGLE))
-    parser.add_argument("--blocks", action="store_true", help="add " + str(BLOCKS))
     parser.add_argument(
         "--no-step", action="store_true", help="leave out cold and warm (eager stays)"
     )
@@ -256,36 +280,46 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.worker:
+        args.layers = int(args.layers)
         worker(args)
         return
     import torch
 
+    depths = [int(n) for n in args.layers.split(",")]
+    configs = configs_of(args)
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, hidden {args.hidden}, "
-        f"{args.layers} layers, seq {args.seq}, batch {args.batch}, "
-        f"{args.steps} steps an epoch, 2 ranks, mesh (1, 2)",
+        f"layers {depths}, seq {args.seq}, batch {args.batch}, "
+        f"{args.steps} steps an epoch, {args.epochs} epochs, 2 ranks, mesh (1, 2), "
+        f"TORCHINDUCTOR_VEC_ISA_OK={os.environ.get('TORCHINDUCTOR_VEC_ISA_OK', '')}, "
+        f"load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
-    runs: dict[str, dict[str, list[dict]]] = {}
+    runs: dict[str, dict[int, dict[str, list[dict]]]] = {}
     for round_ in range(args.rounds):
         for model in args.models.split(","):
-            caches = {
-                kind: tempfile.mkdtemp(prefix="start-cache-")
-                for kind in ("step", "single", "blocks", "base")
-            }
-            configs = ("eager",) if args.no_step else CONFIGS
-            configs += (SINGLE if args.single else ()) + (BLOCKS if args.blocks else ())
-            configs += BASE if args.baseline_src else ()
-            for config in configs:
-                kind = config.split("-")[0] if "-" in config else "step"
-                result = launch(args, model, config, caches[kind])
-                runs.setdefault(model, {}).setdefault(config, []).append(result)
-                shown = result.get("error", "")[-300:] or (
-                    f"first {result['first']:.1f} s, step {1e3 * result['step']:.0f}"
-                    f" ms, graphs {result['graphs']}, breaks {result['breaks']},"
-                    f" losses {result['loss']}"
-                )
-                print(f"round {round_ + 1} {model} {config}: {shown}", flush=True)
+            for layers in depths:
+                caches = {
+                    kind: tempfile.mkdtemp(prefix="start-cache-")
+                    for kind in ("step", "single", "blocks", "base")
+                }
+                for config in configs:
+                    kind = config.split("-")[0] if "-" in config else "step"
+                    load = os.getloadavg()[0]
+                    result = launch(args, model, layers, config, caches[kind])
+                    result["load"] = load
+                    by_config = runs.setdefault(model, {}).setdefault(layers, {})
+                    by_config.setdefault(config, []).append(result)
+                    shown = result.get("error", "")[-300:] or (
+                        f"first {result['first']:.1f} s, step"
+                        f" {1e3 * result['step']:.0f} ms, graphs {result['graphs']},"
+                        f" breaks {result['breaks']}, caches {result['caches']},"
+                        f" losses {result['loss']}, load {load:.1f}"
+                    )
+                    print(
+                        f"round {round_ + 1} {model} {layers} {config}: {shown}",
+                        flush=True,
+                    )
     report(runs)
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
@@ -301,37 +335,62 @@ def paired(rows: list[dict], others: list[dict] | None, key: str) -> str:
     return f"{statistics.median(ratios):.2f}x" if ratios else "-"
 
 
-def report(runs: dict[str, dict[str, list[dict]]]) -> None:
+def median_of(rows: list[dict], key: str) -> float | None:
+    ok = [r[key] for r in rows if "error" not in r]
+    return statistics.median(ok) if ok else None
+
+
+def report(runs: dict[str, dict[int, dict[str, list[dict]]]]) -> None:
     print(
-        "\nmodel | config | first epoch s | / eager first (paired) | step ms"
-        " | / eager step | / whole step (warm)"
+        "\nmodel | layers | config | first epoch s | / eager first (paired) | step ms"
+        " | / eager step | / whole step (warm) | start added a layer"
+        " (of the shallowest's) | warm misses"
     )
-    for model, configs in runs.items():
-        eager, whole = configs["eager"], configs.get("warm")
-        for config in [c for c in CONFIGS + SINGLE + BLOCKS + BASE if c in configs]:
-            rows = configs[config]
-            ok = [r for r in rows if "error" not in r]
-            if not ok:
-                print(f"{model} | {config} | failed")
-                continue
-            print(
-                f"{model} | {config} | {statistics.median(r['first'] for r in ok):.1f}"
-                f" | {paired(rows, eager, 'first')}"
-                f" | {1e3 * statistics.median(r['step'] for r in ok):.0f}"
-                f" | {paired(rows, eager, 'step')} | {paired(rows, whole, 'step')}"
-            )
-        for config in [c for c in configs if c != "eager"]:
-            ok = [r for r in configs[config] if "error" not in r]
-            if ok:
-                phases = ok[-1]["phases"]
-                top = sorted(phases.items(), key=lambda kv: -kv[1])[:6]
-                shown = ", ".join(f"{name} {secs:.1f}" for name, secs in top)
-                print(f"  {model} {config} compile phases (s, rank 0): {shown}")
-                traced = ok[-1].get("sources", {})
-                traced = sorted(traced.items(), key=lambda kv: -kv[1])
-                if traced:
-                    shown = ", ".join(f"{name} {secs:.1f}" for name, secs in traced)
-                    print(f"  {model} {config} traced code (s, rank 0): {shown}")
+    for model, depths in runs.items():
+        shallowest = min(depths)
+        for layers, configs in sorted(depths.items()):
+            eager, whole = configs["eager"], configs.get("warm")
+            order = CONFIGS + BLOCKS + SINGLE + BASE
+            for config in [c for c in order if c in configs]:
+                rows = configs[config]
+                first = median_of(rows, "first")
+                if first is None:
+                    print(f"{model} | {layers} | {config} | failed")
+                    continue
+                base = median_of(depths[shallowest].get(config, []), "first")
+                added = "-"
+                if base and layers > shallowest:
+                    per_layer = (first - base) / (layers - shallowest)
+                    added = f"{per_layer:.1f} s ({100 * per_layer / base:.0f}%)"
+                misses = "-"
+                if config.endswith("warm"):
+                    misses = sum(
+                        v
+                        for r in rows
+                        if "error" not in r
+                        for k, v in r["caches"].items()
+                        if "miss" in k
+                    )
+                print(
+                    f"{model} | {layers} | {config} | {first:.1f}"
+                    f" | {paired(rows, eager, 'first')}"
+                    f" | {1e3 * median_of(rows, 'step'):.0f}"
+                    f" | {paired(rows, eager, 'step')} | {paired(rows, whole, 'step')}"
+                    f" | {added} | {misses}"
+                )
+            for config in [c for c in configs if c != "eager"]:
+                name = f"  {model} {layers} {config}"
+                ok = [r for r in configs[config] if "error" not in r]
+                if ok:
+                    phases = ok[-1]["phases"]
+                    top = sorted(phases.items(), key=lambda kv: -kv[1])[:6]
+                    shown = ", ".join(f"{name} {secs:.1f}" for name, secs in top)
+                    print(f"{name} compile phases (s, rank 0): {shown}")
+                    traced = ok[-1].get("sources", {})
+                    traced = sorted(traced.items(), key=lambda kv: -kv[1])
+                    if traced:
+                        shown = ", ".join(f"{name} {secs:.1f}" for name, secs in traced)
+                        print(f"{name} traced code (s, rank 0): {shown}")
 
 
 if __name__ == "__main__":
