@@ -289,7 +289,8 @@ def weights_of(kind: str, ids: np.ndarray, batch_ranks: int) -> np.ndarray | Non
 
 
 def fit_generate(kind: str, batch_ranks: int, jit_compile: bool = False) -> dict:
-    """Two epochs of fit() on token ids, then one greedy generate()."""
+    """Two epochs of fit() on token ids, predict() on the first batch, then
+    one greedy generate()."""
     model = build_causal_lm(kind)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
@@ -321,6 +322,19 @@ def fit_generate(kind: str, batch_ranks: int, jit_compile: bool = False) -> dict
             shuffle=False,
             verbose=0,
         )
+    # predict() on the first batch, each process its own rows as in fit():
+    # every row's logits (their first 16 vocabulary ids), in order
+    per = 4 // batch_ranks
+    first = {k: batch_rows(v, 4, batch_ranks)[:per] for k, v in inputs.items()}
+    logits = model.predict(first, batch_size=per, verbose=0)
+    predictions = np.asarray(logits, "float64")[..., :16]
+    if batch_ranks > 1:
+        import torch.distributed as dist
+
+        every = [None] * WORLD
+        dist.all_gather_object(every, predictions)
+        step = WORLD // batch_ranks  # processes with the same rows
+        predictions = np.concatenate(every[::step])
     prompt = {"token_ids": ids[:2].copy(), "padding_mask": np.zeros((2, 12), "int32")}
     prompt["padding_mask"][:, :5] = 1
     prompt["token_ids"][:, 5:] = 0
@@ -340,6 +354,7 @@ def fit_generate(kind: str, batch_ranks: int, jit_compile: bool = False) -> dict
         prompt["images"] = images[:2]
     tokens = model.generate(prompt, max_length=12, stop_token_ids=None)
     return {
+        "predictions": predictions.tolist(),
         "get_layout_map": HAD_METHOD[0],
         "losses": history.history["loss"],
         "weights": weights(model),
