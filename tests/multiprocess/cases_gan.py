@@ -115,22 +115,33 @@ def gan_compiled():
             layers.Dense(16, name="gan_g2"),
         ]
     )
-    gan = _GAN(discriminator, generator, latent_dim=8)
+    x, _ = data(32, 16)
+    return _fit_compiled(_GAN(discriminator, generator, latent_dim=8), x, batch_size=8)
+
+
+def _fit_compiled(gan: _GAN, real: np.ndarray, batch_size: int) -> dict:
+    """One epoch of the guide's compiled GAN on ``real``: its losses, weights,
+    whether it compiled to the end, its graph breaks and DTensor helper
+    frames, and the plugin's warnings."""
     gan.compile(
         d_optimizer=keras.optimizers.Adam(3e-4),
         g_optimizer=keras.optimizers.Adam(3e-4),
         loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
         jit_compile=True,
     )
-    x, _ = data(32, 16)
 
     def fit():
-        history = gan.fit(x, batch_size=8, epochs=1, shuffle=False, verbose=0)
-        losses = history.history["d_loss"] + history.history["g_loss"]
+        import torch._dynamo.utils
+
+        history = gan.fit(
+            real, batch_size=batch_size, epochs=1, shuffle=False, verbose=0
+        )
+        breaks = torch._dynamo.utils.counters["graph_break"]
         return {
-            "losses": losses,
+            "losses": history.history["d_loss"] + history.history["g_loss"],
             "weights": weights(gan),
             "compiled_to_the_end": _compiled_step(gan.train_function),
+            "graph_breaks": sum(breaks.values()),
             "helper_frames": _helper_frames(),
         }
 
@@ -210,25 +221,5 @@ def conv_gan_compiled():
         ]
     )
     gan = _GAN(discriminator, generator, latent_dim=4)
-    gan.compile(
-        d_optimizer=keras.optimizers.Adam(3e-4),
-        g_optimizer=keras.optimizers.Adam(3e-4),
-        loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
-        jit_compile=True,
-    )
     images = np.random.default_rng(0).uniform(size=(16, 8, 8, 1)).astype("float32")
-
-    def fit():
-        import torch._dynamo.utils
-
-        history = gan.fit(images, batch_size=4, epochs=1, shuffle=False, verbose=0)
-        breaks = torch._dynamo.utils.counters["graph_break"]
-        return {
-            "losses": history.history["d_loss"] + history.history["g_loss"],
-            "weights": weights(gan),
-            "compiled_to_the_end": _compiled_step(gan.train_function),
-            "graph_breaks": sum(breaks.values()),
-            "helper_frames": _helper_frames(),
-        }
-
-    return _plugin_warnings(fit)
+    return _fit_compiled(gan, images, batch_size=4)
