@@ -18,6 +18,10 @@ train function once, then runs ``--rounds`` rounds of one epoch each
 
 and prints each configuration's median step (rank 0, the steps of every
 round) and its ratios to eager and to the whole step, paired by round.
+``--phase evaluate`` or ``predict`` times that instead of ``fit()``, on a
+model never trained: "build + first" is then the first ``evaluate()`` /
+``predict()`` (its step built and compiled), "step" one batch (``step``:
+the whole forward compiled; ``blocks``: each block's grad-free graph).
 
     python benchmarks/blocks_steps.py [--layers 2,8] [--rounds 4]
         [--configs eager,step,blocks,guarded]
@@ -74,15 +78,26 @@ def worker(args: argparse.Namespace) -> None:
     unguarded = steady._unguarded
 
     class Steps(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.began = time.perf_counter()
+        def began(self, batch, logs=None):
+            self.start = time.perf_counter()
 
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.began)
+        def ended(self, batch, logs=None):
+            times.append(time.perf_counter() - self.start)
+
+        on_train_batch_begin = on_test_batch_begin = on_predict_batch_begin = began
+        on_train_batch_end = on_test_batch_end = on_predict_batch_end = ended
+
+    phase = args.phase
+    made = {"fit": "train", "evaluate": "test", "predict": "predict"}[phase]
 
     def epoch() -> None:
-        model.fit(*data, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[Steps()])  # fmt: skip
+        options = {"batch_size": args.batch, "verbose": 0, "callbacks": [Steps()]}
+        if phase == "fit":
+            model.fit(*data, epochs=1, shuffle=False, **options)
+        elif phase == "evaluate":
+            model.evaluate(*data, **options)
+        else:
+            model.predict(data[0], **options)
 
     def switch(config: str) -> None:
         steady._unguarded = (lambda: None) if config == "guarded" else unguarded
@@ -91,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
             blocks.install(model, compile_failure)  # its guards settle again
         else:
             blocks.uninstall(model)
-        model.train_function = functions[config]
+        setattr(model, f"{made}_function", functions[config])
 
     def profile(config: str) -> str:
         """One epoch of ``config`` under torch.profiler: ops by self CPU time."""
@@ -116,10 +131,10 @@ def worker(args: argparse.Namespace) -> None:
         os.environ["KERAS_DTENSOR_FIX_COMPILE"] = mode
         blocks.IN_GRAPH_F = config != "eager-f"
         model.jit_compile = config != "eager"
-        model.train_function = None
+        setattr(model, f"{made}_function", None)
         began, times = time.perf_counter(), []
-        model.make_train_function()
-        functions[config] = model.train_function
+        getattr(model, f"make_{made}_function")()
+        functions[config] = getattr(model, f"{made}_function")
         epoch()  # the compilation, and a first epoch
         starts[config] = time.perf_counter() - began
     rounds: dict[str, list[list[float]]] = {config: [] for config in configs}
@@ -149,7 +164,7 @@ def launch(args: argparse.Namespace, layers: int) -> dict:
         f"--layers={layers}", f"--hidden={args.hidden}", f"--seq={args.seq}",
         f"--batch={args.batch}", f"--steps={args.steps}",
         f"--rounds={args.rounds}", f"--configs={args.configs}",
-        f"--model={args.model}",
+        f"--model={args.model}", f"--phase={args.phase}",
     ] + ([f"--profile={args.profile}"] if args.profile else [])  # fmt: skip
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.exists():
@@ -193,6 +208,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    phases = ("fit", "evaluate", "predict")
+    parser.add_argument("--phase", default="fit", choices=phases)
     parser.add_argument("--json", help="write every launch's result here")
     parser.add_argument(
         "--profile", help="rank 0: after the rounds, one profiled epoch each, here"
@@ -204,7 +221,8 @@ def main() -> None:
         return
     print(
         f"{args.model}, hidden {args.hidden}, seq {args.seq}, batch {args.batch},"
-        f" {args.steps} steps a round, {args.rounds} rounds, 2 ranks, mesh (1, 2)\n"
+        f" {args.steps} steps a round, {args.rounds} rounds, 2 ranks, mesh (1, 2),"
+        f" {args.phase}\n"
         "layers | config | build + first epoch s | step ms (median)"
         " | / eager (paired) | / whole step (paired)",
         flush=True,
