@@ -250,3 +250,31 @@ def test_an_unused_compiled_output_gets_a_dtensor_gradient(mesh1) -> None:
         hidden, cache = zero_gradients_if_unused((hidden, cache))
         (hidden**2).sum().backward()
         assert torch.equal(x.grad.full_tensor(), eager.grad)
+
+
+def test_rms_normalization_over_a_split_hidden_dim(mesh1) -> None:
+    """``rms_normalization`` of hidden states split on their last dim (an
+    embedding's (model, batch) layout on a one-rank batch axis: SmolLM3's
+    norms), compiled: torch's ``rms_norm`` adds epsilon in place to a Partial
+    mean, which DTensor refuses ("in-place operations that require placement
+    changes", eagerly and traced; upstream fails it too). The ``normalized``
+    handler gathers the normalized axis first: the one-process values."""
+    import keras
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    nn = keras.src.backend.torch.ops.nn  # the ops family's wrapped module
+    x, scale = torch.randn(2, 3, 8), torch.randn(8)
+    expected = nn.rms_normalization.__wrapped__(x, scale, epsilon=1e-6)
+    split = distribute_tensor(x, mesh1, [Shard(2)])
+    whole = distribute_tensor(scale, mesh1, [Replicate()])
+    for fixed in (False, True):
+        torch._dynamo.reset()
+        norm = nn.rms_normalization if fixed else nn.rms_normalization.__wrapped__
+        compiled = torch.compile(norm, backend="aot_eager", dynamic=False)
+        if not fixed:
+            with pytest.raises(Exception, match="placement changes"):
+                compiled(split, whole, epsilon=1e-6)
+            continue
+        got = compiled(split, whole, epsilon=1e-6)
+        torch.testing.assert_close(got.full_tensor(), expected)
