@@ -266,12 +266,9 @@ def _tangents_ready(result: Any) -> Any:
     the whole step then ran eagerly. One output passes as is.
     """
     leaves, spec = pytree.tree_flatten(result)
-    needing = [isinstance(v, DTensor) and v.requires_grad for v in leaves]
-    if sum(needing) < 2:
+    if sum(isinstance(v, DTensor) and v.requires_grad for v in leaves) < 2:
         return result
-    pairs = zip(leaves, needing, strict=True)
-    leaves = [zero_gradients_if_unused(v) if n else v for v, n in pairs]
-    return pytree.tree_unflatten(leaves, spec)
+    return pytree.tree_unflatten(zero_gradients_if_unused(leaves), spec)
 
 
 @contextlib.contextmanager
