@@ -274,7 +274,8 @@ def test_rms_normalization_over_a_split_hidden_dim(mesh1) -> None:
         compiled = torch.compile(norm, backend="aot_eager", dynamic=False)
         if not fixed:
             with pytest.raises(Exception, match="placement changes"):
-                compiled(split, whole, epsilon=1e-6)
+                compiled(split, whole, axis=[-1], epsilon=1e-6)
             continue
-        got = compiled(split, whole, epsilon=1e-6)
+        # a list of axes, as keras.layers.RMSNormalization passes it
+        got = compiled(split, whole, axis=[-1], epsilon=1e-6)
         torch.testing.assert_close(got.full_tensor(), expected)

@@ -202,9 +202,12 @@ def _normalized(call: Call) -> Any:
     # traced; a hidden dim split on a one-rank batch axis (an embedding's
     # (model, batch) layout on (1, N)) is relabelled, no data moves.
     axis = call.arguments.get("axis", -1)
-    if not isinstance(axis, int):
+    axes = list(axis) if isinstance(axis, (list, tuple)) else [axis]
+    if not all(isinstance(a, int) for a in axes):  # the layer's is a list
         return NOT_HANDLED
-    return _gathered(call, "x", axis)
+    for one in axes:
+        _gathered(call, "x", one)
+    return NOT_HANDLED
 
 
 def _local(call: Call) -> Any:
