@@ -82,9 +82,10 @@ COMPILED_FALLBACKS: dict[str, dict[str, str]] = {
 #: pinned: BLIP2's compiled step leaves three weights (two of 16 values, one
 #: 32 x 64) 1e-3 from one process's (Adam's step size: its update of a
 #: near-zero gradient follows the gradient's rounding), losses equal;
-#: SmolLM3's blocks (compiled, or eager after their "f" when they fail to
-#: compile) end its second epoch 3.5e-5 from one process's loss, the first
-#: block's attention output kernel 2e-3 off: a gradient of the blocks path.
+#: SmolLM3 compiled (block by block, the whole step alike, or its blocks
+#: eager after their "f" when they failed to compile) ends its second epoch
+#: 3.5e-5 from one process's loss, the first block's attention output kernel
+#: 2e-3 off; its eager cases are equal.
 NOT_EQUAL = {"blip2_1x2_layout_compiled", "smollm3_1x2_layout_compiled"}
 
 
