@@ -2,7 +2,10 @@
 
 Twenty backbones that ship no ``get_layout_map`` (``hub/layouts.py``) train
 two epochs with ``fit()`` and generate greedily on 2 ranks, meshes (1, 2)
-and (2, 1), equal to one process (losses, weights, tokens).
+and (2, 1), equal to one process (losses, weights, tokens). The slow tier
+compiles each on (1, 2) (``jit_compile=True``, ``test_layout_compiled``);
+upstream fails those as it fails the eager cases (GPT-2 and OPT: "must match
+the size of tensor b" within a second).
 
 Upstream Keras (``KERAS_DTENSOR_FIX=0``) has no ``get_layout_map`` on these
 backbones; given the same layouts (built from ``hub/layouts.py`` directly)
