@@ -219,3 +219,63 @@ def test_fori_loop_carries_take_a_bodys_dtensors(mesh1) -> None:
         assert torch.equal(weight.grad.full_tensor(), plain.grad)
     finally:
         set_implicit_replication(was)
+
+
+def test_an_unused_compiled_output_gets_a_dtensor_gradient(mesh1) -> None:
+    """A compiled function with two DTensor outputs, backward from the first
+    alone (a decoder block's hidden states and its KV cache, blocks mode):
+    torch 2.13 refuses the plain zeros autograd gives the second ("Expected a
+    DTensor tangent but got a plain Tensor"); ``zero_gradients_if_unused`` of
+    both outputs gives the second a DTensor of zeros, the eager gradient."""
+    import torch
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from keras_dtensor_fix.dtensor import zero_gradients_if_unused
+
+    def block(x, weight):
+        return x * weight, x + weight
+
+    full = torch.arange(4.0).reshape(2, 2)
+    eager = full.clone().requires_grad_()
+    (block(eager, 3.0)[0] ** 2).sum().backward()
+    compiled = torch.compile(block, backend="aot_eager", dynamic=False)
+    for fixed in (False, True):
+        torch._dynamo.reset()
+        x = distribute_tensor(full, mesh1, [Shard(0)]).requires_grad_()
+        hidden, cache = compiled(x * 1.0, 3.0)
+        if not fixed:
+            with pytest.raises(RuntimeError, match="got a plain Tensor"):
+                (hidden**2).sum().backward()
+            continue
+        hidden, cache = zero_gradients_if_unused((hidden, cache))
+        (hidden**2).sum().backward()
+        assert torch.equal(x.grad.full_tensor(), eager.grad)
+
+
+def test_rms_normalization_over_a_split_hidden_dim(mesh1) -> None:
+    """``rms_normalization`` of hidden states split on their last dim (an
+    embedding's (model, batch) layout on a one-rank batch axis: SmolLM3's
+    norms), compiled: torch's ``rms_norm`` adds epsilon in place to a Partial
+    mean, which DTensor refuses ("in-place operations that require placement
+    changes", eagerly and traced; upstream fails it too). The ``normalized``
+    handler gathers the normalized axis first: the one-process values."""
+    import keras
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    nn = keras.src.backend.torch.ops.nn  # the ops family's wrapped module
+    x, scale = torch.randn(2, 3, 8), torch.randn(8)
+    expected = nn.rms_normalization.__wrapped__(x, scale, epsilon=1e-6)
+    split = distribute_tensor(x, mesh1, [Shard(2)])
+    whole = distribute_tensor(scale, mesh1, [Replicate()])
+    for fixed in (False, True):
+        torch._dynamo.reset()
+        norm = nn.rms_normalization if fixed else nn.rms_normalization.__wrapped__
+        compiled = torch.compile(norm, backend="aot_eager", dynamic=False)
+        if not fixed:
+            with pytest.raises(Exception, match="placement changes"):
+                compiled(split, whole, axis=[-1], epsilon=1e-6)
+            continue
+        # a list of axes, as keras.layers.RMSNormalization passes it
+        got = compiled(split, whole, axis=[-1], epsilon=1e-6)
+        torch.testing.assert_close(got.full_tensor(), expected)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 import warnings
@@ -311,8 +312,8 @@ def fit_generate(kind: str, batch_ranks: int, jit_compile: bool = False) -> dict
         inputs.update(images=images, response_mask=np.ones_like(ids))
     if kind in ("blip2", "parseq"):
         inputs["images"] = images
-    with warnings.catch_warnings(record=True) as warned:
-        warnings.simplefilter("always")
+    phases = {}
+    with _watched(phases, "fit"):
         history = model.fit(
             {k: batch_rows(v, 4, batch_ranks) for k, v in inputs.items()},
             batch_rows(np.roll(ids, -1, axis=1), 4, batch_ranks),
@@ -326,7 +327,8 @@ def fit_generate(kind: str, batch_ranks: int, jit_compile: bool = False) -> dict
     # every row's logits (their first 16 vocabulary ids), in order
     per = 4 // batch_ranks
     first = {k: batch_rows(v, 4, batch_ranks)[:per] for k, v in inputs.items()}
-    logits = model.predict(first, batch_size=per, verbose=0)
+    with _watched(phases, "predict"):
+        logits = model.predict(first, batch_size=per, verbose=0)
     predictions = np.asarray(logits, "float64")[..., :16]
     if batch_ranks > 1:
         import torch.distributed as dist
@@ -352,16 +354,38 @@ def fit_generate(kind: str, batch_ranks: int, jit_compile: bool = False) -> dict
         prompt["padding_mask"] = (prompt["token_ids"] != 0).astype("int32")
     if kind in ("pali_gemma", "blip2", "parseq"):
         prompt["images"] = images[:2]
-    tokens = model.generate(prompt, max_length=12, stop_token_ids=None)
+    with _watched(phases, "generate"):
+        tokens = model.generate(prompt, max_length=12, stop_token_ids=None)
     return {
         "predictions": predictions.tolist(),
         "get_layout_map": HAD_METHOD[0],
         "losses": history.history["loss"],
         "weights": weights(model),
         "tokens": np.asarray(tokens["token_ids"]).tolist(),
+        "warned": [w for phase in phases.values() for w in phase["warned"]],
+        "phases": phases,
+    }
+
+
+@contextlib.contextmanager
+def _watched(phases: dict, phase: str):
+    """``phases[phase]``: the plugin's warnings in the block, dynamo's graph
+    breaks and the graphs it compiled (0: the phase ran eagerly)."""
+    import torch
+
+    counters = torch._dynamo.utils.counters
+    graphs = counters["stats"]["unique_graphs"]
+    breaks = sum(counters["graph_break"].values())
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        yield
+    phases[phase] = {
         "warned": [
             str(w.message) for w in warned if "keras-dtensor-fix" in str(w.message)
         ],
+        "graphs": counters["stats"]["unique_graphs"] - graphs,
+        "graph_breaks": sum(counters["graph_break"].values()) - breaks,
+        "break_reasons": sorted({str(k)[:200] for k in counters["graph_break"]}),
     }
 
 
@@ -402,9 +426,19 @@ for _kind in CAUSAL_LMS:
     _layout_case(_kind, (2, 1), slow=_kind in SLOW_2X1)
 
 
-@case("layouts", mesh=(1, 2), layout=layout_of("rwkv7"), slow=True, upstream_slow=True)
-def rwkv7_1x2_layout_compiled():
-    """RWKV-7 with ``jit_compile=True``: torch.compile fails on its step
-    ("as_strided not supported with DTensor", the time mix's in-place writes
-    traced), which then runs eagerly, warned, as upstream runs it."""
-    return fit_generate("rwkv7", batch_ranks=1, jit_compile=True)
+def _compiled_layout_case(kind: str) -> None:
+    def run():
+        return fit_generate(kind, batch_ranks=1, jit_compile=True)
+
+    run.__name__ = f"{kind}_1x2_layout_compiled"
+    # jit_compile=True: the step compiled (block by block where the model
+    # repeats blocks), generate()'s token step compiled. RWKV-7's step fails
+    # to compile ("as_strided not supported with DTensor", the time mix's
+    # in-place writes traced) and runs eagerly, warned, as upstream runs it.
+    # Upstream compiles nothing under ModelParallel and fails as eagerly.
+    layout = layout_of(kind)
+    case("layouts", mesh=(1, 2), layout=layout, slow=True, upstream_slow=True)(run)
+
+
+for _kind in CAUSAL_LMS:
+    _compiled_layout_case(_kind)

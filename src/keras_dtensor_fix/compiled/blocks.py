@@ -50,7 +50,12 @@ import torch.utils._pytree as pytree
 
 from keras_dtensor_fix.compiled import cache_key
 from keras_dtensor_fix.compiled.steady import Steady, code_of
-from keras_dtensor_fix.dtensor import DTensor, reducing_gradient, reducing_input
+from keras_dtensor_fix.dtensor import (
+    DTensor,
+    reducing_gradient,
+    reducing_input,
+    zero_gradients_if_unused,
+)
 from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.ops.values import flatten_call, output_laid_out
 
@@ -231,7 +236,7 @@ def _region_call(
     try:
         with _region():
             compiled = _compiled(cls, original, distribution, in_graph)
-            return compiled(block, *args, **kwargs)
+            return _tangents_ready(compiled(block, *args, **kwargs))
     except Exception as error:
         if not failure(error):
             raise
@@ -256,6 +261,20 @@ def _region_call(
             stacklevel=2,
         )
         return original(block, *args, **kwargs)
+
+
+def _tangents_ready(result: Any) -> Any:
+    """A region's outputs, each given a DTensor gradient where it gets none.
+
+    A block that returns more than its hidden states (Gemma4's KV cache, in
+    training too) leaves the rest without a gradient, and its graph's
+    backward refused the plain zeros autograd filled them with (torch 2.13);
+    the whole step then ran eagerly. One output passes as is.
+    """
+    leaves, spec = pytree.tree_flatten(result)
+    if sum(isinstance(v, DTensor) and v.requires_grad for v in leaves) < 2:
+        return result
+    return pytree.tree_unflatten(zero_gradients_if_unused(leaves), spec)
 
 
 @contextlib.contextmanager

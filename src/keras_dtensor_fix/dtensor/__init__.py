@@ -63,6 +63,7 @@ from keras_dtensor_fix.dtensor.local import (
     replicate,
     unwrap_local,
     wrap_local,
+    zero_gradients_if_unused,
 )
 from keras_dtensor_fix.dtensor.placement import (
     is_replicated,
@@ -132,6 +133,7 @@ __all__ = [
     "vocab_parallel_lookup",
     "whole",
     "wrap_local",
+    "zero_gradients_if_unused",
 ]
 
 #: How long the all-reduce of a CPU tensor is polled before its thread blocks

@@ -206,3 +206,48 @@ class _UnwrapLocal(torch.autograd.Function):
 def replicate(value: torch.Tensor, mesh: Any) -> DTensor:
     """Wrap a plain tensor holding the full value as a Replicate DTensor on ``mesh``."""
     return wrap_local(value, mesh, [Replicate()] * mesh.ndim)
+
+
+def zero_gradients_if_unused(values: Sequence[Any]) -> list[Any]:
+    """``values``, each DTensor's gradient zeros of its spec where none comes.
+
+    A compiled function's backward takes one tangent per output, guessed from
+    the forward output's DTensor metadata; autograd fills an output that got
+    no gradient (a decoder block's KV cache in training) with plain zeros,
+    which torch 2.13 refuses ("Expected a DTensor tangent but got a plain
+    Tensor", pytorch/pytorch#172556). One autograd op for all of them, which
+    the used ones reach; values that need no gradient pass as is.
+    """
+    values = list(values)
+    at = [i for i, v in enumerate(values) if isinstance(v, DTensor) and v.requires_grad]
+    if not at:
+        return values
+    for i, value in zip(at, _ZeroIfUnused.apply(*(values[i] for i in at)), strict=True):
+        values[i] = value
+    return values
+
+
+class _ZeroIfUnused(torch.autograd.Function):
+    """Identity forward; a missing gradient becomes zeros of its DTensor's spec."""
+
+    @staticmethod
+    def forward(ctx: Any, *values: DTensor) -> tuple[DTensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.specs = [copy_spec(v._spec) for v in values]
+        ctx.locals = [(v._local_tensor.shape, v._local_tensor.dtype) for v in values]
+        ctx.device = values[0]._local_tensor.device
+        return tuple(
+            DTensor(v._local_tensor.view_as(v._local_tensor), spec, requires_grad=True)
+            for v, spec in zip(values, ctx.specs, strict=True)
+        )
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        filled = []
+        described = zip(grads, ctx.specs, ctx.locals, strict=True)
+        for grad, spec, (shape, dtype) in described:
+            if grad is None:
+                zeros = torch.zeros(shape, dtype=dtype, device=ctx.device)
+                grad = DTensor(zeros, copy_spec(spec), requires_grad=False)
+            filled.append(grad)
+        return tuple(filled)

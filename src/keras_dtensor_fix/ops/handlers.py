@@ -16,25 +16,26 @@ the same :class:`Call`, until one returns something other than
   4. ``lookup`` (``take``): the table gathered on the mesh axes that split the
      ids; under torch.compile a row-split table is looked up vocab-parallel.
      Rewrites ``x`` and hands on.
-  5. ``index`` (``argmax``, ``argmin``) and 6. ``classes`` (the
-     cross-entropies of :data:`CLASS_AXIS_LOSSES`): the operand gathered on
-     the reduced dim or the class axis, once per activation (a loss and an
+  5. ``index`` (``argmax``, ``argmin``), 6. ``classes`` (the
+     cross-entropies of :data:`CLASS_AXIS_LOSSES`) and 7. ``normalized``
+     (``rms_normalization``): the operand gathered on the reduced dim, the
+     class axis or the normalized axis, once per activation (a loss and an
      accuracy metric on the same vocabulary-sharded logits share one
      all-gather). Rewrite the operand and hand on.
-  7. ``local`` (``einsum``, ``matmul``): operands whose placements have a local
+  8. ``local`` (``einsum``, ``matmul``): operands whose placements have a local
      form run as one local einsum; a Partial result is reduced where it is made.
-  8. ``per_element`` (``one_hot``): each rank's shard mapped alone, the
+  9. ``per_element`` (``one_hot``): each rank's shard mapped alone, the
      placements kept; DTensor has no rule for ``one_hot`` under torch.compile.
-  9. ``replicated``: every DTensor operand whole (``planner.replicated``) and
-     no gradient (a step counter, a metric): the op on local tensors, the
-     result wrapped once; an op that raises there hands on to ``promote``,
-     whose error names the operands.
-  10. ``promote``: plain tensors next to a DTensor become Replicate DTensors (a
+  10. ``replicated``: every DTensor operand whole (``planner.replicated``) and
+      no gradient (a step counter, a metric): the op on local tensors, the
+      result wrapped once; an op that raises there hands on to ``promote``,
+      whose error names the operands.
+  11. ``promote``: plain tensors next to a DTensor become Replicate DTensors (a
       plain operand of one rank's shard size is refused in elementwise ops),
       then the op; a contraction's Partial result, or a masked lookup's, is
       reduced. If DTensor has no rule for the op, it runs on full values.
 
-Rows 1-3 (in :mod:`keras_dtensor_fix.ops.layout`) and 10 always return.
+Rows 1-3 (in :mod:`keras_dtensor_fix.ops.layout`) and 11 always return.
 Adding a handler is a function taking a :class:`Call` and one row in
 :data:`HANDLERS`, with its line in this list.
 """
@@ -195,6 +196,20 @@ def _classes(call: Call) -> Any:
     return _gathered(call, "output", axis)
 
 
+def _normalized(call: Call) -> Any:
+    # torch's rms_norm over a sharded dim: its decomposition adds epsilon in
+    # place to a Partial mean, which DTensor refuses (torch 2.13), eagerly and
+    # traced; a hidden dim split on a one-rank batch axis (an embedding's
+    # (model, batch) layout on (1, N)) is relabelled, no data moves.
+    axis = call.arguments.get("axis", -1)
+    axes = list(axis) if isinstance(axis, (list, tuple)) else [axis]
+    if not all(isinstance(a, int) for a in axes):  # the layer's is a list
+        return NOT_HANDLED
+    for one in axes:
+        _gathered(call, "x", one)
+    return NOT_HANDLED
+
+
 def _local(call: Call) -> Any:
     from keras_dtensor_fix.dtensor import reduce_partial
     from keras_dtensor_fix.dtensor.einsum import local_einsum, local_matmul
@@ -263,6 +278,7 @@ HANDLERS: tuple[Handler, ...] = (
     Handler("lookup", lambda op: op.name == "take", _lookup),
     Handler("index", lambda op: op.name in INDEX_REDUCTIONS, _index),
     Handler("classes", lambda op: op.name in CLASS_AXIS_LOSSES, _classes),
+    Handler("normalized", lambda op: op.name == "rms_normalization", _normalized),
     Handler("local", lambda op: op.name in ("einsum", "matmul"), _local),
     Handler("per_element", lambda op: op.name in PER_ELEMENT, _per_element),
     Handler("replicated", lambda op: True, _replicated),
