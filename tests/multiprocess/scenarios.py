@@ -13,7 +13,9 @@ the groups they compare together: ``conftest.BATCH``). Each process writes
 ``OUT_DIR/GROUP.rank<R>.json``: for every case, its losses, metrics,
 predictions and final weights (full values), or the error
 it raised. The same seed and data feed both runs; the single process runs
-every case eagerly (``jit_compile`` off), the ground truth for compiled ranks.
+every case eagerly (``jit_compile`` off), the ground truth for compiled ranks,
+but a case registered ``compiled_reference=True``: one process compiles it too
+(where torch.compile's own numerics differ from eager beyond the tolerance).
 
 A case that fails on some ranks only would leave the others waiting in a
 collective until the process group's timeout (30 minutes): after each case
@@ -132,7 +134,8 @@ def run_case(name: str) -> dict:
     )
     started = time.perf_counter()
     try:
-        reference = eager_reference() if WORLD == 1 else contextlib.nullcontext()
+        eager = WORLD == 1 and not spec.get("compiled_reference")
+        reference = eager_reference() if eager else contextlib.nullcontext()
         with compile_backend(backend), reference:
             result = spec["fn"]()
         result["seconds"] = round(time.perf_counter() - started, 2)
