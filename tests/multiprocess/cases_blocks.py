@@ -88,9 +88,9 @@ def gpt_4_layers_blocks():
 @case("blocks", layout=GPT_LAYOUT)
 def gpt_blocks_evaluate():
     """The default mode's evaluation and prediction: two TransformerDecoder
-    blocks train block by block, and validation, ``evaluate()`` and
-    ``predict()`` go block by block too (each block's graph without
-    gradients). Upstream fails as on ``gpt_4_layers_blocks``."""
+    blocks train block by block, validation, ``evaluate()`` and ``predict()``
+    compile their steps whole (no backward to save). Upstream fails as on
+    ``gpt_4_layers_blocks``."""
 
     def fit() -> dict:
         model = tiny_gpt(2)

@@ -87,25 +87,22 @@ WHY = {"gpt_4_layers_blocks": "the default for repeated blocks (4 TransformerDec
 EAGER_F = {"gpt_4_layers_blocks": 4}
 
 
-def test_blocks_evaluate_by_blocks(runs) -> None:
+def test_blocks_evaluate_compiles_whole(runs) -> None:
     """By default a model with repeated blocks trains block by block, and its
-    validation, ``evaluate()`` and ``predict()`` steps go block by block too:
-    their steps eager, each grad-free block its class's graph without
-    gradients (``blocks.grad_free``). Equal to one process; nothing compiled
-    but the block's ``call``, two graphs (with and without gradients); no
-    break, no warning; the log names the mode. Before, those steps compiled
-    whole (a graph of the whole forward each, a start growing with depth).
-    Upstream fails (:data:`UPSTREAM`)."""
+    validation, ``evaluate()`` and ``predict()`` steps compile whole (grad-free
+    blocks run their own call: in ``blocks`` mode those steps run eagerly).
+    Equal to one process; every graph but the block's is a step's forward;
+    no break, no warning. Before, the default made those steps eager: the
+    only graph was the block's. Upstream fails (:data:`UPSTREAM`)."""
     name = "gpt_blocks_evaluate"
     ranks, single = runs.get("blocks", world=2), runs.get("blocks", world=1)[0]
     assert_parity(name, ranks, single)
     for result in ranks:
-        assert result[name]["compiled"] == ["TransformerDecoder.call"]
-        assert result[name]["dynamo_graphs"] == 2
+        assert "TransformerDecoder.call" in result[name]["compiled"]
+        assert len(result[name]["compiled"]) > 1, result[name]["compiled"]
         assert result[name]["graph_breaks"] == 0
         assert result[name]["plugin_warnings"] == []
-        how = "predict step compiles block by block: the default for repeated"
-        assert any(how in line for line in result[name]["why"])
+        assert any("this step has no backward" in line for line in result[name]["why"])
 
 
 #: What upstream does on each case (the first line of its error).

@@ -25,12 +25,9 @@ Two things would make each instance a graph of its own:
   graphs with a DTensor wrapped around it. Where that graph fails to compile,
   the "f" is made before the region, eagerly (warned).
 
-Evaluation and prediction go block by block too: their steps run eagerly
-inside :func:`grad_free`, and each block's grad-free call is its class's
-graph without gradients (a cache entry of its own, no "f"). Other grad-free
-calls (generation, a user's ``model(x)`` under ``torch.no_grad``), calls
+Outside training (``torch.no_grad``: evaluation, prediction, generation),
 inside a compiled step, without a ModelParallel distribution and in Keras's
-symbolic calls run the block's own ``call`` as it is.
+symbolic calls the block's own ``call`` runs as it is.
 """
 
 from __future__ import annotations
@@ -61,9 +58,6 @@ from keras_dtensor_fix.ops.values import flatten_call, output_laid_out
 
 #: True while a block's region runs: its sublayers open no name scope.
 REGION: list[bool] = []
-#: True while an evaluation or prediction step built block by block runs:
-#: its grad-free blocks run their compiled graph.
-FORWARD: list[bool] = []
 #: Distribution -> (block class, the user's cache key tag) -> the class's compiled
 #: ``call`` (a :class:`Steady`), shared by every instance (the process-keyed tag
 #: made once, not per call).
@@ -122,8 +116,10 @@ def choose(model: Any, mode: str) -> tuple[str, str]:
 
     ``mode`` is the configured one (``engine/config.compile_mode``). ``auto``
     compiles block by block where the model repeats blocks and none is
-    refused: a start flat in depth. Evaluation and prediction go the same way
-    (their blocks' graphs without gradients, :func:`grad_free`).
+    refused: as fast a training step as the whole step's, and a start flat in
+    depth. Evaluation and prediction then compile whole (the ``compile``
+    family: a forward graph); in ``blocks`` mode they run eagerly (their
+    blocks run without gradients: the block's own call).
     """
     if mode != "auto":
         return mode, f"KERAS_DTENSOR_FIX_COMPILE={mode}"
@@ -215,20 +211,18 @@ def _region_call(
 ) -> Any:
     cls = type(block)
     distribution = state.model_parallel()
-    grad_free = not torch.is_grad_enabled()
     if (
         REGION
         or cls in _FAILED
-        or (grad_free and not FORWARD)
+        or not torch.is_grad_enabled()
         or state.compiling()
         or distribution is None
         or targets.keras_object("in_symbolic_scope")()
         or targets.keras_object("in_stateless_scope")()
     ):
         return original(block, *args, **kwargs)
-    # Without gradients no "f": the class's plain call, traced grad-free.
-    in_graph = IN_GRAPH_F and cls not in _EAGER_F and not grad_free
-    if not in_graph and not grad_free:
+    in_graph = IN_GRAPH_F and cls not in _EAGER_F
+    if not in_graph:
         leaves, _ = flatten_call(args, kwargs)
         for value in leaves:
             if isinstance(value, DTensor):
@@ -334,21 +328,6 @@ def _with_f(original: Callable[..., Any]) -> Callable[..., Any]:
     )
     named.__qualname__ = original.__qualname__
     return named
-
-
-def grad_free(step: Callable[..., Any]) -> Callable[..., Any]:
-    """``step`` (an evaluation or prediction step) with its grad-free blocks
-    running their compiled graph (:data:`FORWARD`)."""
-
-    @functools.wraps(step)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        FORWARD.append(True)
-        try:
-            return step(*args, **kwargs)
-        finally:
-            FORWARD.pop()
-
-    return run
 
 
 def settled() -> int:

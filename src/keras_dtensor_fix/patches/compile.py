@@ -73,10 +73,15 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
     building = _BUILDING[-1] if _BUILDING else None
     configured = config.compile_mode()
     mode, why = blocks.choose(instance, configured)
+    if mode == "blocks" and configured == "auto" and building in _FORWARD:
+        # Grad-free blocks run their own call: by default, evaluation and
+        # prediction compile whole (a forward graph); the training step's
+        # blocks stay installed (their region steps aside inside a graph).
+        why = "the default: training goes block by block, this step has no backward"
+        blocks.tell(instance, building, "step", why)
+        return True
     if mode == "blocks" and blocks.install(instance, compile_failure):
         blocks.tell(instance, building, "blocks", why)
-        if building in _FORWARD:  # its grad-free blocks compiled too
-            _BY_BLOCKS.append(building)
         return False  # the step runs eagerly, its blocks compiled
     blocks.uninstall(instance)
     blocks.tell(instance, building, "step", why)
@@ -85,10 +90,8 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
 
 #: The ``make_*_function`` running now (innermost last).
 _BUILDING: list[str] = []
-#: Steps without a backward.
+#: Steps without a backward: compiled whole even where training goes by blocks.
 _FORWARD = ("make_test_function", "make_predict_function")
-#: Those of them being built block by block (``blocks.grad_free``).
-_BY_BLOCKS: list[str] = []
 
 
 def _torch_version() -> str:
@@ -116,13 +119,9 @@ def _static_shapes(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
     finally:
         _BUILDING.pop()
-        by_blocks = wrapped.__name__ in _BY_BLOCKS
-        _BY_BLOCKS[:] = [name for name in _BY_BLOCKS if name != wrapped.__name__]
 
     attribute = STEP_FUNCTIONS[wrapped.__name__]
     function = getattr(instance, attribute, None)
-    if function is not None and by_blocks:
-        function = blocks.grad_free(function)
     if (
         function is not None
         and model_parallel() is not None
