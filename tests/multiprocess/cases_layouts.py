@@ -451,7 +451,7 @@ def _compiled_layout_case(kind: str) -> None:
 #: Models whose compiled training differs from their eager training in one
 #: process with no distribution, plugin on or off alike (torch 2.13,
 #: aot_eager; after two epochs: SmolLM3's first attention output kernel 2.2e-3,
-#: BLIP2's weights 1.4e-3, from Adam's step on near-zero gradients): their
+#: BLIP2's weights 1.4e-3; the cause inside torch.compile not found): their
 #: compiled cases compare with one process compiled (``compiled_reference``).
 COMPILED_NUMERICS = ("smollm3", "blip2")
 

@@ -215,7 +215,7 @@ def zero_gradients_if_unused(values: Sequence[Any]) -> list[Any]:
     the forward output's DTensor metadata; autograd fills an output that got
     no gradient (a decoder block's KV cache in training) with plain zeros,
     which torch 2.13 refuses ("Expected a DTensor tangent but got a plain
-    Tensor", pytorch/pytorch#172556). One autograd op for all of them, which
+    Tensor", pytorch/pytorch#173123). One autograd op for all of them, which
     the used ones reach; values that need no gradient pass as is.
     """
     values = list(values)
