@@ -15,6 +15,10 @@ train function once, then runs ``--rounds`` rounds of one epoch each
             before its calls skipped them)
   eager-f   blocks with Megatron's "f" of each block's inputs made eagerly
             before its graph (blocks mode before it moved into the graph)
+  no-tail   blocks with the layers after the last block and the loss eager
+            (blocks mode before they became one compiled region)
+  no-opt    blocks with the optimizer's update eager (blocks mode before it
+            became one compiled region)
 
 and prints each configuration's median step (rank 0, the steps of every
 round) and its ratios to eager and to the whole step, paired by round.
@@ -43,7 +47,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = ("eager", "step", "blocks", "eager-f")
-BLOCKS = ("blocks", "guarded", "eager-f")
+BLOCKS = ("blocks", "guarded", "eager-f", "no-tail", "no-opt")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -55,7 +59,7 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(HERE))
     import hub_worker as hub
 
-    from keras_dtensor_fix.compiled import blocks, steady
+    from keras_dtensor_fix.compiled import blocks, optimizer_step, steady, tail
     from keras_dtensor_fix.patches.compile import compile_failure
 
     torch.set_num_threads(1)
@@ -102,8 +106,15 @@ def worker(args: argparse.Namespace) -> None:
     def switch(config: str) -> None:
         steady._unguarded = (lambda: None) if config == "guarded" else unguarded
         blocks.IN_GRAPH_F = config != "eager-f"
+        tail.ENABLED = config != "no-tail"
+        optimizer_step.ENABLED = config != "no-opt"
+        tail.uninstall(model)
+        optimizer_step.uninstall(model)
         if config in BLOCKS:
-            blocks.install(model, compile_failure)  # its guards settle again
+            routed = blocks.install(model, compile_failure)  # guards settle again
+            if phase == "fit":
+                tail.install(model, routed, compile_failure)
+                optimizer_step.install(model, compile_failure)
         else:
             blocks.uninstall(model)
         setattr(model, f"{made}_function", functions[config])
@@ -118,7 +129,7 @@ def worker(args: argparse.Namespace) -> None:
         with torch.profiler.profile(activities=activities) as prof:
             times = []
             epoch()
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=70)
         step = 1e3 * statistics.median(times)
         return f"== {config}: {args.layers} layers, step {step:.0f} ms\n{table}"
 
@@ -130,6 +141,10 @@ def worker(args: argparse.Namespace) -> None:
         mode = "blocks" if config in BLOCKS else "step"
         os.environ["KERAS_DTENSOR_FIX_COMPILE"] = mode
         blocks.IN_GRAPH_F = config != "eager-f"
+        tail.ENABLED = config != "no-tail"
+        optimizer_step.ENABLED = config != "no-opt"
+        tail.uninstall(model)
+        optimizer_step.uninstall(model)
         model.jit_compile = config != "eager"
         setattr(model, f"{made}_function", None)
         began, times = time.perf_counter(), []

@@ -28,6 +28,17 @@ def test_compile_mode_not_understood_warns() -> None:
         assert config.compile_mode({config.ENV_COMPILE: "layers"}) == "auto"
 
 
+#: A layer with sublayers (a block where a model holds two).
+BLOCK = """
+class Block(layers.Layer):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.inner = layers.Dense(4)
+        self.outer = layers.Dense(4)
+    def call(self, x):
+        return self.outer(self.inner(x))
+"""
+
 REPEATED = r"""
 import json, os
 os.environ["KERAS_BACKEND"] = "torch"
@@ -36,13 +47,7 @@ from keras import layers
 import keras_dtensor_fix as kdf
 from keras_dtensor_fix.compiled import blocks
 
-class Block(layers.Layer):
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.inner = layers.Dense(4)
-        self.outer = layers.Dense(4)
-    def call(self, x):
-        return self.outer(self.inner(x))
+{BLOCK}
 
 class Single(layers.Layer):
     def __init__(self, **kw):
@@ -83,7 +88,7 @@ def test_blocks_are_the_repeated_composite_layers(run_py) -> None:
     """Also which compilation each mode gives: by default (``auto``) a model
     repeating blocks trains block by block (before issue 53's default switch
     it compiled the whole step); ``step`` opts out."""
-    out = last_json(run_py(REPEATED))
+    out = last_json(run_py(REPEATED.replace("{BLOCK}", BLOCK)))
     chosen = {mode: tuple(why) for mode, why in out["chosen"].items()}
     assert chosen["auto"][0] == "blocks"
     assert "the default for repeated blocks (2 Block)" in chosen["auto"][1]
@@ -94,3 +99,103 @@ def test_blocks_are_the_repeated_composite_layers(run_py) -> None:
     assert out["routed"] == ["b0", "b1"] and out["installed"]
     assert out["shape"] == [2, 4] and out["uninstalled"]
     assert out["restored"] and out["class"]
+
+
+TAIL = r"""
+import json, os
+os.environ["KERAS_BACKEND"] = "torch"
+import keras
+import numpy as np
+from keras import layers
+import keras_dtensor_fix as kdf
+from keras_dtensor_fix.compiled import blocks, optimizer_step, tail
+
+{BLOCK}
+
+def functional(head=True):
+    inputs = keras.Input((4,))
+    x = layers.Dense(4, name="embed")(inputs)
+    x = Block(name="b1")(Block(name="b0")(x))
+    if head:
+        x = layers.Dense(4, name="norm")(x)
+        x = layers.Dense(3, name="head")(x)
+    return keras.Model(inputs, x)
+
+class Own(keras.Model):
+    def train_step(self, data):
+        return super().train_step(data)
+
+model = functional()
+routed = blocks.repeated(model)
+found = tail.plan(model, routed)
+inputs = keras.Input((4,))
+own = Own(inputs, layers.Dense(3)(Block()(Block()(inputs))))
+plain = keras.Sequential([layers.Dense(4)])
+plain.build((None, 4))
+last = functional(head=False)
+refused = {
+    "blocks last": tail.plan(last, blocks.repeated(last)),
+    "own train_step": tail.plan(own, blocks.repeated(own)),
+    "sequential": tail.plan(plain, []),
+}
+installed = tail.install(model, routed, lambda error: False)
+SET = ("_run_through_graph", "_compute_loss")
+attributes = sorted(k for k in vars(model) if k in SET)
+y = model(keras.ops.ones((2, 4)))   # no train step running: Keras's own call
+tail.uninstall(model)
+after = sorted(k for k in vars(model) if k in SET)
+tail.install(model, routed, lambda error: False)
+model.compile(optimizer="adam", loss="mse")
+own.compile(optimizer="adam", loss="mse")
+updates = {
+    "refused": optimizer_step.install(own, lambda error: False),
+    "installed": optimizer_step.install(model, lambda error: False),
+    "apply": "apply" in vars(model.optimizer),
+}
+model.fit(np.ones((4, 4)), np.ones((4, 3)), verbose=0)  # no distribution: Keras's
+updates["used"] = optimizer_step.used()
+optimizer_step.uninstall(model)
+updates["after"] = "apply" in vars(model.optimizer)
+optimizer_step.install(model, lambda error: False)
+kdf.deactivate()
+updates["restored"] = "apply" in vars(model.optimizer)
+print(json.dumps({
+    "updates": updates,
+    "front": [n.operation.name for n in found.front],
+    "tail": [n.operation.name for n in found.tail],
+    "boundary": len(found.boundary), "refused": refused, "installed": installed,
+    "attributes": attributes, "shape": list(y.shape), "after": after,
+    "restored": sorted(k for k in vars(model) if k in SET),
+}))
+"""
+
+
+def test_tail_splits_after_the_last_block(run_py) -> None:
+    """The layers after the last block (``compiled/tail.py``): the graph's
+    nodes split after the last one holding a block; a model whose blocks end
+    it, one with its own ``train_step`` and a Sequential have no tail region.
+    Installing sets two attributes on the instance; uninstalling and
+    deactivation take them off. The optimizer's update as a region
+    (``compiled/optimizer_step.py``): its ``apply`` installed on the
+    optimizer, not for a model with its own ``train_step``, Keras's own
+    update without a distribution, taken off by uninstalling and
+    deactivation."""
+    out = last_json(run_py(TAIL.replace("{BLOCK}", BLOCK)))
+    assert out["updates"] == {
+        "refused": "its class has a train_step() of its own",
+        "installed": None,
+        "apply": True,
+        "used": 0,
+        "after": False,
+        "restored": False,
+    }
+    assert out["front"] == ["embed", "b0", "b1"]
+    assert out["tail"] == ["norm", "head"] and out["boundary"] == 1
+    assert out["refused"] == {
+        "blocks last": "no layer follows its last block",
+        "own train_step": "its class has a train_step() of its own",
+        "sequential": "it is not a functional model",
+    }
+    assert out["installed"] is None
+    assert out["attributes"] == ["_compute_loss", "_run_through_graph"]
+    assert out["shape"] == [2, 3] and out["after"] == [] and out["restored"] == []

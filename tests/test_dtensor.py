@@ -252,6 +252,54 @@ def test_an_unused_compiled_output_gets_a_dtensor_gradient(mesh1) -> None:
         assert torch.equal(x.grad.full_tensor(), eager.grad)
 
 
+def test_a_regions_kept_redistribution_reaches_eager_readers(mesh1) -> None:
+    """A compiled region whose output a reader redistributed inside (the
+    tail's loss gathering the logits: ``placed`` keeps the result on them):
+    kept there, the result leaves the graph as one more output, gets no
+    gradient, and torch 2.13's backward refuses autograd's plain zeros.
+    ``without_kept`` drops it in the graph and ``kept_detached``/``keep`` hand
+    it, detached, to the eager output, where the next reader (a metric)
+    finds it; the gradient is the eager one."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from keras_dtensor_fix.dtensor import (
+        keep,
+        kept_detached,
+        placed,
+        without_kept,
+        zero_gradients_if_unused,
+    )
+
+    def head(x):
+        logits = x * 2.0
+        return logits, placed(logits, (Replicate(),)).sum()
+
+    def head_dropping(x):
+        logits, loss = head(x)
+        kept = kept_detached(logits)
+        return (without_kept(logits), loss), kept
+
+    full = torch.arange(4.0)
+    for fixed in (False, True):
+        torch._dynamo.reset()
+        x = distribute_tensor(full, mesh1, [Shard(0)]).requires_grad_()
+        if not fixed:
+            compiled = torch.compile(head, backend="aot_eager", dynamic=False)
+            logits, loss = compiled(x * 1)
+            with pytest.raises(RuntimeError, match="got a plain Tensor"):
+                loss.backward()
+            continue
+        compiled = torch.compile(head_dropping, backend="aot_eager", dynamic=False)
+        (logits, loss), kept = compiled(x * 1)
+        logits, loss = zero_gradients_if_unused([logits, loss])
+        keep(logits, kept)
+        gathered = placed(logits, (Replicate(),))
+        assert gathered is kept[0][1] and gathered.grad_fn is None
+        loss.backward()
+        assert torch.equal(x.grad.full_tensor(), torch.full((4,), 2.0))
+
+
 def test_rms_normalization_over_a_split_hidden_dim(mesh1) -> None:
     """``rms_normalization`` of hidden states split on their last dim (an
     embedding's (model, batch) layout on a one-rank batch axis: SmolLM3's

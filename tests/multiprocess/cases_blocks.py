@@ -65,10 +65,15 @@ def eager_f():
 
 
 def _blocks(fit, mode: str | None = "blocks") -> dict:
-    from keras_dtensor_fix.compiled import blocks
+    from keras_dtensor_fix.compiled import blocks, optimizer_step, tail
 
+    before, updates = tail.used(), optimizer_step.used()
     with blocks_mode(mode) as compiled, eager_f() as made:
         result = watched(fit)
+    # training steps whose head and loss ran as one compiled region, and
+    # optimizer updates that ran as one
+    result["tail_steps"] = tail.used() - before
+    result["compiled_updates"] = optimizer_step.used() - updates
     result["why"] = list(blocks.LAST)
     result["compiled"] = sorted(set(compiled))
     result["eager_f"] = len(made)
@@ -82,7 +87,7 @@ def _blocks(fit, mode: str | None = "blocks") -> dict:
 def gpt_4_layers_blocks():
     """Four keras-hub TransformerDecoder blocks, Megatron's layout by hand,
     in the default mode (``auto``: a model with repeated blocks)."""
-    return _blocks(lambda: fit_gpt(True, depth=4), mode=None)
+    return _blocks(lambda: fit_gpt(True, depth=4, accuracy=True), mode=None)
 
 
 @case("blocks", layout=GPT_LAYOUT)

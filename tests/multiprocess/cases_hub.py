@@ -416,10 +416,15 @@ def tiny_gpt(depth: int = 2):
 
 
 def fit_gpt(
-    jit_compile: bool = False, batch_ranks: int = 1, collectives=False, depth: int = 2
+    jit_compile: bool = False,
+    batch_ranks: int = 1,
+    collectives=False,
+    depth: int = 2,
+    accuracy: bool = False,
 ):
     """:func:`tiny_gpt` trained for two epochs (with ``collectives``,
-    counting the last one's: :class:`CountCollectives`)."""
+    counting the last one's: :class:`CountCollectives`; with ``accuracy``,
+    the last epoch's accuracy among the results)."""
     model = tiny_gpt(depth)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
@@ -441,6 +446,9 @@ def fit_gpt(
         callbacks=[counter] if collectives else [],
     )
     result = {"losses": history.history["loss"], "weights": weights(model)}
+    if accuracy:
+        accuracies = history.history["sparse_categorical_accuracy"]
+        result["metrics"] = {"accuracy": accuracies[-1]}
     if collectives:
         result["collectives"] = counter.per_step
     return result

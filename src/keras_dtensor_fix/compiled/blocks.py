@@ -228,33 +228,39 @@ def _region_call(
             if isinstance(value, DTensor):
                 reducing_gradient(value)
     try:
-        with _region():
+        with region():
             compiled = _compiled(cls, original, distribution, in_graph)
             return _tangents_ready(compiled(block, *args, **kwargs))
     except Exception as error:
         if not failure(error):
             raise
-        # dynamo's BackendCompilerFailed holds the backend's own error
-        cause = getattr(error, "inner_exception", None) or error
-        first = (str(cause).splitlines() or [""])[0][:200]
+        cause = failure_cause(error)
         if in_graph:  # again with the "f" eager; one warning whatever it gives
             _EAGER_F.add(cls)
             result = _region_call(block, original, failure, *args, **kwargs)
             if cls not in _FAILED:
                 warnings.warn(
                     f"keras-dtensor-fix: torch.compile failed on {cls.__name__} "
-                    f'({type(cause).__name__}: {first}); Megatron\'s "f" of its '
-                    "inputs runs eagerly from now on.",
+                    f'({cause}); Megatron\'s "f" of its inputs runs eagerly '
+                    "from now on.",
                     stacklevel=2,
                 )
             return result
         _FAILED.add(cls)
         warnings.warn(
             f"keras-dtensor-fix: torch.compile failed on {cls.__name__} "
-            f"({type(cause).__name__}: {first}); its blocks run eagerly from now on.",
+            f"({cause}); its blocks run eagerly from now on.",
             stacklevel=2,
         )
         return original(block, *args, **kwargs)
+
+
+def failure_cause(error: BaseException) -> str:
+    """``Type: first line`` of a compile failure's cause, for a warning
+    (dynamo's BackendCompilerFailed holds the backend's own error)."""
+    cause = getattr(error, "inner_exception", None) or error
+    first = (str(cause).splitlines() or [""])[0][:200]
+    return f"{type(cause).__name__}: {first}"
 
 
 def _tangents_ready(result: Any) -> Any:
@@ -272,7 +278,7 @@ def _tangents_ready(result: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _region() -> Iterator[None]:
+def region() -> Iterator[None]:
     """Inside: no name scope is open, and sublayers open none."""
     stack = targets.keras_object("global_state").get_global_attribute(
         "name_scope_stack"

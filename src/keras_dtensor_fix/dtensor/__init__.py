@@ -62,11 +62,15 @@ from keras_dtensor_fix.dtensor.local import (
     reducing_input,
     replicate,
     unwrap_local,
+    without_kept,
     wrap_local,
     zero_gradients_if_unused,
 )
 from keras_dtensor_fix.dtensor.placement import (
+    forget_kept,
     is_replicated,
+    keep,
+    kept_detached,
     on_mesh,
     one_rank_replicated,
     placed,
@@ -114,6 +118,9 @@ __all__ = [
     "one_rank_replicated",
     "per_element_call",
     "placed",
+    "forget_kept",
+    "keep",
+    "kept_detached",
     "poll_work",
     "promote_args",
     "reduce_masked",
@@ -133,6 +140,7 @@ __all__ = [
     "vocab_parallel_lookup",
     "whole",
     "wrap_local",
+    "without_kept",
     "zero_gradients_if_unused",
 ]
 

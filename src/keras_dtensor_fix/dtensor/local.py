@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from keras_dtensor_fix.dtensor.collectives import all_reduce_copy
-from keras_dtensor_fix.dtensor.placement import settle, views_leaf
+from keras_dtensor_fix.dtensor.placement import _PLACED, settle, views_leaf
 from keras_dtensor_fix.dtensor.spec import (
     INTERNALS,
     SPECS,
@@ -157,6 +157,22 @@ def reducing_input(value: Any) -> Any:
     reducing = value.redistribute(value.device_mesh, value.placements)
     setattr(reducing, _REDUCING, reducing)
     return reducing
+
+
+def without_kept(value: Any) -> Any:
+    """A compiled region's output, without what its readers kept on it.
+
+    Inside the region, a reader of the output (a loss gathering the logits:
+    ``placement.placed``) may keep its result on it; returned with the
+    output, that result becomes one more output of the graph, which needs a
+    gradient and gets none, and torch 2.13's compiled backward refuses the
+    plain zeros autograd gives it (pytorch/pytorch#173123). Traced.
+    """
+    if isinstance(value, DTensor):
+        for name in (_PLACED, _REDUCING):
+            if getattr(value, name, None) is not None:
+                setattr(value, name, None)
+    return value
 
 
 #: The attribute :func:`reducing_gradient` keeps an activation's op in.

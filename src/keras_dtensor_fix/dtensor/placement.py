@@ -186,6 +186,36 @@ def views_leaf(value: torch.Tensor) -> bool:
     return base is not None and base.is_leaf
 
 
+def kept_detached(value: Any) -> list[tuple[bool, Any]]:
+    """What :func:`placed` kept on ``value``, each result detached (traced).
+
+    A compiled region returns these beside ``value`` (kept on it, they would
+    be outputs that need a gradient): eager readers of the region's output (a
+    metric gathering the logits the loss gathered inside) reuse them through
+    :func:`keep`.
+    """
+    kept = getattr(value, _PLACED, None) or []
+    # Placements do not leave a graph as themselves: :func:`keep` reads them
+    # off each result.
+    return [(grad, result.detach()) for _, _, grad, result in kept]
+
+
+def keep(value: Any, entries: list[tuple[bool, Any]]) -> None:
+    """Give ``value`` (eager) what :func:`kept_detached` took from a region's
+    output. Their results have no gradient path: a reader whose result is
+    differentiated must not find them (:func:`forget_kept` first)."""
+    if entries:
+        version = value._version
+        kept = [(tuple(r.placements), version, grad, r) for grad, r in entries]
+        setattr(value, _PLACED, kept)
+
+
+def forget_kept(value: Any) -> None:
+    """Drop what :func:`placed` kept on ``value``."""
+    if getattr(value, _PLACED, None) is not None:
+        setattr(value, _PLACED, None)
+
+
 #: The attribute :func:`placed` keeps an activation's redistributions in.
 _PLACED = "_keras_dtensor_fix_placed"
 

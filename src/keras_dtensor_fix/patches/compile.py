@@ -19,7 +19,15 @@ from __future__ import annotations
 import sys
 import types
 
-from keras_dtensor_fix.compiled import blocks, cache_key, frames, refusals, updates
+from keras_dtensor_fix.compiled import (
+    blocks,
+    cache_key,
+    frames,
+    optimizer_step,
+    refusals,
+    tail,
+    updates,
+)
 from keras_dtensor_fix.engine import config, state, targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import model_parallel
@@ -31,7 +39,7 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
     if model_parallel() is None or state.promotion_modes():
         return wrapped(*args, **kwargs)
     if not instance.jit_compile or instance.run_eagerly:
-        blocks.uninstall(instance)
+        _uninstall(instance)
         return False
     import warnings
 
@@ -80,12 +88,29 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
         why = "the default: training goes block by block, this step has no backward"
         blocks.tell(instance, building, "step", why)
         return True
-    if mode == "blocks" and blocks.install(instance, compile_failure):
+    routed = blocks.install(instance, compile_failure) if mode == "blocks" else []
+    if routed:
+        if building in (None, "make_train_function"):
+            refused = tail.install(instance, routed, compile_failure)
+            if refused is None:
+                why += "; the layers after the last block and the loss: one region"
+            if optimizer_step.install(instance, compile_failure) is None:
+                why += "; the optimizer's update: one region"
         blocks.tell(instance, building, "blocks", why)
         return False  # the step runs eagerly, its blocks compiled
-    blocks.uninstall(instance)
+    _uninstall(instance)
     blocks.tell(instance, building, "step", why)
     return True
+
+
+def _tail_step(wrapped, instance, args, kwargs):
+    return tail.step(instance, wrapped, args, kwargs)
+
+
+def _uninstall(model) -> None:
+    blocks.uninstall(model)
+    tail.uninstall(model)
+    optimizer_step.uninstall(model)
 
 
 #: The ``make_*_function`` running now (innermost last).
@@ -381,7 +406,10 @@ def patches(module: types.ModuleType) -> list[Patch]:
             for name in STEP_FUNCTIONS
         ]
     attribute = f"{cls}._use_torch_compile"
-    return [Patch(module.__name__, attribute, _use_torch_compile)] + [
+    return [
+        Patch(module.__name__, attribute, _use_torch_compile),
+        Patch(module.__name__, f"{cls}.train_step", _tail_step, gated=True),
+    ] + [
         Patch(module.__name__, f"{cls}.{name}", _static_shapes)
         for name in STEP_FUNCTIONS
     ]
@@ -412,6 +440,8 @@ def notes() -> list[str]:
 
 def after_revert() -> None:
     blocks.forget()
+    tail.forget()
+    optimizer_step.forget()
     frames.restore()
 
 

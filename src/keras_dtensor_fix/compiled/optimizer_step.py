@@ -1,0 +1,150 @@
+"""In blocks mode, the optimizer's update as one compiled region.
+
+Blocks mode (:mod:`keras_dtensor_fix.compiled.blocks`) runs the training
+step eagerly around its compiled blocks, so the optimizer's update ran op by
+op: on CPU each ``torch._foreach_*`` of Keras's torch optimizers is one op per
+variable, a few hundred small ops a step, which the whole step's graph fuses
+into a few kernels. Here the model's optimizer gets an instance ``apply``
+that runs the class's own ``apply`` through one ``torch.compile``'d function
+per optimizer (static shapes, the process-keyed cache tag, guards skipped once
+settled), as the whole step would trace it: the ``optimizers`` family's
+compiled path (the update on the aligned DTensors, accumulation and loss
+scaling by selection).
+
+Only for a model trained by Keras's own ``train_step`` (a custom step may
+call ``apply`` as it likes), a built optimizer, DTensor gradients and a
+ModelParallel distribution; anything else runs the original. A compile
+failure runs the original from then on (warned); a failure inside the
+compiled update at run time is the ``compile`` family's (its step runs again
+eagerly only where no optimizer counted a step).
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from keras_dtensor_fix.compiled import blocks, cache_key
+from keras_dtensor_fix.compiled.steady import Steady, code_of
+from keras_dtensor_fix.dtensor import DTensor
+from keras_dtensor_fix.engine import state, targets
+
+
+@dataclass
+class _Region:
+    compiled: Any = None
+    failed: bool = False
+    #: Updates that ran compiled (tests read it).
+    used: int = 0
+
+
+#: Optimizer -> its region, for the optimizers whose ``apply`` is installed.
+_REGIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Compiled updates since the import.
+_USED = [0]
+#: False: the update runs eagerly in blocks mode (benchmarks compare).
+ENABLED = True
+
+
+def refusal(model: Any) -> str | None:
+    """Why ``model``'s optimizer update cannot be a region, or None."""
+    if not ENABLED:
+        return "turned off"
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not callable(getattr(optimizer, "apply", None)):
+        return "it has no optimizer"
+    module = importlib.import_module(targets.TRAINER)
+    trainer = getattr(module, targets.trainer_class(module))
+    if getattr(type(model), "train_step", None) is not trainer.train_step:
+        return "its class has a train_step() of its own"
+    return None
+
+
+def install(model: Any, failure: Callable[[BaseException], bool]) -> str | None:
+    """Give ``model``'s optimizer a compiled ``apply``; None, or why not."""
+    reason = refusal(model)
+    if reason is not None:
+        return reason
+    optimizer = model.optimizer
+    if optimizer in _REGIONS:
+        return None
+    region = _REGIONS[optimizer] = _Region()
+    original = optimizer.apply
+
+    def apply(grads: Any, trainable_variables: Any = None) -> Any:
+        grads = list(grads)
+        if (
+            region.failed
+            or trainable_variables is None
+            or not optimizer.built
+            or state.compiling()
+            or state.model_parallel() is None
+            or not any(isinstance(g, DTensor) for g in grads)
+        ):
+            return original(grads, trainable_variables)
+        variables = list(trainable_variables)
+        try:
+            result = _compiled(optimizer, region)(optimizer, grads, variables)
+        except Exception as error:
+            if not failure(error):
+                raise
+            region.failed = True
+            warnings.warn(
+                "keras-dtensor-fix: torch.compile failed on the update of "
+                f"{type(optimizer).__name__} ({blocks.failure_cause(error)}); "
+                "it runs eagerly from now on.",
+                stacklevel=2,
+            )
+            return original(grads, variables)
+        region.used += 1
+        _USED[0] += 1
+        return result
+
+    state.set_attribute(optimizer, "apply", apply)
+    return None
+
+
+def uninstall(model: Any) -> None:
+    """Give ``model``'s optimizer its class's ``apply`` back."""
+    optimizer = getattr(model, "optimizer", None)
+    try:
+        installed = optimizer is not None and _REGIONS.pop(optimizer, None)
+    except TypeError:  # an object no weak reference can hold: nothing installed
+        return
+    if installed:
+        vars(optimizer).pop("apply", None)
+
+
+def used() -> int:
+    """How many optimizer updates ran compiled since the import."""
+    return _USED[0]
+
+
+def forget() -> None:
+    """Drop every region (on deactivation; the attributes are undone by state)."""
+    _REGIONS.clear()
+
+
+def _update(optimizer: Any, grads: list, variables: list) -> Any:
+    return type(optimizer).apply(optimizer, grads, variables)
+
+
+def _compiled(optimizer: Any, region: _Region) -> Callable[..., Any]:
+    if region.compiled is None:
+        # A code object of the optimizer's own: dynamo keeps its cache
+        # entries (and counts its recompile limit) per code object.
+        name = f"{type(optimizer).__qualname__}.apply"
+        code = _update.__code__.replace(co_qualname=name)
+        traced = types.FunctionType(code, _update.__globals__, "apply")
+        # Static shapes: DTensor sharding propagation fails on symbolic sizes.
+        compiled = torch.compile(traced, dynamic=False)
+        compiled = cache_key.keyed(compiled, state.model_parallel())
+        region.compiled = Steady(compiled, code_of(traced))
+    return region.compiled

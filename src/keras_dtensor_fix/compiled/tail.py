@@ -1,0 +1,374 @@
+"""The layers after a model's last repeated block and the loss, one compiled region.
+
+In blocks mode (:mod:`keras_dtensor_fix.compiled.blocks`) the training step
+runs eagerly and only the blocks are compiled. What follows the last block
+(a language model's head) and the loss then run eagerly on DTensors: the
+redistribution of the vocabulary-split logits, the log-softmax on them and
+their backward, each a dispatch through DTensor, where the whole step's graph
+fuses them. Here they run as one ``torch.compile``'d region per model, as the
+whole step would compile them, at a fixed cost whatever the depth.
+
+The region crosses the model's call: Keras's ``train_step`` calls the model,
+then computes the loss on its output. For a functional model trained by
+Keras's own ``train_step``, the compile family's wrapper of that method
+keeps the batch's ``x``, ``y`` and ``sample_weight`` while the step runs
+(:func:`step`), and two attributes of the instance are set:
+
+- ``_run_through_graph`` (what ``Functional.call`` runs) runs the graph's
+  nodes up to the last one holding a block eagerly, as Keras does, then the
+  rest and ``_compute_loss`` in the region;
+- ``_compute_loss`` returns the region's loss when called with that output
+  and that batch; otherwise it computes the loss itself.
+
+The region's outputs pass through one autograd op
+(:func:`~keras_dtensor_fix.dtensor.zero_gradients_if_unused`): the model's
+output, which the standard step does not differentiate, gets zeros for a
+gradient, and a loss Keras computes itself from that output still has its
+gradient. A region torch.compile fails on runs eagerly from then on (warned).
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from keras_dtensor_fix.compiled import blocks, cache_key
+from keras_dtensor_fix.compiled.steady import Steady, code_of
+from keras_dtensor_fix.dtensor import (
+    DTensor,
+    forget_kept,
+    keep,
+    kept_detached,
+    reducing_input,
+    without_kept,
+    zero_gradients_if_unused,
+)
+from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.ops.values import output_laid_out
+
+#: The instance attributes this module sets (undone by :func:`uninstall`).
+_ATTRIBUTES = ("_run_through_graph", "_compute_loss")
+_MARK = "_keras_dtensor_fix_tail"
+
+
+@dataclass
+class _Plan:
+    """How one model's graph splits: eager front, compiled tail."""
+
+    front: list[Any]
+    tail: list[Any]
+    #: The tensors the tail reads from the front (outputs passed through too).
+    boundary: list[Any]
+    #: Whether the loss reads ``x`` (a ``compute_loss`` of the model's own).
+    reads_x: bool
+    compiled: Any = None
+    failed: bool = False
+    #: Steps whose loss came from the region (tests read it).
+    used: int = 0
+
+
+@dataclass
+class _Pending:
+    """One running ``train_step``'s batch and, once the tail ran, its results."""
+
+    x: Any
+    y: Any
+    sample_weight: Any
+    called: bool = False
+    y_pred: Any = None
+    loss: Any = field(default=None, repr=False)
+
+
+#: False: the tail runs eagerly in blocks mode (benchmarks compare).
+ENABLED = True
+#: Model -> its plan, for the models whose tail is installed.
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Training steps whose loss came from a region, since the import.
+_USED = [0]
+#: Model -> the batch of its ``train_step`` running now.
+_STEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def refusal(model: Any) -> str | None:
+    """Why ``model``'s tail cannot be a region, or None (before any plan)."""
+    functional = targets.keras_object("Functional")
+    function = targets.keras_object("Function")
+    base = targets.keras_object("BaseTrainer")
+    module = importlib.import_module(targets.TRAINER)
+    trainer = getattr(module, targets.trainer_class(module))
+    cls = type(model)
+    if not isinstance(model, functional):
+        return "it is not a functional model"
+    if getattr(cls, "call", None) is not functional.call:
+        return "its class has a call() of its own"
+    if getattr(cls, "_run_through_graph", None) is not function._run_through_graph:
+        return "its class runs its graph its own way"
+    if getattr(cls, "train_step", None) is not trainer.train_step:
+        return "its class has a train_step() of its own"
+    if getattr(cls, "_compute_loss", None) is not base._compute_loss:
+        return "its class has a _compute_loss() of its own"
+    if getattr(model, "_nnx_op_mapping", None):
+        return "its operations are mapped"
+    if getattr(model, "activity_regularizer", None) is not None:
+        return "it has an activity regularizer"
+    return None
+
+
+def plan(model: Any, routed: list[Any]) -> _Plan | str:
+    """Split ``model``'s graph after its last node holding a routed block.
+
+    Returns the plan, or why there is none.
+    """
+    reason = refusal(model)
+    if reason is not None:
+        return reason
+    for name in ("tree", "unpack_singleton"):
+        targets.keras_object(name)  # imported now: the region's trace cannot
+    ids = {id(block) for block in routed}
+    nodes = [
+        node
+        for depth in sorted(model._nodes_by_depth, reverse=True)
+        for node in model._nodes_by_depth[depth]
+        if node.operation is not None and not node.is_input
+    ]
+    holding = [i for i, node in enumerate(nodes) if _holds(node.operation, ids)]
+    if not holding or holding[-1] == len(nodes) - 1:
+        return "no layer follows its last block"
+    front, tail = nodes[: holding[-1] + 1], nodes[holding[-1] + 1 :]
+    distribution = targets.keras_object("distribution")()
+    for node in tail:
+        layers = getattr(node.operation, "_flatten_layers", None)
+        for layer in layers(include_self=True, recursive=True) if layers else ():
+            if output_laid_out(layer):
+                return f"the LayoutMap lays out {layer.path}/output"
+            if getattr(layer, "activity_regularizer", None) is not None:
+                return f"{layer.name} has an activity regularizer"
+    if distribution is not None and distribution.get_tensor_layout("/output"):
+        return "the LayoutMap lays out the path '/output'"
+    made = {id(ref) for node in tail for ref in node.outputs}
+    boundary, seen = [], set()
+    wanted = [ref for node in tail for ref in node.input_tensors] + list(model.outputs)
+    for ref in wanted:
+        if id(ref) not in made and id(ref) not in seen:
+            seen.add(id(ref))
+            boundary.append(ref)
+    base = targets.keras_object("BaseTrainer")
+    reads_x = getattr(type(model), "compute_loss", None) is not base.compute_loss
+    return _Plan(front, tail, boundary, reads_x)
+
+
+def _holds(operation: Any, ids: set[int]) -> bool:
+    if id(operation) in ids:
+        return True
+    layers = getattr(operation, "_flatten_layers", None)
+    if layers is None:
+        return False
+    return any(id(layer) in ids for layer in layers(include_self=False, recursive=True))
+
+
+def install(
+    model: Any, routed: list[Any], failure: Callable[[BaseException], bool]
+) -> str | None:
+    """Run ``model``'s tail and loss as one region in its training steps.
+
+    Returns None where installed, else why not. Undone by :func:`uninstall`.
+    """
+    if model in _PLANS:
+        return None
+    if not ENABLED:
+        return "turned off"
+    found = plan(model, routed)
+    if isinstance(found, str):
+        return found
+    original_run = model._run_through_graph
+    original_loss = model._compute_loss
+
+    def run_through_graph(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        pending = _STEP.get(model)
+        if pending is None or pending.called or args or kwargs or not _eligible(found):
+            return original_run(inputs, *args, **kwargs)
+        pending.called = True
+        return _run(model, found, inputs, pending, failure)
+
+    def compute_loss(*args: Any, **kwargs: Any) -> Any:
+        pending = _STEP.get(model)
+        if (
+            pending is not None
+            and pending.loss is not None
+            and not args
+            and kwargs.get("y_pred") is pending.y_pred
+            and kwargs.get("y") is pending.y
+            and kwargs.get("sample_weight") is pending.sample_weight
+            and kwargs.get("x") is pending.x
+            and kwargs.get("training", True)
+        ):
+            loss, pending.loss = pending.loss, None
+            found.used += 1
+            _USED[0] += 1
+            return loss
+        if pending is not None and pending.y_pred is not None:
+            # a loss of its own may differentiate y_pred: no detached gather
+            pytree.tree_map(forget_kept, pending.y_pred)
+        return original_loss(*args, **kwargs)
+
+    for name, value in zip(_ATTRIBUTES, (run_through_graph, compute_loss), strict=True):
+        setattr(value, _MARK, True)
+        state.set_attribute(model, name, value)
+    _PLANS[model] = found
+    return None
+
+
+def step(model: Any, train_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Run Keras's ``train_step``, its batch kept for the model's tail."""
+    try:
+        installed = len(args) == 1 and not kwargs and model in _PLANS
+    except TypeError:  # an object no weak reference can hold: nothing installed
+        installed = False
+    if not installed:
+        return train_step(*args, **kwargs)
+    x, y, sample_weight = targets.keras_object("unpack_x_y_sample_weight")(args[0])
+    _STEP[model] = _Pending(x, y, sample_weight)
+    try:
+        return train_step(*args, **kwargs)
+    finally:
+        _STEP.pop(model, None)
+
+
+def uninstall(model: Any) -> None:
+    """Take the attributes :func:`install` set off ``model``."""
+    try:
+        installed = _PLANS.pop(model, None)
+    except TypeError:  # an object no weak reference can hold: nothing installed
+        return
+    if installed is None:
+        return
+    for name in _ATTRIBUTES:
+        # _compute_loss may be wrapped again over ours (the compile family's
+        # clearing of add_loss losses): it goes too, and is made again.
+        vars(model).pop(name, None)
+
+
+def used(model: Any = None) -> int:
+    """How many training steps of ``model`` (None: of any model, since the
+    import) took their loss from the region."""
+    if model is None:
+        return _USED[0]
+    found = _PLANS.get(model)
+    return found.used if found is not None else 0
+
+
+def forget() -> None:
+    """Drop every plan (on deactivation; the attributes are undone by state)."""
+    _PLANS.clear()
+    _STEP.clear()
+
+
+def _eligible(found: _Plan) -> bool:
+    return (
+        not found.failed
+        and torch.is_grad_enabled()
+        and not state.compiling()
+        and state.model_parallel() is not None
+        and not targets.keras_object("in_symbolic_scope")()
+        and not targets.keras_object("in_stateless_scope")()
+    )
+
+
+def _run(
+    model: Any,
+    found: _Plan,
+    inputs: Any,
+    pending: _Pending,
+    failure: Callable[[BaseException], bool],
+) -> Any:
+    tree = targets.keras_object("tree")
+    flat = tree.flatten(inputs)
+    values = {id(ref): value for ref, value in zip(model.inputs, flat, strict=False)}
+    _run_nodes(model, found.front, values)
+    boundary = [values.get(id(ref)) for ref in found.boundary]
+    if any(v is None or getattr(v, "_keras_mask", None) is not None for v in boundary):
+        _run_nodes(model, found.tail, values)  # a mask rides on its tensor: eager
+        return _pack(model, values)
+    x = pending.x if found.reads_x else None
+    arguments = (model, found, boundary, x, pending.y, pending.sample_weight)
+    try:
+        with blocks.region():
+            (outputs, loss), kept = _compiled(model, found)(*arguments)
+    except Exception as error:
+        if not failure(error):
+            raise
+        found.failed = True
+        warnings.warn(
+            f"keras-dtensor-fix: torch.compile failed on the layers after "
+            f"{model.name}'s last block and its loss "
+            f"({blocks.failure_cause(error)}); they run eagerly from now on.",
+            stacklevel=2,
+        )
+        _run_nodes(model, found.tail, values)
+        return _pack(model, values)
+    leaves, spec = pytree.tree_flatten((outputs, loss))
+    leaves = zero_gradients_if_unused(leaves)
+    for leaf, entries in zip(leaves, kept, strict=True):
+        keep(leaf, entries)  # the loss's gathered logits, for the metrics
+    outputs, loss = pytree.tree_unflatten(leaves, spec)
+    pending.y_pred = targets.keras_object("unpack_singleton")(outputs)
+    pending.loss = loss
+    return outputs
+
+
+def _tail(model: Any, found: _Plan, boundary: list, x: Any, y: Any, weight: Any):
+    """The region: the tail's nodes, then the loss on the model's output."""
+    # Megatron's "f" of each input as the graph's first op (as a block's).
+    boundary = [reducing_input(value) for value in boundary]
+    values = {
+        id(ref): value for ref, value in zip(found.boundary, boundary, strict=True)
+    }
+    _run_nodes(model, found.tail, values)
+    outputs = _pack(model, values)
+    y_pred = targets.keras_object("unpack_singleton")(outputs)
+    compute = type(model)._compute_loss
+    loss = compute(model, x=x, y=y, y_pred=y_pred, sample_weight=weight, training=True)
+    leaves, spec = pytree.tree_flatten((outputs, loss))
+    kept = [kept_detached(v) if isinstance(v, DTensor) else [] for v in leaves]
+    return pytree.tree_unflatten([without_kept(v) for v in leaves], spec), kept
+
+
+def _compiled(model: Any, found: _Plan) -> Callable[..., Any]:
+    if found.compiled is None:
+        # A code object of the model's own: dynamo keeps its cache entries
+        # (and counts its recompile limit) per code object.
+        code = _tail.__code__.replace(co_qualname=f"{model.name}.tail")
+        traced = types.FunctionType(code, _tail.__globals__, "tail")
+        # Static shapes: DTensor sharding propagation fails on symbolic sizes.
+        compiled = torch.compile(traced, dynamic=False)
+        compiled = cache_key.keyed(compiled, state.model_parallel())
+        found.compiled = Steady(compiled, code_of(traced))
+    return found.compiled
+
+
+def _run_nodes(model: Any, nodes: list[Any], values: dict[int, Any]) -> None:
+    """Run ``nodes`` as ``Function._run_through_graph`` does, into ``values``."""
+    tree = targets.keras_object("tree")
+    operation_for = getattr(model, "_get_operation_for_node", None)
+    for node in nodes:
+        if any(id(ref) not in values for ref in node.input_tensors):
+            continue  # not computable: Keras skips it too
+        args, kwargs = node.arguments.fill_in(values)
+        operation = operation_for(node) if operation_for else node.operation
+        outputs = operation(*args, **kwargs)
+        for ref, value in zip(node.outputs, tree.flatten(outputs), strict=False):
+            values[id(ref)] = value
+
+
+def _pack(model: Any, values: dict[int, Any]) -> Any:
+    tree = targets.keras_object("tree")
+    found = [values[id(ref)] for ref in model.outputs]
+    return tree.pack_sequence_as(model._outputs_struct, found)
