@@ -11,8 +11,8 @@ whole step would compile them, at a fixed cost whatever the depth.
 The region crosses the model's call: Keras's ``train_step`` calls the model,
 then computes the loss on its output. For a functional model trained by
 Keras's own ``train_step``, the compile family's wrapper of that method
-keeps the batch's ``x``, ``y`` and ``sample_weight`` while the step runs
-(:func:`step`), and two attributes of the instance are set:
+(:func:`step`) keeps the batch's ``x``, ``y`` and ``sample_weight`` while the step runs
+and two attributes of the instance are set:
 
 - ``_run_through_graph`` (what ``Functional.call`` runs) runs the graph's
   nodes up to the last one holding a block eagerly, as Keras does, then the
@@ -51,7 +51,7 @@ from keras_dtensor_fix.dtensor import (
     without_kept,
     zero_gradients_if_unused,
 )
-from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.engine import state, targets, wrappers
 from keras_dtensor_fix.ops.values import output_laid_out
 
 #: The instance attributes this module sets (undone by :func:`uninstall`).
@@ -226,8 +226,9 @@ def install(
     return None
 
 
-def step(model: Any, train_step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Run Keras's ``train_step``, its batch kept for the model's tail."""
+def step(train_step: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
+    """Keras's ``train_step`` (the ``compile`` family's wrapper of it), its batch
+    kept for the model's tail while it runs."""
     try:
         installed = len(args) == 1 and not kwargs and model in _PLANS
     except TypeError:  # an object no weak reference can hold: nothing installed
@@ -240,6 +241,11 @@ def step(model: Any, train_step: Callable[..., Any], args: tuple, kwargs: dict) 
         return train_step(*args, **kwargs)
     finally:
         _STEP.pop(model, None)
+
+
+# A whole step compiles Keras's train_step as its first frame, as upstream
+# does: this wrapper, run first, is not a frame of its own.
+wrappers.not_a_frame(step.__code__)
 
 
 def uninstall(model: Any) -> None:

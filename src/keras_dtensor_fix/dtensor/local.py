@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from keras_dtensor_fix.dtensor.collectives import all_reduce_copy
-from keras_dtensor_fix.dtensor.placement import _PLACED, settle, views_leaf
+from keras_dtensor_fix.dtensor.placement import forget_kept, settle, views_leaf
 from keras_dtensor_fix.dtensor.spec import (
     INTERNALS,
     SPECS,
@@ -169,9 +169,9 @@ def without_kept(value: Any) -> Any:
     plain zeros autograd gives it (pytorch/pytorch#173123). Traced.
     """
     if isinstance(value, DTensor):
-        for name in (_PLACED, _REDUCING):
-            if getattr(value, name, None) is not None:
-                setattr(value, name, None)
+        forget_kept(value)
+        if getattr(value, _REDUCING, None) is not None:
+            setattr(value, _REDUCING, None)
     return value
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "chain_length",
     "install",
     "is_fix_wrapper",
+    "not_a_frame",
     "resolve",
     "restore",
     "stored",

@@ -28,7 +28,7 @@ from keras_dtensor_fix.compiled import (
     tail,
     updates,
 )
-from keras_dtensor_fix.engine import config, state, targets, wrappers
+from keras_dtensor_fix.engine import config, state, targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import model_parallel
 
@@ -101,10 +101,6 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
     _uninstall(instance)
     blocks.tell(instance, building, "step", why)
     return True
-
-
-def _tail_step(wrapped, instance, args, kwargs):
-    return tail.step(instance, wrapped, args, kwargs)
 
 
 def _uninstall(model) -> None:
@@ -406,13 +402,9 @@ def patches(module: types.ModuleType) -> list[Patch]:
             for name in STEP_FUNCTIONS
         ]
     attribute = f"{cls}._use_torch_compile"
-    # A whole step compiles Keras's train_step as its first frame, as upstream
-    # does: the wrapper's frames, run first, are not frames of their own.
-    wrappers.not_a_frame(_tail_step.__code__)
-    wrappers.not_a_frame(tail.step.__code__)
     return [
         Patch(module.__name__, attribute, _use_torch_compile),
-        Patch(module.__name__, f"{cls}.train_step", _tail_step, gated=True),
+        Patch(module.__name__, f"{cls}.train_step", tail.step, gated=True),
     ] + [
         Patch(module.__name__, f"{cls}.{name}", _static_shapes)
         for name in STEP_FUNCTIONS
