@@ -80,6 +80,10 @@ def worker(args: argparse.Namespace) -> None:
     data = ({"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(ids, -1, 1))
     configs = args.configs.split(",")
     unguarded = steady._unguarded
+    # As fit() does before it makes its step: the metrics' variables exist
+    # (and get their layouts) before any step is traced.
+    first = ({k: v[: args.batch] for k, v in data[0].items()}, data[1][: args.batch])
+    model._symbolic_build(data_batch=first)
 
     class Steps(keras.callbacks.Callback):
         def began(self, batch, logs=None):

@@ -57,6 +57,7 @@ from keras_dtensor_fix.ops.values import output_laid_out
 #: The instance attributes this module sets (undone by :func:`uninstall`).
 _ATTRIBUTES = ("_run_through_graph", "_compute_loss")
 _MARK = "_keras_dtensor_fix_tail"
+_ABSENT = object()
 
 
 @dataclass
@@ -73,6 +74,9 @@ class _Plan:
     failed: bool = False
     #: Steps whose loss came from the region (tests read it).
     used: int = 0
+    #: The instance's own values of :data:`_ATTRIBUTES` before, put back by
+    #: :func:`uninstall` (the compile family's ``_compute_loss`` wrapper).
+    saved: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -219,6 +223,7 @@ def install(
             pytree.tree_map(forget_kept, pending.y_pred)
         return original_loss(*args, **kwargs)
 
+    found.saved = {name: vars(model).get(name, _ABSENT) for name in _ATTRIBUTES}
     for name, value in zip(_ATTRIBUTES, (run_through_graph, compute_loss), strict=True):
         setattr(value, _MARK, True)
         state.set_attribute(model, name, value)
@@ -256,10 +261,13 @@ def uninstall(model: Any) -> None:
         return
     if installed is None:
         return
-    for name in _ATTRIBUTES:
-        # _compute_loss may be wrapped again over ours (the compile family's
-        # clearing of add_loss losses): it goes too, and is made again.
-        vars(model).pop(name, None)
+    for name, before in installed.saved.items():
+        # Whatever wraps ours now (the compile family's _compute_loss wrapper,
+        # made again at the next build) goes with it.
+        if before is _ABSENT:
+            vars(model).pop(name, None)
+        else:
+            vars(model)[name] = before
 
 
 def used(model: Any = None) -> int:
