@@ -302,15 +302,34 @@ def _compiled(
     by_class = _COMPILED.setdefault(distribution, {})
     compiled = by_class.get((cls, user_tag, in_graph))
     if compiled is None:
-        # Static shapes: DTensor sharding propagation fails on symbolic sizes.
         traced = _with_f(original) if in_graph else original
-        compiled = torch.compile(traced, dynamic=False)
-        compiled = cache_key.keyed(compiled, distribution)
         # Every block of the class calls it in turn, once forward per step:
         # each block's guards run until a step of its calls compiles nothing.
-        compiled = Steady(compiled, code_of(traced), interleaved=True)
+        compiled = compile_region(traced, distribution, interleaved=True)
         by_class[(cls, user_tag, in_graph)] = compiled
     return compiled
+
+
+def compile_region(
+    traced: Callable[..., Any], distribution: Any, *, interleaved: bool = False
+) -> Steady:
+    """``traced`` as blocks mode compiles a region: static shapes (DTensor
+    sharding propagation fails on symbolic sizes), the process-keyed cache
+    tag, its guards skipped once settled."""
+    compiled = torch.compile(traced, dynamic=False)
+    compiled = cache_key.keyed(compiled, distribution)
+    return Steady(compiled, code_of(traced), interleaved=interleaved)
+
+
+def renamed(function: Callable[..., Any], qualname: str, name: str) -> Any:
+    """``function`` with a code object of its own named ``qualname``: dynamo
+    keeps its cache entries (and counts its recompile limit) per code object."""
+    code = function.__code__.replace(co_qualname=qualname)
+    named = types.FunctionType(
+        code, function.__globals__, name, None, function.__closure__
+    )
+    named.__qualname__ = qualname
+    return named
 
 
 #: Megatron's "f" of a block's DTensor inputs inside its graph (False: made
@@ -327,13 +346,7 @@ def _with_f(original: Callable[..., Any]) -> Callable[..., Any]:
         args, kwargs = pytree.tree_map(reducing_input, (args, kwargs))
         return original(block, *args, **kwargs)
 
-    # A code object of the class's own: dynamo keeps cache entries per code.
-    code = call.__code__.replace(co_qualname=original.__qualname__)
-    named = types.FunctionType(
-        code, call.__globals__, original.__name__, None, call.__closure__
-    )
-    named.__qualname__ = original.__qualname__
-    return named
+    return renamed(call, original.__qualname__, original.__name__)
 
 
 def settled() -> int:

@@ -21,28 +21,21 @@ eagerly only where no optimizer counted a step).
 
 from __future__ import annotations
 
-import importlib
-import types
 import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from keras_dtensor_fix.compiled import blocks, cache_key
-from keras_dtensor_fix.compiled.steady import Steady, code_of
+from keras_dtensor_fix.compiled import blocks, refusals
 from keras_dtensor_fix.dtensor import DTensor
-from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.engine import state
 
 
 @dataclass
 class _Region:
     compiled: Any = None
     failed: bool = False
-    #: Updates that ran compiled (tests read it).
-    used: int = 0
 
 
 #: Optimizer -> its region, for the optimizers whose ``apply`` is installed.
@@ -60,9 +53,7 @@ def refusal(model: Any) -> str | None:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or not callable(getattr(optimizer, "apply", None)):
         return "it has no optimizer"
-    module = importlib.import_module(targets.TRAINER)
-    trainer = getattr(module, targets.trainer_class(module))
-    if getattr(type(model), "train_step", None) is not trainer.train_step:
+    if not refusals.keras_train_step(model):
         return "its class has a train_step() of its own"
     return None
 
@@ -103,7 +94,6 @@ def install(model: Any, failure: Callable[[BaseException], bool]) -> str | None:
                 stacklevel=2,
             )
             return original(grads, variables)
-        region.used += 1
         _USED[0] += 1
         return result
 
@@ -138,13 +128,7 @@ def _update(optimizer: Any, grads: list, variables: list) -> Any:
 
 def _compiled(optimizer: Any, region: _Region) -> Callable[..., Any]:
     if region.compiled is None:
-        # A code object of the optimizer's own: dynamo keeps its cache
-        # entries (and counts its recompile limit) per code object.
         name = f"{type(optimizer).__qualname__}.apply"
-        code = _update.__code__.replace(co_qualname=name)
-        traced = types.FunctionType(code, _update.__globals__, "apply")
-        # Static shapes: DTensor sharding propagation fails on symbolic sizes.
-        compiled = torch.compile(traced, dynamic=False)
-        compiled = cache_key.keyed(compiled, state.model_parallel())
-        region.compiled = Steady(compiled, code_of(traced))
+        traced = blocks.renamed(_update, name, "apply")
+        region.compiled = blocks.compile_region(traced, state.model_parallel())
     return region.compiled

@@ -2,11 +2,22 @@
 
 Layers torch 2.13 cannot compile over DTensors: Keras's generic RNN loop and
 seeded random layers. The ``compile`` family asks before it builds a step.
+Also whether a model trains with Keras's own ``train_step``, which blocks
+mode's regions after the blocks rely on.
 """
 
 from __future__ import annotations
 
+import importlib
+
 from keras_dtensor_fix.engine import targets
+
+
+def keras_train_step(model) -> bool:
+    """Whether ``model``'s class trains with the torch trainer's ``train_step``."""
+    module = importlib.import_module(targets.TRAINER)
+    trainer = getattr(module, targets.trainer_class(module))
+    return getattr(type(model), "train_step", None) is trainer.train_step
 
 
 def recurrent_layers(model) -> list[str]:

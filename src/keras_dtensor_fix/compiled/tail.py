@@ -29,8 +29,6 @@ gradient. A region torch.compile fails on runs eagerly from then on (warned).
 
 from __future__ import annotations
 
-import importlib
-import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -40,8 +38,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from keras_dtensor_fix.compiled import blocks, cache_key
-from keras_dtensor_fix.compiled.steady import Steady, code_of
+from keras_dtensor_fix.compiled import blocks, refusals
 from keras_dtensor_fix.dtensor import (
     DTensor,
     forget_kept,
@@ -56,7 +53,6 @@ from keras_dtensor_fix.ops.values import output_laid_out
 
 #: The instance attributes this module sets (undone by :func:`uninstall`).
 _ATTRIBUTES = ("_run_through_graph", "_compute_loss")
-_MARK = "_keras_dtensor_fix_tail"
 _ABSENT = object()
 
 
@@ -72,8 +68,6 @@ class _Plan:
     reads_x: bool
     compiled: Any = None
     failed: bool = False
-    #: Steps whose loss came from the region (tests read it).
-    used: int = 0
     #: The instance's own values of :data:`_ATTRIBUTES` before, put back by
     #: :func:`uninstall` (the compile family's ``_compute_loss`` wrapper).
     saved: dict[str, Any] = field(default_factory=dict)
@@ -106,8 +100,6 @@ def refusal(model: Any) -> str | None:
     functional = targets.keras_object("Functional")
     function = targets.keras_object("Function")
     base = targets.keras_object("BaseTrainer")
-    module = importlib.import_module(targets.TRAINER)
-    trainer = getattr(module, targets.trainer_class(module))
     cls = type(model)
     if not isinstance(model, functional):
         return "it is not a functional model"
@@ -115,7 +107,7 @@ def refusal(model: Any) -> str | None:
         return "its class has a call() of its own"
     if getattr(cls, "_run_through_graph", None) is not function._run_through_graph:
         return "its class runs its graph its own way"
-    if getattr(cls, "train_step", None) is not trainer.train_step:
+    if not refusals.keras_train_step(model):
         return "its class has a train_step() of its own"
     if getattr(cls, "_compute_loss", None) is not base._compute_loss:
         return "its class has a _compute_loss() of its own"
@@ -215,7 +207,6 @@ def install(
             and kwargs.get("training", True)
         ):
             loss, pending.loss = pending.loss, None
-            found.used += 1
             _USED[0] += 1
             return loss
         if pending is not None and pending.y_pred is not None:
@@ -225,7 +216,6 @@ def install(
 
     found.saved = {name: vars(model).get(name, _ABSENT) for name in _ATTRIBUTES}
     for name, value in zip(_ATTRIBUTES, (run_through_graph, compute_loss), strict=True):
-        setattr(value, _MARK, True)
         state.set_attribute(model, name, value)
     _PLANS[model] = found
     return None
@@ -270,13 +260,9 @@ def uninstall(model: Any) -> None:
             vars(model)[name] = before
 
 
-def used(model: Any = None) -> int:
-    """How many training steps of ``model`` (None: of any model, since the
-    import) took their loss from the region."""
-    if model is None:
-        return _USED[0]
-    found = _PLANS.get(model)
-    return found.used if found is not None else 0
+def used() -> int:
+    """How many training steps took their loss from a region, since the import."""
+    return _USED[0]
 
 
 def forget() -> None:
@@ -357,14 +343,8 @@ def _tail(model: Any, found: _Plan, boundary: list, x: Any, y: Any, weight: Any)
 
 def _compiled(model: Any, found: _Plan) -> Callable[..., Any]:
     if found.compiled is None:
-        # A code object of the model's own: dynamo keeps its cache entries
-        # (and counts its recompile limit) per code object.
-        code = _tail.__code__.replace(co_qualname=f"{model.name}.tail")
-        traced = types.FunctionType(code, _tail.__globals__, "tail")
-        # Static shapes: DTensor sharding propagation fails on symbolic sizes.
-        compiled = torch.compile(traced, dynamic=False)
-        compiled = cache_key.keyed(compiled, state.model_parallel())
-        found.compiled = Steady(compiled, code_of(traced))
+        traced = blocks.renamed(_tail, f"{model.name}.tail", "tail")
+        found.compiled = blocks.compile_region(traced, state.model_parallel())
     return found.compiled
 
 
