@@ -19,6 +19,8 @@ train function once, then runs ``--rounds`` rounds of one epoch each
             (blocks mode before they became one compiled region)
   no-opt    blocks with the optimizer's update eager (blocks mode before it
             became one compiled region)
+  no-metrics  blocks with the compiled metrics updated eagerly after the
+            step (blocks mode before the tail region updated them)
 
 and prints each configuration's median step (rank 0, the steps of every
 round) and its ratios to eager and to the whole step, paired by round.
@@ -47,7 +49,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = ("eager", "step", "blocks", "eager-f")
-BLOCKS = ("blocks", "guarded", "eager-f", "no-tail", "no-opt")
+BLOCKS = ("blocks", "guarded", "eager-f", "no-tail", "no-opt", "no-metrics")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -108,9 +110,14 @@ def worker(args: argparse.Namespace) -> None:
             model.predict(data[0], **options)
 
     def switch(config: str) -> None:
+        # An eager step leaves the gradients on the weights; a compiled one
+        # leaves none, and its guards say so: each configuration starts as in
+        # its own fit().
+        model.zero_grad(set_to_none=True)
         steady._unguarded = (lambda: None) if config == "guarded" else unguarded
         blocks.IN_GRAPH_F = config != "eager-f"
         tail.ENABLED = config != "no-tail"
+        tail.METRICS = config != "no-metrics"
         optimizer_step.ENABLED = config != "no-opt"
         tail.uninstall(model)
         optimizer_step.uninstall(model)
@@ -146,10 +153,12 @@ def worker(args: argparse.Namespace) -> None:
         os.environ["KERAS_DTENSOR_FIX_COMPILE"] = mode
         blocks.IN_GRAPH_F = config != "eager-f"
         tail.ENABLED = config != "no-tail"
+        tail.METRICS = config != "no-metrics"
         optimizer_step.ENABLED = config != "no-opt"
         tail.uninstall(model)
         optimizer_step.uninstall(model)
         model.jit_compile = config != "eager"
+        model.zero_grad(set_to_none=True)
         setattr(model, f"{made}_function", None)
         began, times = time.perf_counter(), []
         getattr(model, f"make_{made}_function")()

@@ -199,3 +199,48 @@ def test_tail_splits_after_the_last_block(run_py) -> None:
     assert out["installed"] is None
     assert out["attributes"] == ["_compute_loss", "_run_through_graph"]
     assert out["shape"] == [2, 3] and out["after"] == [] and out["restored"] == []
+
+
+SAVED = r"""
+import json, os, types
+os.environ["KERAS_BACKEND"] = "torch"
+import torch
+from keras_dtensor_fix.compiled import blocks
+
+torch.manual_seed(0)
+w1 = torch.randn(8, 32, requires_grad=True)
+b1 = torch.randn(32, requires_grad=True)
+w2 = torch.randn(32, 8, requires_grad=True)
+
+def mlp(x):
+    return torch.relu(x @ w1 + b1) @ w2
+
+dist = types.SimpleNamespace(device_mesh=types.SimpleNamespace(shape=(1,)))
+x = torch.randn(4, 16, 8)  # 3-D: matmul sees relu through a view
+saved = {}
+for name, function in (
+    ("region", blocks.compile_region(mlp, dist)),
+    ("user", torch.compile(lambda x: mlp(x))),
+):
+    out = function(x)
+    saved[name] = sorted(str(t.dtype) for t in out.grad_fn.saved_tensors)
+    out.sum().backward()
+    saved[name + "_grad"] = w1.grad.clone().tolist()
+    w1.grad = b1.grad = w2.grad = None
+print(json.dumps({
+    "saved": saved,
+    "after": torch._functorch.config.recompute_views,
+}))
+"""
+
+
+def test_a_region_saves_no_boolean_mask(run_py) -> None:
+    """A region's forward saves relu's output, not its boolean mask: inductor's
+    CPU code for boolean masks is slow (the per-block cost of blocks mode on a
+    relu decoder, issue 53). With torch's default partitioning, as a user's own
+    ``torch.compile`` keeps, the region saved a ``torch.bool`` too. The gradients
+    are the same either way, and the setting stays with the regions."""
+    out = last_json(run_py(SAVED, env={"TORCHINDUCTOR_CACHE_DIR": None}))
+    assert "torch.bool" not in out["saved"]["region"], out["saved"]
+    assert out["saved"]["region_grad"] == out["saved"]["user_grad"]
+    assert out["after"] is False

@@ -68,12 +68,14 @@ def _blocks(fit, mode: str | None = "blocks") -> dict:
     from keras_dtensor_fix.compiled import blocks, optimizer_step, tail
 
     before, updates = tail.used(), optimizer_step.used()
+    metrics = tail.metrics_used()
     with blocks_mode(mode) as compiled, eager_f() as made:
         result = watched(fit)
     # training steps whose head and loss ran as one compiled region, and
     # optimizer updates that ran as one
     result["tail_steps"] = tail.used() - before
     result["compiled_updates"] = optimizer_step.used() - updates
+    result["metric_steps"] = tail.metrics_used() - metrics
     result["why"] = list(blocks.LAST)
     result["compiled"] = sorted(set(compiled))
     result["eager_f"] = len(made)

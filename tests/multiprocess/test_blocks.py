@@ -72,6 +72,7 @@ def test_blocks_compile_once(runs, name: str) -> None:
         assert result[name]["dynamo_graphs"] == 3
         steps = TAIL_STEPS.get(name, 2)
         assert result[name]["tail_steps"] == result[name]["compiled_updates"] == steps
+        assert result[name]["metric_steps"] == METRIC_STEPS.get(name, 0)
         assert result[name]["graph_breaks"] == 0
         assert result[name]["plugin_warnings"] == []
         assert result[name].get("restored", True)  # generate() left the regions
@@ -98,6 +99,10 @@ EAGER_F = {"gpt_4_layers_blocks": 0}
 #: Training steps whose head and loss ran as the tail's region, and whose
 #: optimizer update ran as its own (``fit()``'s).
 TAIL_STEPS = {"gpt_4_layers_blocks": 4}
+#: Training steps whose compiled metrics (an accuracy) the tail's region
+#: updated: its argmax fuses with the loss's log-softmax (eager, it was the
+#: slowest op of blocks mode's step). The other cases compile no metric.
+METRIC_STEPS = {"gpt_4_layers_blocks": 4}
 
 
 def test_blocks_evaluate_compiles_whole(runs) -> None:

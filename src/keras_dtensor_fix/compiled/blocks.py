@@ -317,8 +317,28 @@ def compile_region(
     sharding propagation fails on symbolic sizes), the process-keyed cache
     tag, its guards skipped once settled."""
     compiled = torch.compile(traced, dynamic=False)
+    compiled = _views_recomputed(compiled)
     compiled = cache_key.keyed(compiled, distribution)
     return Steady(compiled, code_of(traced), interleaved=interleaved)
+
+
+def _views_recomputed(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` partitioned with views recomputed in the backward.
+
+    A region is a forward and a backward graph, so AOT autograd chooses what
+    the forward saves. Saving a view (a Dense's input seen transposed for its
+    weight's gradient) hides its base: the partitioner then saves relu's
+    boolean mask beside it rather than recompute the mask from the base it
+    keeps anyway, and inductor's CPU code stores and loads boolean masks 16
+    lanes at a time through a slow path (torch 2.13: about 10 ns an element,
+    twenty times relu itself). A whole step traces one graph and never meets
+    this. Only the plugin's regions get the setting, not a user's compile.
+    """
+    try:
+        patch = torch._functorch.config.patch(recompute_views=True)
+    except (AttributeError, TypeError):  # another torch: as it partitions
+        return compiled
+    return patch(compiled)
 
 
 def renamed(function: Callable[..., Any], qualname: str, name: str) -> Any:

@@ -18,7 +18,11 @@ and two attributes of the instance are set:
   nodes up to the last one holding a block eagerly, as Keras does, then the
   rest and ``_compute_loss`` in the region;
 - ``_compute_loss`` returns the region's loss when called with that output
-  and that batch; otherwise it computes the loss itself.
+  and that batch; otherwise it computes the loss itself;
+- ``compute_metrics``: where the class keeps Keras's, the region also updates
+  the metrics given to ``compile()`` (their reading of the logits, an
+  accuracy's argmax, fuses with the loss's), and a call with that output and
+  that batch only collects the results.
 
 The region's outputs pass through one autograd op
 (:func:`~keras_dtensor_fix.dtensor.zero_gradients_if_unused`): the model's
@@ -52,7 +56,7 @@ from keras_dtensor_fix.engine import state, targets, wrappers
 from keras_dtensor_fix.ops.values import output_laid_out
 
 #: The instance attributes this module sets (undone by :func:`uninstall`).
-_ATTRIBUTES = ("_run_through_graph", "_compute_loss")
+_ATTRIBUTES = ("_run_through_graph", "_compute_loss", "compute_metrics")
 _ABSENT = object()
 
 
@@ -83,14 +87,20 @@ class _Pending:
     called: bool = False
     y_pred: Any = None
     loss: Any = field(default=None, repr=False)
+    #: Whether the region updated the compiled metrics with ``y_pred``.
+    metrics: bool = False
 
 
 #: False: the tail runs eagerly in blocks mode (benchmarks compare).
 ENABLED = True
+#: False: the compiled metrics update eagerly after the step (benchmarks).
+METRICS = True
 #: Model -> its plan, for the models whose tail is installed.
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: Training steps whose loss came from a region, since the import.
+#: Training steps whose loss, and whose compiled metrics' update, came from a
+#: region, since the import.
 _USED = [0]
+_METRICS_USED = [0]
 #: Model -> the batch of its ``train_step`` running now.
 _STEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -186,6 +196,7 @@ def install(
         return found
     original_run = model._run_through_graph
     original_loss = model._compute_loss
+    original_metrics = model.compute_metrics
 
     def run_through_graph(inputs: Any, *args: Any, **kwargs: Any) -> Any:
         pending = _STEP.get(model)
@@ -214,8 +225,23 @@ def install(
             pytree.tree_map(forget_kept, pending.y_pred)
         return original_loss(*args, **kwargs)
 
+    def compute_metrics(x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+        pending = _STEP.get(model)
+        if (
+            pending is not None
+            and pending.metrics
+            and y_pred is pending.y_pred
+            and y is pending.y
+            and sample_weight is pending.sample_weight
+        ):
+            pending.metrics = False
+            _METRICS_USED[0] += 1
+            return model.get_metrics_result()
+        return original_metrics(x, y, y_pred, sample_weight=sample_weight)
+
     found.saved = {name: vars(model).get(name, _ABSENT) for name in _ATTRIBUTES}
-    for name, value in zip(_ATTRIBUTES, (run_through_graph, compute_loss), strict=True):
+    ours = (run_through_graph, compute_loss, compute_metrics)
+    for name, value in zip(_ATTRIBUTES, ours, strict=True):
         state.set_attribute(model, name, value)
     _PLANS[model] = found
     return None
@@ -265,6 +291,11 @@ def used() -> int:
     return _USED[0]
 
 
+def metrics_used() -> int:
+    """How many training steps updated their compiled metrics in a region."""
+    return _METRICS_USED[0]
+
+
 def forget() -> None:
     """Drop every plan (on deactivation; the attributes are undone by state)."""
     _PLANS.clear()
@@ -298,7 +329,8 @@ def _run(
         _run_nodes(model, found.tail, values)  # a mask rides on its tensor: eager
         return _pack(model, values)
     x = pending.x if found.reads_x else None
-    arguments = (model, found, boundary, x, pending.y, pending.sample_weight)
+    metrics = _metrics_in_region(model)
+    arguments = (model, found, boundary, x, pending.y, pending.sample_weight, metrics)
     try:
         with blocks.region():
             (outputs, loss), kept = _compiled(model, found)(*arguments)
@@ -321,11 +353,35 @@ def _run(
     outputs, loss = pytree.tree_unflatten(leaves, spec)
     pending.y_pred = targets.keras_object("unpack_singleton")(outputs)
     pending.loss = loss
+    pending.metrics = metrics
     return outputs
 
 
-def _tail(model: Any, found: _Plan, boundary: list, x: Any, y: Any, weight: Any):
-    """The region: the tail's nodes, then the loss on the model's output."""
+def _metrics_in_region(model: Any) -> bool:
+    """Whether the region updates ``model``'s compiled metrics: Keras's own
+    ``compute_metrics``, with its metrics built (none is made in a graph)."""
+    metrics = getattr(model, "_compile_metrics", None)
+    base = targets.keras_object("BaseTrainer")
+    return (
+        METRICS
+        and metrics is not None
+        and getattr(metrics, "built", False)
+        and getattr(type(model), "compute_metrics", None) is base.compute_metrics
+    )
+
+
+def _tail(
+    model: Any,
+    found: _Plan,
+    boundary: list,
+    x: Any,
+    y: Any,
+    weight: Any,
+    metrics: bool,
+):
+    """The region: the tail's nodes, then the loss on the model's output and,
+    where ``metrics``, the compiled metrics' update (the loss and the metrics
+    read the same values: the step's order changes no result)."""
     # Megatron's "f" of each input as the graph's first op (as a block's).
     boundary = [reducing_input(value) for value in boundary]
     values = {
@@ -336,6 +392,8 @@ def _tail(model: Any, found: _Plan, boundary: list, x: Any, y: Any, weight: Any)
     y_pred = targets.keras_object("unpack_singleton")(outputs)
     compute = type(model)._compute_loss
     loss = compute(model, x=x, y=y, y_pred=y_pred, sample_weight=weight, training=True)
+    if metrics:
+        model._compile_metrics.update_state(y, y_pred, weight)
     leaves, spec = pytree.tree_flatten((outputs, loss))
     kept = [kept_detached(v) if isinstance(v, DTensor) else [] for v in leaves]
     return pytree.tree_unflatten([without_kept(v) for v in leaves], spec), kept
