@@ -93,6 +93,17 @@ def gpt_4_layers_blocks():
 
 
 @case("blocks", layout=GPT_LAYOUT)
+def gpt_blocks_loss_scaled():
+    """The compiled update where Keras's optimizer branches: a loss-scaled
+    Adam accumulating two batches selects its ``cond`` branches on DTensors
+    (the ``optimizers`` family); the default case's Adam is traced on local
+    shards. Upstream fails as on ``gpt_4_layers_blocks``."""
+    inner = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=2)
+    optimizer = keras.optimizers.LossScaleOptimizer(inner)
+    return _blocks(lambda: fit_gpt(True, optimizer=optimizer), mode=None)
+
+
+@case("blocks", layout=GPT_LAYOUT)
 def gpt_blocks_evaluate():
     """The default mode's evaluation and prediction: two TransformerDecoder
     blocks train block by block, validation, ``evaluate()`` and ``predict()``

@@ -421,13 +421,14 @@ def fit_gpt(
     collectives=False,
     depth: int = 2,
     accuracy: bool = False,
+    optimizer=None,
 ):
     """:func:`tiny_gpt` trained for two epochs (with ``collectives``,
     counting the last one's: :class:`CountCollectives`; with ``accuracy``,
-    the last epoch's accuracy among the results)."""
+    the last epoch's accuracy among the results; ``optimizer``: Adam's)."""
     model = tiny_gpt(depth)
     model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
+        optimizer=optimizer or keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=[keras.metrics.SparseCategoricalAccuracy()],
         jit_compile=jit_compile,

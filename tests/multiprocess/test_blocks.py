@@ -48,6 +48,7 @@ pytest.importorskip("keras_hub")
 #: The class each case's blocks have.
 BLOCK = {
     "gpt_4_layers_blocks": "TransformerDecoder",
+    "gpt_blocks_loss_scaled": "TransformerDecoder",
     "llama_blocks": "LlamaTransformerDecoder",
     "gemma_blocks": "GemmaDecoderBlock",
     "qwen_moe_blocks": "QwenMoeTransformerDecoder",
@@ -68,7 +69,8 @@ def test_blocks_compile_once(runs, name: str) -> None:
         compiled = result[name]["compiled"]
         tails = [qualname for qualname in compiled if qualname.endswith(".tail")]
         assert len(tails) == 1, compiled
-        assert compiled == sorted([f"{BLOCK[name]}.call", *tails, "Adam.apply"])
+        update = UPDATE.get(name, "Adam.apply")
+        assert compiled == sorted([f"{BLOCK[name]}.call", *tails, update])
         assert result[name]["dynamo_graphs"] == 3
         steps = TAIL_STEPS.get(name, 2)
         assert result[name]["tail_steps"] == result[name]["compiled_updates"] == steps
@@ -84,13 +86,20 @@ def test_blocks_compile_once(runs, name: str) -> None:
         assert any(how in line for line in result[name]["why"])
 
 
+#: The optimizer whose update compiles as a region, where not Adam.
+UPDATE = {"gpt_blocks_loss_scaled": "LossScaleOptimizer.apply"}
+
+
 #: Blocks whose calls skip their guards after ``fit()`` (one signature each).
 SETTLED = {"gpt_4_layers_blocks": 4}
 
 
 #: Why each case compiled block by block (``status()``'s note), where not
 #: the mode set: the GPT case runs the default (``auto``).
-WHY = {"gpt_4_layers_blocks": "the default for repeated blocks (4 TransformerDecoder)"}
+WHY = {
+    "gpt_4_layers_blocks": "the default for repeated blocks (4 TransformerDecoder)",
+    "gpt_blocks_loss_scaled": "the default for repeated blocks (2 TransformerDecoder)",
+}
 
 
 #: Megatron "f" ops made eagerly during ``fit()``: none, the head's is in the
@@ -98,11 +107,11 @@ WHY = {"gpt_4_layers_blocks": "the default for repeated blocks (4 TransformerDec
 EAGER_F = {"gpt_4_layers_blocks": 0}
 #: Training steps whose head and loss ran as the tail's region, and whose
 #: optimizer update ran as its own (``fit()``'s).
-TAIL_STEPS = {"gpt_4_layers_blocks": 4}
+TAIL_STEPS = {"gpt_4_layers_blocks": 4, "gpt_blocks_loss_scaled": 4}
 #: Training steps whose compiled metrics (an accuracy) the tail's region
 #: updated: its argmax fuses with the loss's log-softmax (eager, it was the
 #: slowest op of blocks mode's step). The other cases compile no metric.
-METRIC_STEPS = {"gpt_4_layers_blocks": 4}
+METRIC_STEPS = {"gpt_4_layers_blocks": 4, "gpt_blocks_loss_scaled": 4}
 
 
 def test_blocks_evaluate_compiles_whole(runs) -> None:
@@ -132,6 +141,7 @@ UPSTREAM = {
     "gpt_blocks_compile_raises": "must match the size of tensor b",
     "gpt_blocks_backward_raises": "must match the size of tensor b",
     "gpt_blocks_evaluate": "must match the size of tensor b",
+    "gpt_blocks_loss_scaled": "must match the size of tensor b",
 }
 
 

@@ -7,9 +7,12 @@ variable, a few hundred small ops a step, which the whole step's graph fuses
 into a few kernels. Here the model's optimizer gets an instance ``apply``
 that runs the class's own ``apply`` through one ``torch.compile``'d function
 per optimizer (static shapes, the process-keyed cache tag, guards skipped once
-settled), as the whole step would trace it: the ``optimizers`` family's
-compiled path (the update on the aligned DTensors, accumulation and loss
-scaling by selection).
+settled). Inside, the ``optimizers`` family runs the update as it runs it
+eagerly: the elementwise math on each variable's local shard
+(``state.SHARDWISE_UPDATE`` says so while the region runs), so neither the
+trace nor the graph goes through DTensor's dispatch; where Keras's optimizer
+branches (gradient accumulation, EMA overwrites, loss scaling), it selects
+the branches on the aligned DTensors, as a whole compiled step does.
 
 Only for a model trained by Keras's own ``train_step`` (a custom step may
 call ``apply`` as it likes), a built optimizer, DTensor gradients and a
@@ -81,6 +84,7 @@ def install(model: Any, failure: Callable[[BaseException], bool]) -> str | None:
         ):
             return original(grads, trainable_variables)
         variables = list(trainable_variables)
+        state.SHARDWISE_UPDATE.append(True)
         try:
             result = _compiled(optimizer, region)(optimizer, grads, variables)
         except Exception as error:
@@ -94,6 +98,8 @@ def install(model: Any, failure: Callable[[BaseException], bool]) -> str | None:
                 stacklevel=2,
             )
             return original(grads, variables)
+        finally:
+            state.SHARDWISE_UPDATE.pop()
         _USED[0] += 1
         return result
 

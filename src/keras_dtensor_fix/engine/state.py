@@ -34,6 +34,11 @@ LOCAL_CALL: list[bool] = []
 #: Non-empty once a compiled ModelParallel step function exists.
 COMPILED_STEPS: list[bool] = []
 
+#: Non-empty while blocks mode's compiled update runs: the optimizer's
+#: elementwise math is traced on local shards, as eagerly (the ``optimizers``
+#: family), not through DTensor.
+SHARDWISE_UPDATE: list[bool] = []
+
 
 def note_sharding() -> None:
     """Open the gated wrappers: DTensors may now meet plain tensors."""

@@ -6,7 +6,9 @@ gradient is reduced, a plain one promoted). In eager mode the update then runs
 on the local shards: every torch optimizer is elementwise, so shard-wise math is
 exact, and no DTensor ``_foreach_*`` op sees the fresh 0-d tensors that Keras
 builds each step (they miss PyTorch's sharding cache and leak into it). Under
-torch.compile the original runs on the aligned DTensors. Keras imports a torch
+torch.compile the original runs on the aligned DTensors, except in blocks
+mode's compiled update (``state.SHARDWISE_UPDATE``), which traces the local
+math too when no branch is selected. Keras imports a torch
 optimizer's module only when one is built: the family's row declares
 ``preload``, so the engine imports them with Keras.
 
@@ -34,7 +36,7 @@ from torch.utils._pytree import tree_map
 from keras_dtensor_fix.dtensor import DTensor, planner, to_placements
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
-from keras_dtensor_fix.engine.state import compiling
+from keras_dtensor_fix.engine.state import SHARDWISE_UPDATE, compiling
 from keras_dtensor_fix.ops.values import local_tensors
 
 
@@ -74,7 +76,11 @@ def _parallel_update_step(wrapped, instance, args, kwargs):
     ):
         return wrapped(*args, **kwargs)
     grads = align_gradients(grads, values)
-    if compiling() or not _shardwise_ok(instance, values, grads):
+    # Blocks mode's compiled update traces the shard-wise math too (no DTensor
+    # dispatch to trace or run), except where branches are selected: their
+    # in-place copies on the swapped values fail AOT's input mutations.
+    traced = compiling() and not (SHARDWISE_UPDATE and not _SELECTING)
+    if traced or not _shardwise_ok(instance, values, grads):
         return wrapped(grads, variables, learning_rate)
     with local_tensors(list(variables) + list(instance.variables)):
         return wrapped([_local(g) for g in grads], variables, _local(learning_rate))
