@@ -116,10 +116,11 @@ def choose(model: Any, mode: str) -> tuple[str, str]:
 
     ``mode`` is the configured one (``engine/config.compile_mode``). ``auto``
     compiles block by block where the model repeats blocks and none is
-    refused: as fast a training step as the whole step's, and a start flat in
-    depth. Evaluation and prediction then compile whole (the ``compile``
-    family: a forward graph); in ``blocks`` mode they run eagerly (their
-    blocks run without gradients: the block's own call).
+    refused: a training step faster than eager and close to the whole step's,
+    and each block compiled once whatever the depth (figures:
+    ``benchmarks/README.md``). Evaluation and prediction then compile whole
+    (the ``compile`` family: a forward graph); in ``blocks`` mode they run
+    eagerly (their blocks run without gradients: the block's own call).
     """
     if mode != "auto":
         return mode, f"KERAS_DTENSOR_FIX_COMPILE={mode}"
