@@ -2,10 +2,11 @@
 
 ``blocks`` (blocks mode, the default for repeated blocks: each repeated block
 compiled once for all its instances), ``tail`` (in that mode, the layers
-after the last block and the loss as one region), ``optimizer_step`` (in that
-mode, the optimizer's update as one region), ``refusals`` (layers a compiled step
-refuses up front), ``updates`` (whether a failed compiled step may
-run again eagerly: did an optimizer count a step), ``steady`` (a compiled
+after the last block, the loss and the compiled metrics as one region),
+``optimizer_step`` (in that mode, the optimizer's update as one region),
+``refusals`` (layers a compiled step refuses up front), ``updates``
+(whether a failed compiled step may run again eagerly: did an optimizer
+count a step), ``steady`` (a compiled
 function called in a loop, its guard checks skipped once settled),
 ``cache_key`` (the compile caches' key tag naming this process) and
 ``frames`` (DTensor's subclass methods that a compiled graph's backward

@@ -97,9 +97,9 @@ ENABLED = True
 METRICS = True
 #: Model -> its plan, for the models whose tail is installed.
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: Training steps whose loss, and whose compiled metrics' update, came from a
-#: region, since the import.
+#: Training steps whose loss came from a region, since the import.
 _USED = [0]
+#: Training steps whose compiled metrics a region updated, since the import.
 _METRICS_USED = [0]
 #: Model -> the batch of its ``train_step`` running now.
 _STEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -340,7 +340,8 @@ def _run(
         found.failed = True
         warnings.warn(
             f"keras-dtensor-fix: torch.compile failed on the layers after "
-            f"{model.name}'s last block and its loss "
+            f"{model.name}'s last block and its loss"
+            f"{' and metrics' if metrics else ''} "
             f"({blocks.failure_cause(error)}); they run eagerly from now on.",
             stacklevel=2,
         )
