@@ -3,7 +3,8 @@
 ``blocks`` (blocks mode, the default for repeated blocks: each repeated block
 compiled once for all its instances), ``tail`` (in that mode, the layers
 after the last block, the loss and the compiled metrics as one region),
-``optimizer_step`` (in that mode, the optimizer's update as one region),
+``optimizer_step`` (in that mode, the optimizer's update as a region),
+``update_groups`` (that update compiled per block, where it is per variable),
 ``refusals`` (layers a compiled step refuses up front), ``updates``
 (whether a failed compiled step may run again eagerly: did an optimizer
 count a step), ``steady`` (a compiled

@@ -34,8 +34,12 @@ def cache_key_tag(dist: Any, user_tag: str = "") -> str:
 
 
 def keyed(function: Callable[..., Any], dist: Any) -> Callable[..., Any]:
-    """``function`` run with this process's tag set around each call."""
+    """``function`` run with this process's tag set around each call (as it
+    is without a distribution: its graphs hold nothing of one process)."""
     import torch
+
+    if dist is None:
+        return function
 
     tag = cache_key_tag(dist, torch.compiler.config.cache_key_tag)
     return torch.compiler.config.patch(cache_key_tag=tag)(function)

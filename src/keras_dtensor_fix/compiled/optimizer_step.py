@@ -14,6 +14,14 @@ trace nor the graph goes through DTensor's dispatch; where Keras's optimizer
 branches (gradient accumulation, EMA overwrites, loss scaling), it selects
 the branches on the aligned DTensors, as a whole compiled step does.
 
+Where the optimizer's update is per variable
+(:func:`keras_dtensor_fix.compiled.update_groups.groupable`), ``apply`` runs
+eagerly and only that update is compiled, block by block
+(:mod:`keras_dtensor_fix.compiled.update_groups`): one graph serves every
+block alike, so the compile does not grow with the depth. The whole-``apply``
+region serves the rest (Nadam, loss scaling, branches, optimizers of a
+user's own).
+
 Only for a model trained by Keras's own ``train_step`` (a custom step may
 call ``apply`` as it likes), a built optimizer, DTensor gradients and a
 ModelParallel distribution; anything else runs the original. A compile
@@ -30,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from keras_dtensor_fix.compiled import blocks, refusals
+from keras_dtensor_fix.compiled import blocks, refusals, update_groups
 from keras_dtensor_fix.dtensor import DTensor
 from keras_dtensor_fix.engine import state
 
@@ -39,6 +47,8 @@ from keras_dtensor_fix.engine import state
 class _Region:
     compiled: Any = None
     failed: bool = False
+    #: The per-group update, where the optimizer's update is per variable.
+    grouped: update_groups.Grouped | None = None
 
 
 #: Optimizer -> its region, for the optimizers whose ``apply`` is installed.
@@ -61,8 +71,13 @@ def refusal(model: Any) -> str | None:
     return None
 
 
-def install(model: Any, failure: Callable[[BaseException], bool]) -> str | None:
-    """Give ``model``'s optimizer a compiled ``apply``; None, or why not."""
+def install(
+    model: Any, failure: Callable[[BaseException], bool], routed: list[Any] = ()
+) -> str | None:
+    """Give ``model``'s optimizer a compiled ``apply``; None, or why not.
+
+    With ``routed`` (the blocks compiled) and a per-variable update, the
+    update compiles per block instead (the module)."""
     reason = refusal(model)
     if reason is not None:
         return reason
@@ -70,6 +85,8 @@ def install(model: Any, failure: Callable[[BaseException], bool]) -> str | None:
     if optimizer in _REGIONS:
         return None
     region = _REGIONS[optimizer] = _Region()
+    if routed and update_groups.groupable(optimizer) is None:
+        region.grouped = update_groups.Grouped(optimizer, list(routed), failure)
     original = optimizer.apply
 
     def apply(grads: Any, trainable_variables: Any = None) -> Any:
@@ -84,6 +101,8 @@ def install(model: Any, failure: Callable[[BaseException], bool]) -> str | None:
         ):
             return original(grads, trainable_variables)
         variables = list(trainable_variables)
+        if region.grouped is not None:
+            return _grouped(region.grouped, original, grads, variables)
         state.SHARDWISE_UPDATE.append(True)
         try:
             result = _compiled(optimizer, region)(optimizer, grads, variables)
@@ -126,6 +145,20 @@ def used() -> int:
 def forget() -> None:
     """Drop every region (on deactivation; the attributes are undone by state)."""
     _REGIONS.clear()
+
+
+def _grouped(
+    grouped: update_groups.Grouped, original: Callable[..., Any], grads, variables
+) -> Any:
+    """The original ``apply``, eagerly, its shard-wise update per group."""
+    before = grouped.used
+    state.SHARDWISE_UPDATE.append(grouped)
+    try:
+        result = original(grads, variables)
+    finally:
+        state.SHARDWISE_UPDATE.pop()
+    _USED[0] += grouped.used > before
+    return result
 
 
 def _update(optimizer: Any, grads: list, variables: list) -> Any:

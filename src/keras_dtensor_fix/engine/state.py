@@ -34,10 +34,12 @@ LOCAL_CALL: list[bool] = []
 #: Non-empty once a compiled ModelParallel step function exists.
 COMPILED_STEPS: list[bool] = []
 
-#: Non-empty while blocks mode's compiled update runs: the optimizer's
-#: elementwise math is traced on local shards, as eagerly (the ``optimizers``
-#: family), not through DTensor.
-SHARDWISE_UPDATE: list[bool] = []
+#: Non-empty while blocks mode's update runs. ``True``: its compiled
+#: ``apply`` traces the optimizer's elementwise math on local shards, as
+#: eagerly (the ``optimizers`` family), not through DTensor. A callable: the
+#: eager ``apply``'s shard-wise update goes to it (``runner(bound_update,
+#: optimizer, local_grads, variables, local_lr)``), which compiles it per group.
+SHARDWISE_UPDATE: list[Any] = []
 
 
 def note_sharding() -> None:

@@ -74,6 +74,22 @@ def _each_layout(*kinds: str) -> tuple[str, ...]:
 
 _OPTIMIZERS = f"{KERAS_TORCH}.optimizers"
 
+#: Of :data:`OPTIMIZERS`, those whose ``_parallel_update_step`` reads and
+#: writes only the variables given and their own slots (Nadam's also advances
+#: a product shared by every variable): updating a few at a time is exact.
+PER_VARIABLE_OPTIMIZERS: tuple[str, ...] = tuple(n for n in OPTIMIZERS if n != "nadam")
+
+
+def per_variable_update(function: object) -> bool:
+    """Whether ``function`` is the ``_parallel_update_step`` of one of Keras's
+    :data:`PER_VARIABLE_OPTIMIZERS` (not a subclass's own)."""
+    modules = {f"{_OPTIMIZERS}.torch_{name}" for name in PER_VARIABLE_OPTIMIZERS}
+    return (
+        getattr(function, "__module__", None) in modules
+        and getattr(function, "__name__", None) == "_parallel_update_step"
+    )
+
+
 #: Module kind -> the modules of that kind, in every layout.
 MODULES: dict[str, tuple[str, ...]] = {
     "numpy": torch_module("numpy"),

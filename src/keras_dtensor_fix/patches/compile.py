@@ -94,8 +94,8 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
             refused = tail.install(instance, routed, compile_failure)
             if refused is None:
                 why += "; the layers after the last block and the loss: one region"
-            if optimizer_step.install(instance, compile_failure) is None:
-                why += "; the optimizer's update: one region"
+            if optimizer_step.install(instance, compile_failure, routed) is None:
+                why += "; the optimizer's update: compiled"
         blocks.tell(instance, building, "blocks", why)
         return False  # the step runs eagerly, its blocks compiled
     _uninstall(instance)

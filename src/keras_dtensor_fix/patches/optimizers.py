@@ -79,11 +79,16 @@ def _parallel_update_step(wrapped, instance, args, kwargs):
     # Blocks mode's compiled update traces the shard-wise math too (no DTensor
     # dispatch to trace or run), except where branches are selected: their
     # in-place copies on the swapped values fail AOT's input mutations.
-    traced = compiling() and not (SHARDWISE_UPDATE and not _SELECTING)
+    shardwise = SHARDWISE_UPDATE[-1] if SHARDWISE_UPDATE else None
+    traced = compiling() and not (shardwise is True and not _SELECTING)
     if traced or not _shardwise_ok(instance, values, grads):
         return wrapped(grads, variables, learning_rate)
     with local_tensors(list(variables) + list(instance.variables)):
-        return wrapped([_local(g) for g in grads], variables, _local(learning_rate))
+        grads, learning_rate = [_local(g) for g in grads], _local(learning_rate)
+        if callable(shardwise) and not compiling():
+            # blocks mode's eager apply: the runner compiles it group by group
+            return shardwise(wrapped, instance, grads, variables, learning_rate)
+        return wrapped(grads, variables, learning_rate)
 
 
 def _bind(grads, variables, learning_rate):

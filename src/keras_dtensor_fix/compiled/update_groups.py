@@ -1,0 +1,214 @@
+"""Blocks mode's optimizer update compiled per block, one graph for alike blocks.
+
+Tracing Keras's whole ``apply`` (:mod:`keras_dtensor_fix.compiled.optimizer_step`)
+walks every variable, so that region's compile grew with the depth (and so did
+its C++ kernels: one per variable). Keras's torch optimizers update a list of
+variables with ``torch._foreach_*`` ops, and for most of them each variable's
+update reads only that variable, its gradient and its own slots: the update of
+one block's variables is the same program for every block of the same shapes.
+
+Here ``apply`` runs eagerly (on DTensors, as in eager training: clipping,
+weight decay, the step count), and the ``optimizers`` family hands its
+shard-wise update (the local shards, inside its ``local_tensors``) to a
+:class:`Grouped`: the variables split by the routed block that owns them (the
+rest in one group), and each group runs the class's own
+``_parallel_update_step`` through a ``torch.compile``'d function keyed by the
+group's shapes. That function never sees the real optimizer or variables: it
+gets a stand-in optimizer (the real one's attributes, with its slot lists and
+variable indices cut to the group) and stand-in variables whose ``value`` it
+sets to the tensors passed in, so a graph traced for one block serves every
+block alike, and its guards (the tensors' metadata, the stand-ins' identity)
+are what :class:`~keras_dtensor_fix.compiled.steady.Steady` checks.
+
+Only for Keras's own torch optimizers whose update is per variable
+(:func:`keras_dtensor_fix.engine.targets.per_variable_update`: not Nadam,
+whose update also advances a shared product) and that select no branch
+(gradient accumulation, EMA overwrites): the others keep the whole-``apply``
+region. A compile failure runs the update eagerly from then on (warned).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from keras_dtensor_fix.compiled import blocks
+from keras_dtensor_fix.compiled.steady import signature
+from keras_dtensor_fix.engine import state, targets
+
+__all__ = ["Grouped", "groupable"]
+
+
+def groupable(optimizer: Any) -> str | None:
+    """Why ``optimizer``'s update cannot run per group, or None."""
+    update = _update_function(optimizer)
+    if update is None or not targets.per_variable_update(update):
+        return f"{type(optimizer).__name__}'s update is not per variable"
+    if getattr(optimizer, "gradient_accumulation_steps", None) or (
+        getattr(optimizer, "use_ema", False)
+        and getattr(optimizer, "ema_overwrite_frequency", None)
+    ):
+        return "its update selects branches"
+    return None
+
+
+def _update_function(optimizer: Any) -> Any:
+    """The class's ``_parallel_update_step`` function, unwrapped."""
+    update = getattr(type(optimizer), "_parallel_update_step", None)
+    return getattr(update, "__wrapped__", update)  # the family's wrapper
+
+
+class _Stand:
+    """A stand-in Keras variable: the updates read only its ``value``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = None
+
+
+class _Entry:
+    """One group shape: its stand-ins and compiled function."""
+
+    def __init__(self, optimizer: Any, rows: list[str], size: int, name: str) -> None:
+        self.stands = [_Stand() for _ in range(size)]
+        self.rows = {row: [_Stand() for _ in range(size)] for row in rows}
+        self.proxy = object.__new__(type(optimizer))
+        self.overrides = {
+            "_trainable_variables": list(self.stands),
+            "_trainable_variables_indices": {
+                id(stand): index for index, stand in enumerate(self.stands)
+            },
+            **{row: list(stands) for row, stands in self.rows.items()},
+        }
+        self.sync(optimizer)
+        traced = blocks.renamed(_group_step, name, "update")
+        self.compiled = blocks.compile_region(
+            traced, state.model_parallel(), interleaved=True
+        )
+
+    def sync(self, optimizer: Any) -> None:
+        """The real optimizer's attributes now (hyperparameters, step count)."""
+        attributes = vars(self.proxy)
+        attributes.update(vars(optimizer))
+        attributes.update(self.overrides)
+
+
+def _group_step(update, proxy, stands, rows, grads, values, slots, learning_rate):
+    """The region: the stand-ins take this group's tensors, then the class's
+    update runs on them (its in-place writes land on those tensors)."""
+    for stand, value in zip(stands, values, strict=True):
+        stand.value = value
+    for row, row_values in zip(rows, slots, strict=True):
+        for stand, value in zip(row, row_values, strict=True):
+            stand.value = value
+    update(proxy, grads, stands, learning_rate)
+
+
+class Grouped:
+    """The shard-wise update of one optimizer, group by group (the module)."""
+
+    def __init__(
+        self,
+        optimizer: Any,
+        routed: list[Any],
+        failure: Callable[[BaseException], bool],
+    ) -> None:
+        self._class = type(optimizer).__name__
+        self._name = f"{type(optimizer).__qualname__}.update"
+        self._owner = {
+            id(variable): index
+            for index, block in enumerate(routed)
+            for variable in block.trainable_variables
+        }
+        self._failure = failure
+        self._entries: dict[tuple, _Entry] = {}
+        #: Updates that ran every group compiled.
+        self.used = 0
+        #: Whether a compile failed: every update runs eagerly from then on.
+        self.failed = False
+
+    def __call__(
+        self, bound: Any, optimizer: Any, grads: list, variables: list, lr: Any
+    ) -> None:
+        """Run the class's ``_parallel_update_step`` (``bound``: bound to
+        ``optimizer``) on the local ``grads`` and ``variables``, per group."""
+        update = _update_function(optimizer)
+        rows = _slot_rows(optimizer, variables)
+        if self.failed or not targets.per_variable_update(update) or rows is None:
+            bound(grads, variables, lr)
+            return
+        compiled = True
+        for indices in self._groups(variables):
+            group = [variables[i] for i in indices], [grads[i] for i in indices]
+            compiled &= self._run(update, bound, optimizer, rows, indices, group, lr)
+        self.used += compiled
+
+    def _run(self, update, bound, optimizer, rows, indices, group, lr) -> bool:
+        """One group's update; whether it ran compiled."""
+        group_vars, group_grads = group
+        values = [v.value for v in group_vars]
+        slots = [[rows[row][i].value for i in indices] for row in rows]
+        key = (tuple(rows), signature((group_grads, values, slots)))
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = _Entry(optimizer, list(rows), len(indices), self._name)
+            self._entries[key] = entry
+        if self.failed:
+            bound(group_grads, group_vars, lr)
+            return False
+        entry.sync(optimizer)
+        stands = (entry.stands, list(entry.rows.values()))
+        try:
+            entry.compiled(update, entry.proxy, *stands, group_grads, values, slots, lr)
+        except Exception as error:
+            if not self._failure(error):
+                raise
+            self.failed = True
+            warnings.warn(
+                "keras-dtensor-fix: torch.compile failed on the update of "
+                f"{self._class} ({blocks.failure_cause(error)}); it runs "
+                "eagerly from now on.",
+                stacklevel=2,
+            )
+            bound(group_grads, group_vars, lr)
+            return False
+        return True
+
+    def _groups(self, variables: list) -> list[list[int]]:
+        """Indices of ``variables`` by owning block, in order; the rest last."""
+        by_owner: dict[int, list[int]] = {}
+        for index, variable in enumerate(variables):
+            by_owner.setdefault(self._owner.get(id(variable), -1), []).append(index)
+        rest = by_owner.pop(-1, [])
+        return [*by_owner.values(), *([rest] if rest else [])]
+
+
+def _slot_rows(optimizer: Any, variables: list) -> dict[str, list[Any]] | None:
+    """The optimizer's slot lists (a list with one variable for each trainable
+    one, by ``_trainable_variables_indices``), cut to ``variables``' order.
+
+    None where a variable is not the optimizer's, or where another list of
+    that length holds anything else: the stand-in optimizer would keep it
+    whole, and an update indexing it by a group's positions would be wrong.
+    """
+    indices = getattr(optimizer, "_trainable_variables_indices", None)
+    trainable = getattr(optimizer, "_trainable_variables", None)
+    if not isinstance(indices, dict) or not isinstance(trainable, list):
+        return None
+    try:
+        positions = [indices[optimizer._var_key(v)] for v in variables]
+    except KeyError:
+        return None
+    own = {id(v) for v in trainable}
+    rows = {}
+    for name, value in vars(optimizer).items():
+        if name == "_trainable_variables" or not isinstance(value, list):
+            continue
+        if len(value) != len(trainable) or not value:
+            continue
+        if not all(hasattr(item, "_value") and id(item) not in own for item in value):
+            return None
+        rows[name] = [value[p] for p in positions]
+    return rows
