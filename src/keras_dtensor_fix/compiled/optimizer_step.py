@@ -126,6 +126,15 @@ def install(
     return None
 
 
+def how(model: Any) -> str:
+    """How ``model``'s optimizer update compiles, once installed."""
+    optimizer = getattr(model, "optimizer", None)
+    region = _REGIONS.get(optimizer) if optimizer is not None else None
+    if region is not None and region.grouped is not None:
+        return "per block, one graph for the blocks alike"
+    return "one region"
+
+
 def uninstall(model: Any) -> None:
     """Give ``model``'s optimizer its class's ``apply`` back."""
     optimizer = getattr(model, "optimizer", None)

@@ -139,14 +139,29 @@ class Grouped:
         if self.failed or not targets.per_variable_update(update) or rows is None:
             bound(grads, variables, lr)
             return
-        compiled = True
+        compiled, done = True, 0
+        context = update, bound, optimizer, rows
         for indices in self._groups(variables):
             group = [variables[i] for i in indices], [grads[i] for i in indices]
-            compiled &= self._run(update, bound, optimizer, rows, indices, group, lr)
+            try:
+                compiled &= self._run(context, indices, group, lr)
+            except Exception as error:
+                if not done:
+                    raise
+                # Not from torch's runner (whose failures the compile family
+                # retries eagerly): a retry would update the first groups twice.
+                raise RuntimeError(
+                    f"keras-dtensor-fix: {self._name} failed after updating "
+                    f"{done} of its groups of variables ({type(error).__name__}: "
+                    f"{error}); the step cannot run again. Compile with "
+                    "jit_compile=False to train as upstream Keras does."
+                ) from error
+            done += 1
         self.used += compiled
 
-    def _run(self, update, bound, optimizer, rows, indices, group, lr) -> bool:
+    def _run(self, context: tuple, indices: list[int], group: tuple, lr: Any) -> bool:
         """One group's update; whether it ran compiled."""
+        update, bound, optimizer, rows = context
         group_vars, group_grads = group
         values = [v.value for v in group_vars]
         slots = [[rows[row][i].value for i in indices] for row in rows]

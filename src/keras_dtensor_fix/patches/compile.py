@@ -95,7 +95,7 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
             if refused is None:
                 why += "; the layers after the last block and the loss: one region"
             if optimizer_step.install(instance, compile_failure, routed) is None:
-                why += "; the optimizer's update: compiled"
+                why += "; the optimizer's update: " + optimizer_step.how(instance)
         blocks.tell(instance, building, "blocks", why)
         return False  # the step runs eagerly, its blocks compiled
     _uninstall(instance)
