@@ -19,6 +19,8 @@ train function once, then runs ``--rounds`` rounds of one epoch each
             (blocks mode before they became one compiled region)
   no-opt    blocks with the optimizer's update eager (blocks mode before it
             became one compiled region)
+  one-update  blocks with the optimizer's whole ``apply`` one compiled
+            region (blocks mode before the update compiled per block)
   no-metrics  blocks with the compiled metrics updated eagerly after the
             step (blocks mode before the tail region updated them)
 
@@ -49,7 +51,15 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = ("eager", "step", "blocks", "eager-f")
-BLOCKS = ("blocks", "guarded", "eager-f", "no-tail", "no-opt", "no-metrics")
+BLOCKS = (
+    "blocks",
+    "guarded",
+    "eager-f",
+    "no-tail",
+    "no-opt",
+    "no-metrics",
+    "one-update",
+)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -119,13 +129,14 @@ def worker(args: argparse.Namespace) -> None:
         tail.ENABLED = config != "no-tail"
         tail.METRICS = config != "no-metrics"
         optimizer_step.ENABLED = config != "no-opt"
+        optimizer_step.GROUPED = config != "one-update"
         tail.uninstall(model)
         optimizer_step.uninstall(model)
         if config in BLOCKS:
             routed = blocks.install(model, compile_failure)  # guards settle again
             if phase == "fit":
                 tail.install(model, routed, compile_failure)
-                optimizer_step.install(model, compile_failure)
+                optimizer_step.install(model, compile_failure, routed)
         else:
             blocks.uninstall(model)
         setattr(model, f"{made}_function", functions[config])
@@ -155,6 +166,7 @@ def worker(args: argparse.Namespace) -> None:
         tail.ENABLED = config != "no-tail"
         tail.METRICS = config != "no-metrics"
         optimizer_step.ENABLED = config != "no-opt"
+        optimizer_step.GROUPED = config != "one-update"
         tail.uninstall(model)
         optimizer_step.uninstall(model)
         model.jit_compile = config != "eager"

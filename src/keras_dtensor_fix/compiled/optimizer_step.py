@@ -57,6 +57,9 @@ _REGIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _USED = [0]
 #: False: the update runs eagerly in blocks mode (benchmarks compare).
 ENABLED = True
+#: False: the whole ``apply`` is one region even where the update could
+#: compile per block (benchmarks compare).
+GROUPED = True
 
 
 def refusal(model: Any) -> str | None:
@@ -85,7 +88,7 @@ def install(
     if optimizer in _REGIONS:
         return None
     region = _REGIONS[optimizer] = _Region()
-    if routed and update_groups.groupable(optimizer) is None:
+    if GROUPED and routed and update_groups.groupable(optimizer) is None:
         region.grouped = update_groups.Grouped(optimizer, list(routed), failure)
     original = optimizer.apply
 
