@@ -21,6 +21,8 @@ train function once, then runs ``--rounds`` rounds of one epoch each
             became one compiled region)
   one-update  blocks with the optimizer's whole ``apply`` one compiled
             region (blocks mode before the update compiled per block)
+  no-nest   blocks with a nested backbone run whole before the tail's region
+            (blocks mode before the region held the backbone's final norm)
   no-metrics  blocks with the compiled metrics updated eagerly after the
             step (blocks mode before the tail region updated them)
 
@@ -59,6 +61,7 @@ BLOCKS = (
     "no-opt",
     "no-metrics",
     "one-update",
+    "no-nest",
 )
 
 
@@ -130,6 +133,7 @@ def worker(args: argparse.Namespace) -> None:
         tail.METRICS = config != "no-metrics"
         optimizer_step.ENABLED = config != "no-opt"
         optimizer_step.GROUPED = config != "one-update"
+        tail.NESTED = config != "no-nest"
         tail.uninstall(model)
         optimizer_step.uninstall(model)
         if config in BLOCKS:
@@ -167,6 +171,7 @@ def worker(args: argparse.Namespace) -> None:
         tail.METRICS = config != "no-metrics"
         optimizer_step.ENABLED = config != "no-opt"
         optimizer_step.GROUPED = config != "one-update"
+        tail.NESTED = config != "no-nest"
         tail.uninstall(model)
         optimizer_step.uninstall(model)
         model.jit_compile = config != "eager"

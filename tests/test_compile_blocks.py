@@ -128,6 +128,17 @@ class Own(keras.Model):
 model = functional()
 routed = blocks.repeated(model)
 found = tail.plan(model, routed)
+
+def nested_model():
+    inputs = keras.Input((4,))
+    x = layers.Dense(4, name="embed")(inputs)
+    x = layers.Dense(4, name="final")(Block(name="n1")(Block(name="n0")(x)))
+    backbone = keras.Model(inputs, x, name="backbone")
+    outer = keras.Input((4,))
+    return keras.Model(outer, layers.Dense(3, name="head")(backbone(outer)))
+
+nested = nested_model()
+opened = tail.plan(nested, blocks.repeated(nested))
 inputs = keras.Input((4,))
 own = Own(inputs, layers.Dense(3)(Block()(Block()(inputs))))
 plain = keras.Sequential([layers.Dense(4)])
@@ -160,6 +171,14 @@ optimizer_step.install(model, lambda error: False)
 kdf.deactivate()
 updates["restored"] = "apply" in vars(model.optimizer)
 print(json.dumps({
+    "nested": {
+        "front": [n.operation.name for n in opened.front],
+        "opened": opened.opened.model.name,
+        "inner": [[n.operation.name for n in opened.opened.front],
+                  [n.operation.name for n in opened.opened.tail]],
+        "tail": [n.operation.name for n in opened.tail],
+        "boundary": [len(opened.boundary), len(opened.inner_boundary)],
+    },
     "updates": updates,
     "front": [n.operation.name for n in found.front],
     "tail": [n.operation.name for n in found.tail],
@@ -181,6 +200,15 @@ def test_tail_splits_after_the_last_block(run_py) -> None:
     update without a distribution, taken off by uninstalling and
     deactivation."""
     out = last_json(run_py(TAIL.replace("{BLOCK}", BLOCK)))
+    # a nested model holding the blocks (a keras-hub backbone) is opened: its
+    # layers after the last block join the region, before the outer head
+    assert out["nested"] == {
+        "front": [],
+        "opened": "backbone",
+        "inner": [["embed", "n0", "n1"], ["final"]],
+        "tail": ["head"],
+        "boundary": [0, 1],
+    }
     assert out["updates"] == {
         "refused": "its class has a train_step() of its own",
         "installed": None,

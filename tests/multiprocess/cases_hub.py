@@ -404,14 +404,19 @@ def gpt2_1x2():
     return fit_and_generate("gpt2")
 
 
-def tiny_gpt(depth: int = 2):
-    """A GPT-style decoder from keras_hub.layers (causal self-attention)."""
+def tiny_gpt(depth: int = 2, nested: bool = False):
+    """A GPT-style decoder from keras_hub.layers (causal self-attention);
+    ``nested``: as a keras-hub causal LM, a backbone model (the blocks and a
+    final norm) and the head after it."""
     import keras_hub
 
     ids = keras.Input((12,), dtype="int32", name="token_ids")
     x = keras_hub.layers.TokenAndPositionEmbedding(64, 12, 32, name="embedding")(ids)
     for i in range(depth):
         x = keras_hub.layers.TransformerDecoder(64, 4, name=f"decoder_{i}")(x)
+    if nested:
+        x = layers.LayerNormalization(name="final_norm")(x)
+        x = keras.Model(ids, x, name="backbone")(ids)
     return keras.Model(ids, layers.Dense(64, name="lm_head")(x))
 
 
@@ -422,11 +427,12 @@ def fit_gpt(
     depth: int = 2,
     accuracy: bool = False,
     optimizer=None,
+    nested: bool = False,
 ):
     """:func:`tiny_gpt` trained for two epochs (with ``collectives``,
     counting the last one's: :class:`CountCollectives`; with ``accuracy``,
     the last epoch's accuracy among the results; ``optimizer``: Adam's)."""
-    model = tiny_gpt(depth)
+    model = tiny_gpt(depth, nested)
     model.compile(
         optimizer=optimizer or keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -79,6 +79,9 @@ def test_blocks_compile_once(runs, name: str) -> None:
         # every case compiles an accuracy (keras-hub's CausalLM by default):
         # the tail's region updates it, its argmax fused with the log-softmax
         assert result[name]["metric_steps"] == steps
+        # a nested backbone's final norm runs in the tail's region (hub models
+        # and the nested GPT case; with tail.NESTED = False, eagerly: 0)
+        assert result[name]["opened_steps"] == (steps if name in NESTED else 0)
         assert result[name]["graph_breaks"] == 0
         assert result[name]["plugin_warnings"] == []
         assert result[name].get("restored", True)  # generate() left the regions
@@ -92,6 +95,8 @@ def test_blocks_compile_once(runs, name: str) -> None:
 
 #: The optimizer's compiled update, where not Adam's per block.
 UPDATE = {"gpt_blocks_loss_scaled": "LossScaleOptimizer.apply"}
+#: Cases whose model nests its blocks in a backbone with layers after them.
+NESTED = {"gpt_blocks_loss_scaled", "llama_blocks", "gemma_blocks", "qwen_moe_blocks"}
 #: Dynamo graphs, where not four (the update per block: the blocks' and the
 #: rest's); a whole ``apply`` is one graph.
 GRAPHS = {"gpt_blocks_loss_scaled": 3}

@@ -16,7 +16,9 @@ and two attributes of the instance are set:
 
 - ``_run_through_graph`` (what ``Functional.call`` runs) runs the graph's
   nodes up to the last one holding a block eagerly, as Keras does, then the
-  rest and ``_compute_loss`` in the region;
+  rest and ``_compute_loss`` in the region (where that node calls a nested
+  functional model, a keras-hub backbone, the split goes inside it, so its
+  final norm joins the region: :mod:`~keras_dtensor_fix.compiled.graph_split`);
 - ``_compute_loss`` returns the region's loss when called with that output
   and that batch; otherwise it computes the loss itself;
 - ``compute_metrics``: where the class keeps Keras's, the region also updates
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from keras_dtensor_fix.compiled import blocks, refusals
+from keras_dtensor_fix.compiled import blocks, graph_split, refusals
 from keras_dtensor_fix.dtensor import (
     DTensor,
     forget_kept,
@@ -53,7 +55,6 @@ from keras_dtensor_fix.dtensor import (
     zero_gradients_if_unused,
 )
 from keras_dtensor_fix.engine import state, targets, wrappers
-from keras_dtensor_fix.ops.values import output_laid_out
 
 #: The instance attributes this module sets (undone by :func:`uninstall`).
 _ATTRIBUTES = ("_run_through_graph", "_compute_loss", "compute_metrics")
@@ -70,6 +71,10 @@ class _Plan:
     boundary: list[Any]
     #: Whether the loss reads ``x`` (a ``compute_loss`` of the model's own).
     reads_x: bool
+    #: The nested model holding the last block, opened (its tail runs first in
+    #: the region), and the tensors its tail reads from its front.
+    opened: graph_split.Opened | None = None
+    inner_boundary: list[Any] = field(default_factory=list)
     compiled: Any = None
     failed: bool = False
     #: The instance's own values of :data:`_ATTRIBUTES` before, put back by
@@ -95,12 +100,18 @@ class _Pending:
 ENABLED = True
 #: False: the compiled metrics update eagerly after the step (benchmarks).
 METRICS = True
+#: False: a nested model holding the last block runs whole in the front
+#: (benchmarks compare; :mod:`~keras_dtensor_fix.compiled.graph_split`).
+NESTED = True
 #: Model -> its plan, for the models whose tail is installed.
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: Training steps whose loss came from a region, since the import.
 _USED = [0]
 #: Training steps whose compiled metrics a region updated, since the import.
 _METRICS_USED = [0]
+#: Training steps whose region ran a nested model's layers after its last
+#: block (:mod:`~keras_dtensor_fix.compiled.graph_split`), since the import.
+_OPENED_USED = [0]
 #: Model -> the batch of its ``train_step`` running now.
 _STEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -139,45 +150,33 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
     for name in ("tree", "unpack_singleton"):
         targets.keras_object(name)  # imported now: the region's trace cannot
     ids = {id(block) for block in routed}
-    nodes = [
-        node
-        for depth in sorted(model._nodes_by_depth, reverse=True)
-        for node in model._nodes_by_depth[depth]
-        if node.operation is not None and not node.is_input
-    ]
-    holding = [i for i, node in enumerate(nodes) if _holds(node.operation, ids)]
-    if not holding or holding[-1] == len(nodes) - 1:
+    nodes = graph_split.nodes_of(model)
+    held = graph_split.holding(nodes, ids)
+    if not held:
         return "no layer follows its last block"
-    front, tail = nodes[: holding[-1] + 1], nodes[holding[-1] + 1 :]
-    distribution = targets.keras_object("distribution")()
-    for node in tail:
-        layers = getattr(node.operation, "_flatten_layers", None)
-        for layer in layers(include_self=True, recursive=True) if layers else ():
-            if output_laid_out(layer):
-                return f"the LayoutMap lays out {layer.path}/output"
-            if getattr(layer, "activity_regularizer", None) is not None:
-                return f"{layer.name} has an activity regularizer"
-    if distribution is not None and distribution.get_tensor_layout("/output"):
-        return "the LayoutMap lays out the path '/output'"
-    made = {id(ref) for node in tail for ref in node.outputs}
-    boundary, seen = [], set()
+    last = held[-1]
+    opened = graph_split.open_nested(nodes[last], ids) if NESTED else None
+    if opened is None and last == len(nodes) - 1:
+        return "no layer follows its last block"
+    front, tail = nodes[: last + (opened is None)], nodes[last + 1 :]
+    inner_tail = opened.tail if opened else []
+    reason = graph_split.refusal(model, opened, [*tail, *inner_tail])
+    if reason is not None:
+        return reason
+    made = [ref for node in tail for ref in node.outputs]
+    made += opened.node.outputs if opened else []
     wanted = [ref for node in tail for ref in node.input_tensors] + list(model.outputs)
-    for ref in wanted:
-        if id(ref) not in made and id(ref) not in seen:
-            seen.add(id(ref))
-            boundary.append(ref)
+    boundary = graph_split.unmade(wanted, made)
+    inner_boundary = []
+    if opened:
+        inner = [ref for node in inner_tail for ref in node.input_tensors]
+        inner_made = [ref for node in inner_tail for ref in node.outputs]
+        inner_boundary = graph_split.unmade(
+            inner + list(opened.model.outputs), inner_made
+        )
     base = targets.keras_object("BaseTrainer")
     reads_x = getattr(type(model), "compute_loss", None) is not base.compute_loss
-    return _Plan(front, tail, boundary, reads_x)
-
-
-def _holds(operation: Any, ids: set[int]) -> bool:
-    if id(operation) in ids:
-        return True
-    layers = getattr(operation, "_flatten_layers", None)
-    if layers is None:
-        return False
-    return any(id(layer) in ids for layer in layers(include_self=False, recursive=True))
+    return _Plan(front, tail, boundary, reads_x, opened, inner_boundary)
 
 
 def install(
@@ -296,6 +295,11 @@ def metrics_used() -> int:
     return _METRICS_USED[0]
 
 
+def opened_used() -> int:
+    """How many training steps ran a nested model's last layers in a region."""
+    return _OPENED_USED[0]
+
+
 def forget() -> None:
     """Drop every plan (on deactivation; the attributes are undone by state)."""
     _PLANS.clear()
@@ -323,11 +327,17 @@ def _run(
     tree = targets.keras_object("tree")
     flat = tree.flatten(inputs)
     values = {id(ref): value for ref, value in zip(model.inputs, flat, strict=False)}
-    _run_nodes(model, found.front, values)
+    graph_split.run_nodes(model, found.front, values)
+    inner = {}
+    if found.opened is not None:
+        inner = graph_split.run_opened(found.opened, values)
+        if inner is None:  # this call runs the nested model whole: eager
+            graph_split.run_nodes(model, [found.opened.node, *found.tail], values)
+            return graph_split.pack(model, values)
     boundary = [values.get(id(ref)) for ref in found.boundary]
+    boundary += [inner.get(id(ref)) for ref in found.inner_boundary]
     if any(v is None or getattr(v, "_keras_mask", None) is not None for v in boundary):
-        _run_nodes(model, found.tail, values)  # a mask rides on its tensor: eager
-        return _pack(model, values)
+        return _eager_rest(model, found, values, inner)  # a mask rides on its tensor
     x = pending.x if found.reads_x else None
     metrics = _metrics_in_region(model)
     arguments = (model, found, boundary, x, pending.y, pending.sample_weight, metrics)
@@ -345,8 +355,7 @@ def _run(
             f"({blocks.failure_cause(error)}); they run eagerly from now on.",
             stacklevel=2,
         )
-        _run_nodes(model, found.tail, values)
-        return _pack(model, values)
+        return _eager_rest(model, found, values, inner)
     leaves, spec = pytree.tree_flatten((outputs, loss))
     leaves = zero_gradients_if_unused(leaves)
     for leaf, entries in zip(leaves, kept, strict=True):
@@ -355,6 +364,7 @@ def _run(
     pending.y_pred = targets.keras_object("unpack_singleton")(outputs)
     pending.loss = loss
     pending.metrics = metrics
+    _OPENED_USED[0] += found.opened is not None
     return outputs
 
 
@@ -385,11 +395,12 @@ def _tail(
     read the same values: the step's order changes no result)."""
     # Megatron's "f" of each input as the graph's first op (as a block's).
     boundary = [reducing_input(value) for value in boundary]
-    values = {
-        id(ref): value for ref, value in zip(found.boundary, boundary, strict=True)
-    }
-    _run_nodes(model, found.tail, values)
-    outputs = _pack(model, values)
+    refs = [*found.boundary, *found.inner_boundary]
+    values = {id(ref): value for ref, value in zip(refs, boundary, strict=True)}
+    if found.opened is not None:
+        graph_split.close_opened(found.opened, values, values)
+    graph_split.run_nodes(model, found.tail, values)
+    outputs = graph_split.pack(model, values)
     y_pred = targets.keras_object("unpack_singleton")(outputs)
     compute = type(model)._compute_loss
     loss = compute(model, x=x, y=y, y_pred=y_pred, sample_weight=weight, training=True)
@@ -407,21 +418,10 @@ def _compiled(model: Any, found: _Plan) -> Callable[..., Any]:
     return found.compiled
 
 
-def _run_nodes(model: Any, nodes: list[Any], values: dict[int, Any]) -> None:
-    """Run ``nodes`` as ``Function._run_through_graph`` does, into ``values``."""
-    tree = targets.keras_object("tree")
-    operation_for = getattr(model, "_get_operation_for_node", None)
-    for node in nodes:
-        if any(id(ref) not in values for ref in node.input_tensors):
-            continue  # not computable: Keras skips it too
-        args, kwargs = node.arguments.fill_in(values)
-        operation = operation_for(node) if operation_for else node.operation
-        outputs = operation(*args, **kwargs)
-        for ref, value in zip(node.outputs, tree.flatten(outputs), strict=False):
-            values[id(ref)] = value
-
-
-def _pack(model: Any, values: dict[int, Any]) -> Any:
-    tree = targets.keras_object("tree")
-    found = [values[id(ref)] for ref in model.outputs]
-    return tree.pack_sequence_as(model._outputs_struct, found)
+def _eager_rest(model: Any, found: _Plan, values: dict, inner: dict) -> Any:
+    """The tail run eagerly, as Keras runs it (the nested model's in its scope)."""
+    if found.opened is not None:
+        with found.opened.model._open_name_scope():
+            graph_split.close_opened(found.opened, inner, values)
+    graph_split.run_nodes(model, found.tail, values)
+    return graph_split.pack(model, values)
