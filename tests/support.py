@@ -208,3 +208,16 @@ def patches(module):
     return [Patch(module.__name__, "distribute_data_input", keep,
                   also_in=("keras.src.backend.torch.trainer",))]
 """
+
+
+#: A layer with sublayers (a block where a model holds two), as the source a
+#: test script pastes in (``{BLOCK}``).
+BLOCK = """
+class Block(layers.Layer):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.inner = layers.Dense(4)
+        self.outer = layers.Dense(4)
+    def call(self, x):
+        return self.outer(self.inner(x))
+"""

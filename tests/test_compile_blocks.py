@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 from keras_dtensor_fix.engine import config
-from support import last_json
+from support import BLOCK, last_json
 
 
 @pytest.mark.parametrize(
@@ -27,17 +27,6 @@ def test_compile_mode_not_understood_warns() -> None:
     with pytest.warns(UserWarning, match="accepted values are auto, step, blocks"):
         assert config.compile_mode({config.ENV_COMPILE: "layers"}) == "auto"
 
-
-#: A layer with sublayers (a block where a model holds two).
-BLOCK = """
-class Block(layers.Layer):
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.inner = layers.Dense(4)
-        self.outer = layers.Dense(4)
-    def call(self, x):
-        return self.outer(self.inner(x))
-"""
 
 REPEATED = r"""
 import json, os

@@ -3,6 +3,7 @@
 ``blocks`` (blocks mode, the default for repeated blocks: each repeated block
 compiled once for all its instances), ``tail`` (in that mode, the layers
 after the last block, the loss and the compiled metrics as one region),
+``graph_split`` (where that region's split falls, inside a nested backbone),
 ``optimizer_step`` (in that mode, the optimizer's update as a region),
 ``update_groups`` (that update compiled per block, where it is per variable),
 ``refusals`` (layers a compiled step refuses up front), ``updates``
