@@ -108,6 +108,17 @@ def gpt_blocks_loss_scaled():
     return _blocks(lambda: fit_gpt(True, optimizer=optimizer, nested=True), mode=None)
 
 
+@case("blocks", layout=GPT_LAYOUT, slow=True, upstream_slow=True)
+def gpt_blocks_adamw():
+    """The update per block where Keras's eager ``apply`` does more around it:
+    AdamW's weight decay and ``clipnorm`` run on the DTensors (a norm over
+    the whole gradients), then the update runs per block on local shards
+    (``compiled/update_groups.py``). Upstream fails as on
+    ``gpt_4_layers_blocks``."""
+    optimizer = keras.optimizers.AdamW(1e-3, weight_decay=0.1, clipnorm=0.5)
+    return _blocks(lambda: fit_gpt(True, optimizer=optimizer), mode=None)
+
+
 @case("blocks", layout=GPT_LAYOUT)
 def gpt_blocks_evaluate():
     """The default mode's evaluation and prediction: two TransformerDecoder

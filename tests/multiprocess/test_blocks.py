@@ -51,6 +51,7 @@ pytest.importorskip("keras_hub")
 BLOCK = {
     "gpt_4_layers_blocks": "TransformerDecoder",
     "gpt_blocks_loss_scaled": "TransformerDecoder",
+    "gpt_blocks_adamw": "TransformerDecoder",
     "llama_blocks": "LlamaTransformerDecoder",
     "gemma_blocks": "GemmaDecoderBlock",
     "qwen_moe_blocks": "QwenMoeTransformerDecoder",
@@ -94,7 +95,10 @@ def test_blocks_compile_once(runs, name: str) -> None:
 
 
 #: The optimizer's compiled update, where not Adam's per block.
-UPDATE = {"gpt_blocks_loss_scaled": "LossScaleOptimizer.apply"}
+UPDATE = {
+    "gpt_blocks_loss_scaled": "LossScaleOptimizer.apply",
+    "gpt_blocks_adamw": "AdamW.update",
+}
 #: Cases whose model nests its blocks in a backbone with layers after them.
 NESTED = {"gpt_blocks_loss_scaled", "llama_blocks", "gemma_blocks", "qwen_moe_blocks"}
 #: Dynamo graphs, where not four (the update per block: the blocks' and the
@@ -111,6 +115,7 @@ SETTLED = {"gpt_4_layers_blocks": 4}
 WHY = {
     "gpt_4_layers_blocks": "the default for repeated blocks (4 TransformerDecoder)",
     "gpt_blocks_loss_scaled": "the default for repeated blocks (2 TransformerDecoder)",
+    "gpt_blocks_adamw": "the default for repeated blocks (2 TransformerDecoder)",
 }
 
 
@@ -150,6 +155,7 @@ UPSTREAM = {
     "gpt_blocks_backward_raises": "must match the size of tensor b",
     "gpt_blocks_evaluate": "must match the size of tensor b",
     "gpt_blocks_loss_scaled": "must match the size of tensor b",
+    "gpt_blocks_adamw": "must match the size of tensor b",
 }
 
 
