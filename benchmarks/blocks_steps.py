@@ -122,12 +122,8 @@ def worker(args: argparse.Namespace) -> None:
         else:
             model.predict(data[0], **options)
 
-    def switch(config: str) -> None:
-        # An eager step leaves the gradients on the weights; a compiled one
-        # leaves none, and its guards say so: each configuration starts as in
-        # its own fit().
-        model.zero_grad(set_to_none=True)
-        steady._unguarded = (lambda: None) if config == "guarded" else unguarded
+    def settings(config: str) -> None:
+        """The module switches ``config`` runs with, nothing installed yet."""
         blocks.IN_GRAPH_F = config != "eager-f"
         tail.ENABLED = config != "no-tail"
         tail.METRICS = config != "no-metrics"
@@ -136,6 +132,14 @@ def worker(args: argparse.Namespace) -> None:
         tail.NESTED = config != "no-nest"
         tail.uninstall(model)
         optimizer_step.uninstall(model)
+
+    def switch(config: str) -> None:
+        # An eager step leaves the gradients on the weights; a compiled one
+        # leaves none, and its guards say so: each configuration starts as in
+        # its own fit().
+        model.zero_grad(set_to_none=True)
+        steady._unguarded = (lambda: None) if config == "guarded" else unguarded
+        settings(config)
         if config in BLOCKS:
             routed = blocks.install(model, compile_failure)  # guards settle again
             if phase == "fit":
@@ -166,14 +170,7 @@ def worker(args: argparse.Namespace) -> None:
             continue
         mode = "blocks" if config in BLOCKS else "step"
         os.environ["KERAS_DTENSOR_FIX_COMPILE"] = mode
-        blocks.IN_GRAPH_F = config != "eager-f"
-        tail.ENABLED = config != "no-tail"
-        tail.METRICS = config != "no-metrics"
-        optimizer_step.ENABLED = config != "no-opt"
-        optimizer_step.GROUPED = config != "one-update"
-        tail.NESTED = config != "no-nest"
-        tail.uninstall(model)
-        optimizer_step.uninstall(model)
+        settings(config)
         model.jit_compile = config != "eager"
         model.zero_grad(set_to_none=True)
         setattr(model, f"{made}_function", None)

@@ -25,6 +25,7 @@ from keras_dtensor_fix.ops.values import output_laid_out
 
 __all__ = [
     "Opened",
+    "boundary",
     "close_opened",
     "holding",
     "nodes_of",
@@ -33,7 +34,6 @@ __all__ = [
     "refusal",
     "run_nodes",
     "run_opened",
-    "unmade",
 ]
 
 
@@ -160,9 +160,13 @@ def pack(model: Any, values: dict[int, Any]) -> Any:
     return tree.pack_sequence_as(model._outputs_struct, found)
 
 
-def unmade(wanted: list[Any], made: list[Any]) -> list[Any]:
-    """``wanted`` without ``made`` and repeats, in order."""
-    skip, found = {id(ref) for ref in made}, []
+def boundary(nodes: list[Any], outputs: list[Any], made: list[Any] = ()) -> list[Any]:
+    """What ``nodes`` read and ``outputs`` need that neither ``nodes`` nor
+    ``made`` make: the tensors a region takes in, in order, each once."""
+    wanted = [ref for node in nodes for ref in node.input_tensors] + list(outputs)
+    skip = {id(ref) for node in nodes for ref in node.outputs}
+    skip.update(id(ref) for ref in made)
+    found = []
     for ref in wanted:
         if id(ref) not in skip:
             skip.add(id(ref))

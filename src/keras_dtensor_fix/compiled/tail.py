@@ -163,17 +163,11 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
     reason = graph_split.refusal(model, opened, [*tail, *inner_tail])
     if reason is not None:
         return reason
-    made = [ref for node in tail for ref in node.outputs]
-    made += opened.node.outputs if opened else []
-    wanted = [ref for node in tail for ref in node.input_tensors] + list(model.outputs)
-    boundary = graph_split.unmade(wanted, made)
-    inner_boundary = []
-    if opened:
-        inner = [ref for node in inner_tail for ref in node.input_tensors]
-        inner_made = [ref for node in inner_tail for ref in node.outputs]
-        inner_boundary = graph_split.unmade(
-            inner + list(opened.model.outputs), inner_made
-        )
+    made = opened.node.outputs if opened else []
+    boundary = graph_split.boundary(tail, model.outputs, made)
+    inner_boundary = (
+        graph_split.boundary(inner_tail, opened.model.outputs) if opened else []
+    )
     base = targets.keras_object("BaseTrainer")
     reads_x = getattr(type(model), "compute_loss", None) is not base.compute_loss
     return _Plan(front, tail, boundary, reads_x, opened, inner_boundary)

@@ -13,12 +13,13 @@ shard-wise update (the local shards, inside its ``local_tensors``) to a
 :class:`Grouped`: the variables split by the routed block that owns them (the
 rest in one group), and each group runs the class's own
 ``_parallel_update_step`` through a ``torch.compile``'d function keyed by the
-group's shapes. That function never sees the real optimizer or variables: it
-gets a stand-in optimizer (the real one's attributes, with its slot lists and
-variable indices cut to the group) and stand-in variables whose ``value`` it
-sets to the tensors passed in, so a graph traced for one block serves every
-block alike, and its guards (the tensors' metadata, the stand-ins' identity)
-are what :class:`~keras_dtensor_fix.compiled.steady.Steady` checks.
+group's shapes (:class:`~keras_dtensor_fix.compiled.steady.Steady` checks the
+rest of each tensor's metadata). That function never sees the real optimizer
+or variables: it gets a stand-in optimizer (the real one's attributes, with
+its slot lists and variable indices cut to the group) and stand-in variables
+whose ``value`` it sets to the tensors passed in, so a graph traced for one
+block serves every block alike, and its guards (the tensors' metadata, the
+stand-ins' identity) are what ``Steady`` checks.
 
 Only for Keras's own torch optimizers whose update is per variable
 (:func:`keras_dtensor_fix.engine.targets.per_variable_update`: not Nadam,
@@ -34,7 +35,6 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_dtensor_fix.compiled import blocks
-from keras_dtensor_fix.compiled.steady import signature
 from keras_dtensor_fix.engine import state, targets
 
 __all__ = ["Grouped", "groupable"]
@@ -115,6 +115,8 @@ class Grouped:
         routed: list[Any],
         failure: Callable[[BaseException], bool],
     ) -> None:
+        #: The class's own update (:func:`groupable` checked it per variable).
+        self._update = _update_function(optimizer)
         self._class = type(optimizer).__name__
         self._name = f"{type(optimizer).__qualname__}.update"
         self._owner = {
@@ -134,13 +136,12 @@ class Grouped:
     ) -> None:
         """Run the class's ``_parallel_update_step`` (``bound``: bound to
         ``optimizer``) on the local ``grads`` and ``variables``, per group."""
-        update = _update_function(optimizer)
         rows = _slot_rows(optimizer, variables)
-        if self.failed or not targets.per_variable_update(update) or rows is None:
+        if self.failed or rows is None:
             bound(grads, variables, lr)
             return
         compiled, done = True, 0
-        context = update, bound, optimizer, rows
+        context = bound, optimizer, rows
         for indices in self._groups(variables):
             group = [variables[i] for i in indices], [grads[i] for i in indices]
             try:
@@ -161,20 +162,23 @@ class Grouped:
 
     def _run(self, context: tuple, indices: list[int], group: tuple, lr: Any) -> bool:
         """One group's update; whether it ran compiled."""
-        update, bound, optimizer, rows = context
+        bound, optimizer, rows = context
         group_vars, group_grads = group
+        if self.failed:
+            bound(group_grads, group_vars, lr)
+            return False
         values = [v.value for v in group_vars]
         slots = [[rows[row][i].value for i in indices] for row in rows]
-        key = (tuple(rows), signature((group_grads, values, slots)))
+        # Alike blocks share an entry; the compiled call's Steady checks every
+        # tensor's metadata (strides, dtypes, grad mode) before skipping guards.
+        key = (tuple(rows), tuple((v.shape, v.dtype) for v in values))
         entry = self._entries.get(key)
         if entry is None:
             entry = _Entry(optimizer, list(rows), len(indices), self._name)
             self._entries[key] = entry
-        if self.failed:
-            bound(group_grads, group_vars, lr)
-            return False
         entry.sync(optimizer)
         stands = (entry.stands, list(entry.rows.values()))
+        update = self._update
         try:
             entry.compiled(update, entry.proxy, *stands, group_grads, values, slots, lr)
         except Exception as error:

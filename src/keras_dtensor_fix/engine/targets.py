@@ -80,12 +80,16 @@ _OPTIMIZERS = f"{KERAS_TORCH}.optimizers"
 PER_VARIABLE_OPTIMIZERS: tuple[str, ...] = tuple(n for n in OPTIMIZERS if n != "nadam")
 
 
+_PER_VARIABLE_MODULES = frozenset(
+    f"{_OPTIMIZERS}.torch_{name}" for name in PER_VARIABLE_OPTIMIZERS
+)
+
+
 def per_variable_update(function: object) -> bool:
     """Whether ``function`` is the ``_parallel_update_step`` of one of Keras's
     :data:`PER_VARIABLE_OPTIMIZERS` (not a subclass's own)."""
-    modules = {f"{_OPTIMIZERS}.torch_{name}" for name in PER_VARIABLE_OPTIMIZERS}
     return (
-        getattr(function, "__module__", None) in modules
+        getattr(function, "__module__", None) in _PER_VARIABLE_MODULES
         and getattr(function, "__name__", None) == "_parallel_update_step"
     )
 
