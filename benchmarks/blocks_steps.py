@@ -33,6 +33,11 @@ model never trained: "build + first" is then the first ``evaluate()`` /
 ``predict()`` (its step built and compiled), "step" one batch (``step``:
 the whole forward compiled; ``blocks``: each block's grad-free graph).
 
+``--profile F`` profiles one more epoch of each configuration on rank 0
+(torch.profiler's ops by self CPU time; with ``--python``, Python's cProfile
+by own time, its raw data in ``F.CONFIG.prof``: the interpreter's share that
+the op table leaves out).
+
     python benchmarks/blocks_steps.py [--layers 2,8] [--rounds 4]
         [--configs eager,step,blocks,guarded]
 """
@@ -155,11 +160,26 @@ def worker(args: argparse.Namespace) -> None:
         switch(config)
         times = []
         epoch()  # settle after the switch
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        with torch.profiler.profile(activities=activities) as prof:
-            times = []
-            epoch()
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=70)
+        if args.python:  # Python's own profiler: where the interpreter's time goes
+            import cProfile
+            import io
+            import pstats
+
+            with cProfile.Profile() as prof:
+                times = []
+                epoch()
+            prof.dump_stats(f"{args.profile}.{config}.prof")
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(60)
+            table = text.getvalue()
+        else:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            with torch.profiler.profile(activities=activities) as prof:
+                times = []
+                epoch()
+            table = prof.key_averages().table(
+                sort_by="self_cpu_time_total", row_limit=70
+            )
         step = 1e3 * statistics.median(times)
         return f"== {config}: {args.layers} layers, step {step:.0f} ms\n{table}"
 
@@ -207,7 +227,9 @@ def launch(args: argparse.Namespace, layers: int) -> dict:
         f"--batch={args.batch}", f"--steps={args.steps}",
         f"--rounds={args.rounds}", f"--configs={args.configs}",
         f"--model={args.model}", f"--phase={args.phase}",
-    ] + ([f"--profile={args.profile}"] if args.profile else [])  # fmt: skip
+    ] + ([f"--profile={args.profile}"] if args.profile else []) + (
+        ["--python"] if args.python else []
+    )  # fmt: skip
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.exists():
         return {"error": proc.stderr[-3000:]}
@@ -253,6 +275,9 @@ def main() -> None:
     phases = ("fit", "evaluate", "predict")
     parser.add_argument("--phase", default="fit", choices=phases)
     parser.add_argument("--json", help="write every launch's result here")
+    parser.add_argument(
+        "--python", action="store_true", help="--profile with cProfile, not torch's"
+    )
     parser.add_argument(
         "--profile", help="rank 0: after the rounds, one profiled epoch each, here"
     )

@@ -125,3 +125,39 @@ def test_a_turn_that_compiles_again_does_not_settle() -> None:
     SCALE = 2.0
     assert call(x).tolist() == [2.0] * 3  # compiled again: not settled
     assert not call.settled
+
+
+def test_a_settled_call_runs_without_the_compile_wrappers() -> None:
+    """Blocks mode wraps each region in settings that matter only when dynamo
+    compiles (``compile_region``): a settled call, which cannot compile,
+    runs the compiled function without them; guarded calls keep them."""
+    plain = torch.compile(scaled, backend="eager")
+    wrapped_calls = []
+
+    def wrapped(x):
+        wrapped_calls.append(1)
+        return plain(x)
+
+    call, x = Steady(wrapped, code_of(scaled), settled_call=plain), torch.ones(3)
+    call(x)
+    call(x)
+    assert len(wrapped_calls) == 2 and call.settled
+    call(x)
+    assert len(wrapped_calls) == 2  # settled: the plain compiled function
+
+
+def offset(tag: object, x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def test_fixed_arguments_stay_out_of_the_signature() -> None:
+    """An update group passes its own stand-ins first at every call (``fixed``):
+    only the tensors after them make the signature, and a new shape still
+    runs with guards."""
+    tag = object()
+    call = Steady(torch.compile(offset, backend="eager"), code_of(offset), fixed=1)
+    call(tag, torch.ones(3))
+    call(tag, torch.ones(3))
+    assert call.settled
+    assert call(tag, torch.ones(4)).tolist() == [2.0] * 4
+    assert not call.settled

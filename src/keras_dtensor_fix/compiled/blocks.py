@@ -312,15 +312,26 @@ def _compiled(
 
 
 def compile_region(
-    traced: Callable[..., Any], distribution: Any, *, interleaved: bool = False
+    traced: Callable[..., Any],
+    distribution: Any,
+    *,
+    interleaved: bool = False,
+    fixed: int = 0,
 ) -> Steady:
     """``traced`` as blocks mode compiles a region: static shapes (DTensor
     sharding propagation fails on symbolic sizes), the process-keyed cache
-    tag, its guards skipped once settled."""
-    compiled = torch.compile(traced, dynamic=False)
-    compiled = _views_recomputed(compiled)
-    compiled = cache_key.keyed(compiled, distribution)
-    return Steady(compiled, code_of(traced), interleaved=interleaved)
+    tag, its guards skipped once settled (``fixed``: see ``Steady``)."""
+    plain = torch.compile(traced, dynamic=False)
+    # The two settings matter only where dynamo compiles: settled calls,
+    # which cannot, skip setting them around each call.
+    compiled = cache_key.keyed(_views_recomputed(plain), distribution)
+    return Steady(
+        compiled,
+        code_of(traced),
+        interleaved=interleaved,
+        settled_call=plain,
+        fixed=fixed,
+    )
 
 
 def _views_recomputed(compiled: Callable[..., Any]) -> Callable[..., Any]:

@@ -39,10 +39,25 @@ import torch
 __all__ = ["Steady", "code_of", "signature"]
 
 
+#: Tensor classes with no placements: their metadata is read directly (an
+#: update group's call passes about a hundred such tensors).
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def _meta(value: Any) -> Any:
+    cls = type(value)
+    if cls in _PLAIN and value.layout is torch.strided:
+        return (
+            cls,
+            value.shape,
+            value.stride(),
+            value.dtype,
+            value.device,
+            value.requires_grad,
+        )
     if isinstance(value, torch.Tensor):
         return (
-            type(value),
+            cls,
             tuple(value.shape),
             value.stride() if value.layout == torch.strided else None,
             value.dtype,
@@ -51,9 +66,11 @@ def _meta(value: Any) -> Any:
             getattr(value, "placements", None),
             id(getattr(value, "device_mesh", None)),
         )
+    if cls is list or cls is tuple:
+        return (cls, tuple([_meta(item) for item in value]))
     if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_meta(item) for item in value))
-    return (type(value), id(value))
+        return (cls, tuple(_meta(item) for item in value))
+    return (cls, id(value))
 
 
 def signature(args: tuple, kwargs: dict | None = None) -> tuple:
@@ -101,8 +118,17 @@ class Steady:
         code: CodeType | None,
         *,
         interleaved: bool = False,
+        settled_call: Callable[..., Any] | None = None,
+        fixed: int = 0,
     ) -> None:
         self._compiled = compiled
+        #: What a settled call runs: ``compiled`` without wrappers that only
+        #: matter when dynamo compiles (a settled call never compiles: a
+        #: failed guard raises under the stance).
+        self._settled_call = settled_call or compiled
+        #: Leading positional arguments that are the same objects at every
+        #: call (the caller's promise): left out of the signature.
+        self._fixed = fixed
         self._code = code
         self._interleaved = interleaved
         self._last: tuple | None = None
@@ -126,13 +152,13 @@ class Steady:
         self._settled.clear()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key = signature(args, kwargs)
+        key = signature(args[self._fixed :], kwargs)
         if key in self._settled:
             stance = _unguarded()
             if stance is not None:
                 self._last = key
                 with stance:
-                    return self._compiled(*args, **kwargs)
+                    return self._settled_call(*args, **kwargs)
         before = _frames_converted()
         result = self._compiled(*args, **kwargs)
         repeated = key in self._seen if self._interleaved else key == self._last

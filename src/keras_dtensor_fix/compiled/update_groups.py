@@ -74,6 +74,7 @@ class _Entry:
     def __init__(self, optimizer: Any, rows: list[str], size: int, name: str) -> None:
         self.stands = [_Stand() for _ in range(size)]
         self.rows = {row: [_Stand() for _ in range(size)] for row in rows}
+        self.row_stands = list(self.rows.values())
         self.proxy = object.__new__(type(optimizer))
         self.overrides = {
             "_trainable_variables": list(self.stands),
@@ -84,8 +85,10 @@ class _Entry:
         }
         self.sync(optimizer)
         traced = blocks.renamed(_group_step, name, "update")
+        # The entry passes its own update, stand-in optimizer and stand-ins
+        # at every call: the signature covers the tensors only.
         self.compiled = blocks.compile_region(
-            traced, state.model_parallel(), interleaved=True
+            traced, state.model_parallel(), interleaved=True, fixed=4
         )
 
     def sync(self, optimizer: Any) -> None:
@@ -141,7 +144,7 @@ class Grouped:
             bound(grads, variables, lr)
             return
         compiled, done = True, 0
-        context = bound, optimizer, rows
+        context = bound, optimizer, rows, _reader()
         for indices in self._groups(variables):
             group = [variables[i] for i in indices], [grads[i] for i in indices]
             try:
@@ -162,13 +165,13 @@ class Grouped:
 
     def _run(self, context: tuple, indices: list[int], group: tuple, lr: Any) -> bool:
         """One group's update; whether it ran compiled."""
-        bound, optimizer, rows = context
+        bound, optimizer, rows, read = context
         group_vars, group_grads = group
         if self.failed:
             bound(group_grads, group_vars, lr)
             return False
-        values = [v.value for v in group_vars]
-        slots = [[rows[row][i].value for i in indices] for row in rows]
+        values = [read(v) for v in group_vars]
+        slots = [[read(rows[row][i]) for i in indices] for row in rows]
         # Alike blocks share an entry; the compiled call's Steady checks every
         # tensor's metadata (strides, dtypes, grad mode) before skipping guards.
         key = (tuple(rows), tuple((v.shape, v.dtype) for v in values))
@@ -177,10 +180,9 @@ class Grouped:
             entry = _Entry(optimizer, list(rows), len(indices), self._name)
             self._entries[key] = entry
         entry.sync(optimizer)
-        stands = (entry.stands, list(entry.rows.values()))
-        update = self._update
+        fixed = (self._update, entry.proxy, entry.stands, entry.row_stands)
         try:
-            entry.compiled(update, entry.proxy, *stands, group_grads, values, slots, lr)
+            entry.compiled(*fixed, group_grads, values, slots, lr)
         except Exception as error:
             if not self._failure(error):
                 raise
@@ -202,6 +204,33 @@ class Grouped:
             by_owner.setdefault(self._owner.get(id(variable), -1), []).append(index)
         rest = by_owner.pop(-1, [])
         return [*by_owner.values(), *([rest] if rest else [])]
+
+
+def _reader() -> Callable[[Any], Any]:
+    """How this update reads a variable's tensor: its ``_value``, what Keras's
+    ``value`` returns outside a stateless scope, an autocast scope and a
+    symbolic (meta-device) call, without those checks for each variable."""
+    if (
+        targets.keras_object("in_stateless_scope")()
+        or targets.keras_object("get_autocast_scope")() is not None
+        or "meta" in str(_device_scope())
+    ):
+        return _value
+    return _raw
+
+
+def _value(variable: Any) -> Any:
+    return variable.value
+
+
+def _raw(variable: Any) -> Any:
+    value = variable._value
+    return variable.value if value is None else value
+
+
+def _device_scope() -> Any:
+    """The device Keras's torch backend puts tensors on in this scope, if set."""
+    return targets.keras_object("global_state").get_global_attribute("torch_device")
 
 
 def _slot_rows(optimizer: Any, variables: list) -> dict[str, list[Any]] | None:
