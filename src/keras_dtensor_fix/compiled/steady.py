@@ -66,10 +66,8 @@ def _meta(value: Any) -> Any:
             getattr(value, "placements", None),
             id(getattr(value, "device_mesh", None)),
         )
-    if cls is list or cls is tuple:
-        return (cls, tuple([_meta(item) for item in value]))
     if isinstance(value, (tuple, list)):
-        return (cls, tuple(_meta(item) for item in value))
+        return (cls, tuple([_meta(item) for item in value]))
     return (cls, id(value))
 
 
