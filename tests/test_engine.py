@@ -508,3 +508,18 @@ print(json.dumps({"on": on, "off": hasattr(fake_target.Base, "extra"),
     assert out["on"]["rows"] == {"Base.extra": "applied", "Base.step": "skipped"}
     assert out["on"]["step_kept"] and out["step_after"]
     assert out["off"] is False
+
+
+def test_keras_object_takes_the_layout_found(monkeypatch) -> None:
+    """An object whose module moved between Keras's layouts names a module per
+    layout: the first one found is imported (``get_device``: ``ops/core.py``
+    from about 2026-10, ``core.py`` before)."""
+    import json
+
+    from keras_dtensor_fix.engine import targets
+
+    monkeypatch.setitem(
+        targets.OBJECTS, "probe", (("kdf_no_such_layout.core", "json"), "dumps")
+    )
+    monkeypatch.setattr(targets, "_FOUND", {})  # looked up afresh, then dropped
+    assert targets.keras_object("probe") is json.dumps

@@ -213,7 +213,7 @@ def _reader() -> Callable[[Any], Any]:
     if (
         targets.keras_object("in_stateless_scope")()
         or targets.keras_object("get_autocast_scope")() is not None
-        or "meta" in str(_device_scope())
+        or "meta" in str(targets.keras_object("get_device")())
     ):
         return _value
     return _raw
@@ -226,11 +226,6 @@ def _value(variable: Any) -> Any:
 def _raw(variable: Any) -> Any:
     value = variable._value
     return variable.value if value is None else value
-
-
-def _device_scope() -> Any:
-    """The device Keras's torch backend puts tensors on in this scope, if set."""
-    return targets.keras_object("global_state").get_global_attribute("torch_device")
 
 
 def _slot_rows(optimizer: Any, variables: list) -> dict[str, list[Any]] | None:

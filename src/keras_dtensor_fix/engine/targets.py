@@ -153,8 +153,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "dynamo_utils": ("torch._functorch._aot_autograd.autograd_cache",),
 }
 
-#: Keras objects the patches use, by name: ``(module, attribute)``.
-OBJECTS: dict[str, tuple[str, str]] = {
+#: Keras objects the patches use, by name: ``(module, attribute)``; the
+#: module may be a tuple of candidates, one per layout, newest first.
+OBJECTS: dict[str, tuple[str | tuple[str, ...], str]] = {
     "Variable": ("keras.src.backend.common.variables", "Variable"),
     "StatelessScope": ("keras.src.backend", "StatelessScope"),
     "Layer": ("keras.src.layers.layer", "Layer"),
@@ -186,6 +187,7 @@ OBJECTS: dict[str, tuple[str, str]] = {
         "keras.src.layers.core.reversible_embedding",
         "ReversibleEmbedding",
     ),
+    "get_device": (torch_module("core"), "get_device"),
 }
 
 
@@ -215,7 +217,13 @@ def keras_object(name: str) -> Any:
     """
     found = _FOUND.get(name)
     if found is None:
-        module, attribute = OBJECTS[name]
+        modules, attribute = OBJECTS[name]
+        candidates = (modules,) if isinstance(modules, str) else modules
+        for module in candidates[:-1]:
+            if find_spec(module) is not None:
+                break
+        else:
+            module = candidates[-1]
         found = _FOUND[name] = getattr(importlib.import_module(module), attribute)
     return found
 
