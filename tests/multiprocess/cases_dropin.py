@@ -21,6 +21,7 @@ from scenario_kit import (  # noqa: E402
     fit_mlp,
     fit_model,
     mlp,
+    plugin_warnings,
     weights,
 )
 
@@ -197,9 +198,7 @@ def _plugin_warnings(fn, *args, **kwargs) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = fn(*args, **kwargs)
-    result["plugin_warnings"] = [
-        str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
-    ]
+    result["plugin_warnings"] = plugin_warnings(caught)
     return result
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 from cases_hub import GPT_LAYOUT, hub_layout, short_prompts, tiny_causal_lm
-from scenario_kit import case
+from scenario_kit import case, plugin_warnings
 
 #: case name -> the fragment each process's warning must hold
 FALLBACKS: dict[str, str] = {}
@@ -60,9 +60,7 @@ def _generate_with(module: str, name: str) -> dict:
     return {
         "tokens": np.asarray(tokens["token_ids"]).tolist(),
         "tokens_again": np.asarray(again["token_ids"]).tolist(),
-        "plugin_warnings": [
-            str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
-        ],
+        "plugin_warnings": plugin_warnings(caught),
     }
 
 
@@ -142,9 +140,7 @@ def _with_plugin_warnings(fit: Callable[[], dict]) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = fit()
-    result["plugin_warnings"] = [
-        str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
-    ]
+    result["plugin_warnings"] = plugin_warnings(caught)
     return result
 
 

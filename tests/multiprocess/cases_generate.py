@@ -26,7 +26,7 @@ from cases_hub import (
     short_prompts,
     tiny_causal_lm,
 )
-from scenario_kit import case
+from scenario_kit import case, plugin_warnings
 
 
 def generate_compiled(kind: str) -> dict:
@@ -58,9 +58,7 @@ def generate_compiled(kind: str) -> dict:
         # the token graph is the whole call on local tensors (no DTensor)
         "whole_local": _whole_checked(model),
         "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
-        "plugin_warnings": [
-            str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
-        ],
+        "plugin_warnings": plugin_warnings(caught),
     }
 
 

@@ -17,6 +17,7 @@ from scenario_kit import (  # noqa: E402
     DTensorOps,
     batch_rows,
     case,
+    plugin_warnings,
     weights,
 )
 
@@ -274,9 +275,7 @@ def gemma_1x2_heads_miscounted():
         heads[name] = counts
     return {
         "tokens": np.asarray(tokens["token_ids"]).tolist(),
-        "plugin_warnings": [
-            str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
-        ],
+        "plugin_warnings": plugin_warnings(caught),
     }
 
 
@@ -288,9 +287,7 @@ def watched(fit) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = fit()
-    result["plugin_warnings"] = [
-        str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
-    ]
+    result["plugin_warnings"] = plugin_warnings(caught)
     result["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     return result
 

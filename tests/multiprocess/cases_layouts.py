@@ -12,7 +12,13 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from scenario_kit import WORLD, batch_rows, case, weights  # noqa: E402
+from scenario_kit import (  # noqa: E402
+    WORLD,
+    batch_rows,
+    case,
+    plugin_warnings,
+    weights,
+)
 
 _BASE = {"vocabulary_size": 64, "num_layers": 2, "hidden_dim": 32}
 _GQA = {"num_query_heads": 4, "num_key_value_heads": 2}
@@ -380,9 +386,7 @@ def _watched(phases: dict, phase: str):
         warnings.simplefilter("always")
         yield
     phases[phase] = {
-        "warned": [
-            str(w.message) for w in warned if "keras-dtensor-fix" in str(w.message)
-        ],
+        "warned": plugin_warnings(warned),
         "graphs": counters["stats"]["unique_graphs"] - graphs,
         "graph_breaks": sum(counters["graph_break"].values()) - breaks,
         "break_reasons": sorted({str(k)[:200] for k in counters["graph_break"]}),

@@ -193,3 +193,11 @@ def fit_model(
     model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
     history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
     return {"losses": history.history["loss"], "weights": weights(model)}
+
+
+def plugin_warnings(caught) -> list[str]:
+    """The plugin's warnings among ``caught`` (``warnings.catch_warnings``'s
+    records): its own, and torch's that name its code (dynamo warned of an
+    ``lru_cache`` the plugin called in a traced step: a user sees it too)."""
+    names = ("keras-dtensor-fix", "keras_dtensor_fix")
+    return [str(w.message) for w in caught if any(n in str(w.message) for n in names)]

@@ -65,7 +65,7 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
         ):
             return None
     compiling = torch.compiler.is_compiling()
-    operands = _align_shards(equation, operands, mesh)
+    operands = _align_shards(equation, operands, mesh, compiling)
     product = planner.product
     found = (product.__wrapped__ if compiling else product)(
         equation,
@@ -85,10 +85,15 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
 
 
 def _align_shards(
-    equation: str, operands: Sequence[DTensor], mesh: Any
+    equation: str, operands: Sequence[DTensor], mesh: Any, compiling: bool
 ) -> Sequence[DTensor]:
-    """``operands`` placed as :func:`.planner.aligned` says (the way in)."""
-    wanted = planner.aligned(
+    """``operands`` placed as :func:`.planner.aligned` says (the way in).
+
+    Traced, the plan's functions are called without their ``lru_cache``: dynamo
+    traces through the cache anyway, and warns the user of it at each trace.
+    """
+    aligned = planner.aligned
+    wanted = (aligned.__wrapped__ if compiling else aligned)(
         equation, tuple(tuple(o.placements) for o in operands), tuple(mesh.shape)
     )
     return [
