@@ -1,9 +1,12 @@
-"""Seeded dropout on DTensor activations.
+"""Dropout on DTensor activations.
 
-The torch backend draws a seeded mask as a plain tensor and combines it with the
-activations in ``torch.where``, outside the numpy ops. On a DTensor the mask is
-drawn the same way (full shape, same seed, so every rank and a single-process
-run agree) and promoted to a Replicate DTensor before the ``where``.
+The torch backend draws a mask as a plain tensor (seeded: from Keras's seed
+generator; unseeded: torch's own dropout on its global generator) and combines
+it with the activations outside the numpy ops. On a DTensor the mask is drawn
+the same way for the full shape (so every rank and a single-process run
+agree), eagerly, and promoted to a Replicate DTensor before the ``where``. In a
+compiled step the eager draw is a graph break (reported by the ``compile``
+family; where torch's backward then fails, its step runs eagerly).
 """
 
 from __future__ import annotations
