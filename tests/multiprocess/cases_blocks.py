@@ -156,6 +156,46 @@ def gpt_blocks_evaluate():
     return _blocks(fit, mode=None)
 
 
+@case("blocks", layout=GPT_LAYOUT)
+def gpt_blocks_dropout():
+    """Dropout in every block (``TransformerDecoder(dropout=0.1)``: attention
+    and feed-forward, unseeded), compiled in the default mode: each mask is
+    drawn by one opaque op of the block's graph when it runs, as one process
+    draws it eagerly (the ``random`` family). Trained with ``train_on_batch``:
+    on one process ``fit()`` feeds numpy through a torch ``DataLoader``, whose
+    iterator draws from torch's global generator each epoch, and a
+    distributed ``fit()`` (upstream's too) does not, so their masks differ.
+    Upstream fails in the dropout ("aten.bernoulli_.float: in-place operations
+    that require placement changes are not supported")."""
+    import keras_hub
+
+    def fit() -> dict:
+        ids = keras.Input((12,), dtype="int32", name="token_ids")
+        x = keras_hub.layers.TokenAndPositionEmbedding(64, 12, 32, name="embedding")(
+            ids
+        )
+        for i in range(2):
+            x = keras_hub.layers.TransformerDecoder(
+                64, 4, dropout=0.1, name=f"decoder_{i}"
+            )(x)
+        model = keras.Model(ids, keras.layers.Dense(64, name="lm_head")(x))
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=True,
+        )
+        tokens = np.random.default_rng(0).integers(1, 64, size=(8, 12))
+        x, y = tokens.astype("int32"), np.roll(tokens, -1, axis=1).astype("int32")
+        losses = [
+            float(model.train_on_batch(x[i : i + 4], y[i : i + 4]))
+            for _ in range(2)
+            for i in (0, 4)
+        ]
+        return {"losses": losses, "weights": weights(model)}
+
+    return _blocks(fit, mode=None)
+
+
 def _hub_blocks(kind: str, **options) -> None:
     def run():
         return _blocks(

@@ -4,9 +4,11 @@ The torch backend draws a mask as a plain tensor (seeded: from Keras's seed
 generator; unseeded: torch's own dropout on its global generator) and combines
 it with the activations outside the numpy ops. On a DTensor the mask is drawn
 the same way for the full shape (so every rank and a single-process run
-agree), eagerly, and promoted to a Replicate DTensor before the ``where``. In a
-compiled step the eager draw is a graph break (reported by the ``compile``
-family; where torch's backward then fails, its step runs eagerly).
+agree), eagerly, and promoted to a Replicate DTensor before the ``where``.
+Traced (torch 2.13), the draw did not match one process's: in a compiled step
+the unseeded draw is one opaque op of the graph (``keras_dtensor_fix::
+dropout_kept``) that draws eagerly when the graph runs; a seeded draw, or one
+with a noise shape, is a graph break (reported by the ``compile`` family).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import types
 import torch
 
 from keras_dtensor_fix.dtensor import DTensor, replicate
+from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 
 
@@ -24,11 +27,15 @@ def _bind(inputs, rate, noise_shape=None, seed=None):
 
 
 def _draw_kept(wrapped, shape, dtype, device, rate, noise_shape, seed):
-    """The kept-entries mask the original draws for the whole (global) tensor.
-
-    Run eagerly (like Keras's own seeded generator): traced (torch 2.13), the
-    draw did not match the single-process one.
-    """
+    """The kept-entries mask the original draws for the whole (global) tensor,
+    drawn eagerly as one process draws it (traced: through :func:`_kept`)."""
+    if (
+        _kept is not None
+        and torch.compiler.is_compiling()
+        and noise_shape is None
+        and _unseeded(seed)
+    ):
+        return _kept(_DRAWS, list(shape), rate, dtype, device)
 
     @torch._dynamo.disable
     def draw():
@@ -36,6 +43,51 @@ def _draw_kept(wrapped, shape, dtype, device, rate, noise_shape, seed):
         return wrapped(stand_in, rate, noise_shape, seed) != 0
 
     return draw()
+
+
+def _unseeded(seed) -> bool:
+    """Whether Keras's torch ``dropout`` takes its unseeded path for ``seed``."""
+    generator = targets.keras_object("SeedGenerator")
+    return seed is None or (isinstance(seed, generator) and seed._initial_seed is None)
+
+
+#: How many in-graph draws ran: the op mutates it, so that no compiler pass
+#: merges two draws of one shape or moves one past another.
+_DRAWS = torch.zeros((), dtype=torch.int64)
+
+
+def _define_kept():
+    """The op ``keras_dtensor_fix::dropout_kept``, or None on a torch without
+    ``torch.library.custom_op`` tags (every traced draw then a graph break)."""
+
+    def kept(
+        draws: torch.Tensor,
+        shape: list[int],
+        rate: float,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Keras's unseeded draw of a kept-entries mask, run when the graph runs."""
+        draws.add_(1)
+        stand_in = torch.ones(shape, dtype=dtype, device=device)
+        return torch.nn.functional.dropout(stand_in, p=rate, training=True) != 0
+
+    def fake(draws, shape, rate, dtype, device):
+        return torch.empty(shape, dtype=torch.bool, device=device)
+
+    try:
+        op = torch.library.custom_op(
+            "keras_dtensor_fix::dropout_kept",
+            mutates_args=("draws",),
+            tags=(torch.Tag.nondeterministic_seeded,),
+        )(kept)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+    op.register_fake(fake)
+    return op
+
+
+_kept = _define_kept()
 
 
 def _dropout(wrapped, instance, args, kwargs):
