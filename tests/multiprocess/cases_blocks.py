@@ -119,6 +119,19 @@ def gpt_blocks_adamw():
     return _blocks(lambda: fit_gpt(True, optimizer=optimizer), mode=None)
 
 
+def _compiled_gpt(dropout: float = 0.0) -> tuple:
+    """Two TransformerDecoder blocks compiled with ``jit_compile=True``, and
+    8 rows of token ids with their next tokens."""
+    model = tiny_gpt(2, dropout=dropout)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    tokens = np.random.default_rng(0).integers(1, 64, size=(8, 12))
+    return model, tokens.astype("int32"), np.roll(tokens, -1, axis=1).astype("int32")
+
+
 @case("blocks", layout=GPT_LAYOUT)
 def gpt_blocks_evaluate():
     """The default mode's evaluation and prediction: two TransformerDecoder
@@ -127,14 +140,7 @@ def gpt_blocks_evaluate():
     ``gpt_4_layers_blocks``."""
 
     def fit() -> dict:
-        model = tiny_gpt(2)
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-3),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=True,
-        )
-        tokens = np.random.default_rng(0).integers(1, 64, size=(8, 12))
-        x, y = tokens.astype("int32"), np.roll(tokens, -1, axis=1).astype("int32")
+        model, x, y = _compiled_gpt()
         history = model.fit(
             x,
             y,
@@ -167,25 +173,9 @@ def gpt_blocks_dropout():
     distributed ``fit()`` (upstream's too) does not, so their masks differ.
     Upstream fails in the dropout ("aten.bernoulli_.float: in-place operations
     that require placement changes are not supported")."""
-    import keras_hub
 
     def fit() -> dict:
-        ids = keras.Input((12,), dtype="int32", name="token_ids")
-        x = keras_hub.layers.TokenAndPositionEmbedding(64, 12, 32, name="embedding")(
-            ids
-        )
-        for i in range(2):
-            x = keras_hub.layers.TransformerDecoder(
-                64, 4, dropout=0.1, name=f"decoder_{i}"
-            )(x)
-        model = keras.Model(ids, keras.layers.Dense(64, name="lm_head")(x))
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-3),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=True,
-        )
-        tokens = np.random.default_rng(0).integers(1, 64, size=(8, 12))
-        x, y = tokens.astype("int32"), np.roll(tokens, -1, axis=1).astype("int32")
+        model, x, y = _compiled_gpt(dropout=0.1)
         losses = [
             float(model.train_on_batch(x[i : i + 4], y[i : i + 4]))
             for _ in range(2)

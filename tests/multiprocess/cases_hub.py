@@ -401,16 +401,18 @@ def gpt2_1x2():
     return fit_and_generate("gpt2")
 
 
-def tiny_gpt(depth: int = 2, nested: bool = False):
+def tiny_gpt(depth: int = 2, nested: bool = False, dropout: float = 0.0):
     """A GPT-style decoder from keras_hub.layers (causal self-attention);
     ``nested``: as a keras-hub causal LM, a backbone model (the blocks and a
-    final norm) and the head after it."""
+    final norm) and the head after it; ``dropout``: each block's rate."""
     import keras_hub
 
     ids = keras.Input((12,), dtype="int32", name="token_ids")
     x = keras_hub.layers.TokenAndPositionEmbedding(64, 12, 32, name="embedding")(ids)
     for i in range(depth):
-        x = keras_hub.layers.TransformerDecoder(64, 4, name=f"decoder_{i}")(x)
+        x = keras_hub.layers.TransformerDecoder(
+            64, 4, dropout=dropout, name=f"decoder_{i}"
+        )(x)
     if nested:
         x = layers.LayerNormalization(name="final_norm")(x)
         x = keras.Model(ids, x, name="backbone")(ids)
