@@ -295,7 +295,8 @@ with warnings.catch_warnings(record=True) as caught:
     except Exception as err:
         out["error"] = type(err).__name__
 out["warnings"] = [
-    str(w.message) for w in caught if "keras-dtensor-fix" in str(w.message)
+    str(w.message) for w in caught
+    if "keras-dtensor-fix" in str(w.message) or "keras_dtensor_fix" in str(w.message)
 ]
 dist.destroy_process_group()
 print(json.dumps(out))

@@ -103,10 +103,9 @@ def _one_mesh(values: Sequence[Any], mesh: Any = None) -> tuple[bool, Any]:
     (the first one's when None), and that mesh (None: no DTensor, none given)."""
     for value in values:
         if isinstance(value, DTensor):
-            other = value.device_mesh
             if mesh is None:
-                mesh = other
-            elif other is not mesh and not same_mesh(other, mesh):
+                mesh = value.device_mesh
+            elif not same_mesh(value.device_mesh, mesh):
                 return False, mesh
     return True, mesh
 
