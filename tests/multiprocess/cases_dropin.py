@@ -191,6 +191,38 @@ def mha_causal_mask():
     return _causal_attention()
 
 
+@case("dropin", layout=MEGATRON)
+def unseeded_dropout_fit():
+    """An unseeded Dropout on sharded activations, fit() on numpy with
+    validation data: one process's epochs iterate a DataLoader, which draws a
+    seed from torch's generator (twice an epoch), and ModelParallel's walk
+    numpy batches; the ``data`` family draws the same, so the masks, losses
+    and weights equal one process's. Upstream trains to other losses."""
+    x, y = data()
+    model = keras.Sequential(
+        [
+            layers.Input((16,)),
+            layers.Dense(32, activation="relu", name="dense_1"),
+            layers.Dropout(0.3),
+            layers.Dense(4, name="dense_2"),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    history = model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        validation_data=(x[:32], y[:32]),
+    )
+    return {
+        "losses": history.history["loss"] + history.history["val_loss"],
+        "weights": weights(model),
+    }
+
+
 def _plugin_warnings(fn, *args, **kwargs) -> dict:
     """``fn``'s result with the plugin's warnings it raised."""
     import warnings

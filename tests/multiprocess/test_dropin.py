@@ -34,9 +34,10 @@ LOOSE = {
 SELECTING = (*BRANCHING, "loss_scale_sgd_fp16_compiled")
 
 #: What upstream Keras does with each case on 2 ranks: "ok" (equals one
-#: process) or a fragment of its error (a tuple: any one of them, by torch
-#: release). Measured with keras-nightly 3.16.0.dev2026102704 and torch
-#: 2.13.0, 2.14.1 and 2.15.0 (``nox -s matrix``).
+#: process), "differs" (trains, to other losses than one process) or a
+#: fragment of its error (a tuple: any one of them, by torch release).
+#: Measured with keras-nightly 3.16.0.dev2026102704 and torch 2.13.0, 2.14.1
+#: and 2.15.0 (``nox -s matrix``).
 UPSTREAM = {
     "custom_loop_keras_loss": "ok",
     "loss_scale_sgd_fp16": "ok",
@@ -55,6 +56,8 @@ UPSTREAM = {
     "separable_conv2d": "expected weight to be at least 4",
     "conv2d_transpose": "must match the size of tensor b",
     "mha_causal_mask": "ok",
+    # trains, but its dropout masks are not one process's: other losses
+    "unseeded_dropout_fit": "differs",
     # cases_fallback.py: the plugin's local fast paths defeated on purpose;
     # upstream takes every op through DTensor and equals one process.
     "leaves_region_raises": "ok",
@@ -286,10 +289,11 @@ def test_upstream_does_as_pinned(runs, name: str) -> None:
     upstream = runs.get("dropin", world=2, KERAS_DTENSOR_FIX="0")[0][name]
     single = runs.get("dropin", world=1)[0][name]
     expected = UPSTREAM[name]
-    if expected == "ok":
+    if expected in ("ok", "differs"):
         assert "error" not in upstream, upstream.get("traceback")
         rtol = LOOSE.get(name, 1e-5)
-        np.testing.assert_allclose(upstream["losses"], single["losses"], rtol=rtol)
+        equal = np.allclose(upstream["losses"], single["losses"], rtol=rtol)
+        assert equal == (expected == "ok"), (upstream["losses"], single["losses"])
     else:
         assert_fails_with(upstream, expected)
 

@@ -3,6 +3,8 @@
 * ``distribute_data_input`` is replaced: it accepts both historical signatures
   (with and without ``batch_dim_name``), walks nested structures itself, and
   keeps data on its device (upstream copies CUDA batches to the CPU and back).
+* A ModelParallel epoch draws the seed one process's ``DataLoader`` draws
+  (:func:`_epoch_draw`), so that unseeded dropout masks as one process's.
 * On nightlies whose trainer never distributes the batch (up to ~2026-09), the
   train/test/predict steps distribute plain batches as per-process shards, and
   ``predict`` returns each process's rows with the model axes gathered.
@@ -129,6 +131,24 @@ def _predict_step(wrapped, instance, args, kwargs):
     )
 
 
+def _epoch_draw(wrapped, instance, args, kwargs):
+    """``TorchEpochIterator._get_iterator``, drawing as one process does.
+
+    Without a distribution every epoch iterates a ``DataLoader``, which draws
+    its base seed from torch's global generator; under ModelParallel Keras
+    walks numpy batches instead and draws nothing, so an unseeded dropout
+    (torch's own, on that generator) masked differently from one process.
+    The same draw keeps them equal. A user's own ``DataLoader`` draws either
+    way.
+    """
+    adapter = getattr(instance, "data_adapter", None)
+    if model_parallel() is not None and not isinstance(
+        adapter, targets.keras_object("TorchDataLoaderAdapter")
+    ):
+        torch.empty((), dtype=torch.int64).random_()
+    return wrapped(*args, **kwargs)
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
     name = module.__name__
     if targets.is_kind(name, "distribution_lib"):
@@ -146,7 +166,11 @@ def patches(module: types.ModuleType) -> list[Patch]:
             )
         ]
     if targets.trainer_distributes_batches(module):
-        return []  # this trainer distributes batches itself
+        # This trainer distributes batches itself; its epochs walk numpy.
+        iterator = getattr(module, "TorchEpochIterator", None)
+        if iterator is None or not hasattr(iterator, "_get_distributed_iterator"):
+            return []
+        return [Patch(name, "TorchEpochIterator._get_iterator", _epoch_draw)]
     cls = targets.trainer_class(module)
     return [
         Patch(name, f"{cls}.train_step", _distribute_step_data, gated=True),
