@@ -172,6 +172,7 @@ def test_moe_compiled(runs, name: str) -> None:
     check_compiled(name, ranks, runs.get("moe_compiled", world=1)[0])
 
 
+@pytest.mark.slow
 def test_moe_compiled_cold_then_warm(runs) -> None:
     """The compiled QwenMoe case launched again on the compile cache that
     the session's 2-process launch filled from empty (``Runs.compile_cache``),
@@ -252,6 +253,7 @@ def test_warm_launches_compile_nothing(runs, tmp_path) -> None:
             assert not any("miss" in k or "bypass" in k for k in counts), counts
 
 
+@pytest.mark.slow
 def test_upstream_moe(runs) -> None:
     """Upstream on the MoE cases: neither model builds (the vocabulary-sharded
     embedding's mask, as for Llama and Qwen)."""
