@@ -17,9 +17,12 @@ from scenario_kit import (  # noqa: E402
     TRANSFORMER,
     WORLD,
     case,
+    data,
     fit_mlp,
     fit_model,
     fit_rank_rows,
+    mlp,
+    plugin_warnings,
     weights,
 )
 
@@ -171,6 +174,30 @@ def leaf_layers_local_and_not():
 @case("compiled", layout=MEGATRON, inductor=True)
 def compiled_mlp():
     return fit_mlp(keras.optimizers.Adam(1e-2), jit_compile=True)
+
+
+@case("compiled", layout=MEGATRON)
+def compiled_train_on_batch():
+    """``train_on_batch`` compiled: Keras distributes its first batch before
+    it builds the compiled step, so that step's trace saw the batch before the
+    ``data`` family marked it static; the mark at the second call failed a
+    guard, the step compiled again and the plugin warned of it."""
+    import warnings
+
+    x, y = data()
+    model = mlp()
+    model.compile(keras.optimizers.Adam(1e-2), loss="mse", jit_compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [
+            float(model.train_on_batch(x[i : i + 16], y[i : i + 16]))
+            for i in (0, 16, 32, 48)
+        ]
+    return {
+        "losses": losses,
+        "weights": weights(model),
+        "plugin_warnings": plugin_warnings(caught),
+    }
 
 
 @case("compiled", layout=TRANSFORMER)

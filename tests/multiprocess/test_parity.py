@@ -61,6 +61,20 @@ def test_parity(runs, group: str, name: str) -> None:
     assert_parity(name, ranks, single)
 
 
+def test_train_on_batch_compiles_once(runs) -> None:
+    """``train_on_batch`` with ``jit_compile=True``: one graph for the four
+    calls, no warning, one process's losses (``test_parity``). Before, the
+    second call compiled the step again and warned. Upstream runs it eagerly
+    ("Running without torch.compile") and equals one process."""
+    if not compiles_model_parallel():
+        pytest.skip("this keras-nightly builds no compiled ModelParallel step")
+    for result in runs.get("compiled", world=2):
+        mine = result["compiled_train_on_batch"]
+        assert "error" not in mine, mine.get("traceback")
+        assert mine["dynamo_graphs"] == 1, mine["dynamo_graphs"]
+        assert mine["plugin_warnings"] == []
+
+
 @pytest.mark.parametrize("name", ["compiled_mlp", "compiled_transformer"])
 def test_compiled_for_real(runs, name: str) -> None:
     """jit_compile=True under ModelParallel runs torch.compile, not eager."""

@@ -31,9 +31,6 @@ SHARDING: list[bool] = []
 #: slice must become a gather on local tensors too), though the gate is shut.
 LOCAL_CALL: list[bool] = []
 
-#: Non-empty once a compiled ModelParallel step function exists.
-COMPILED_STEPS: list[bool] = []
-
 #: Non-empty while blocks mode's update runs. ``True``: its compiled
 #: ``apply`` traces the optimizer's elementwise math on local shards, as
 #: eagerly (the ``optimizers`` family), not through DTensor. A callable: the
@@ -51,12 +48,6 @@ def note_sharding() -> None:
 def sharding() -> bool:
     """Whether the gated wrappers are open."""
     return bool(SHARDING)
-
-
-def note_compiled_step() -> None:
-    """Record that a compiled ModelParallel step exists (batches go static)."""
-    if not COMPILED_STEPS:
-        COMPILED_STEPS.append(True)
 
 
 def model_parallel() -> Any | None:

@@ -157,7 +157,6 @@ def _static_shapes(wrapped, instance, args, kwargs):
         static._keras_dtensor_fix_static = True
         state.set_attribute(instance, attribute, static)
         _losses_consumed(instance)
-        state.note_compiled_step()
         frames.skip()
         _cache_backend_layouts(instance)
     return result
