@@ -7,7 +7,8 @@ torchtitan marks a transformer block. Pure torch, 2 gloo processes:
     torchrun --standalone --nproc_per_node=2 benchmarks/repro/nested_region_dtensor.py
         [--layers 4] [--no-region] [--fix] [--backend aot_eager]
 
-With torch 2.13 (and ``--layers`` 3 or more) it fails twice over:
+With torch 2.13 (and ``--layers`` 3 or more) it fails twice over (2.15.0 still
+fails at 1; ``results/2026-11-29-nested-region-torch-2.15.md``):
 
 1. dynamo's subgraph reuse (``torch/_dynamo/variables/invoke_subgraph.py``):
    after a region was traced, ``save_reuse_entry`` keeps each output's shape,
