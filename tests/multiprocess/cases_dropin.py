@@ -192,12 +192,15 @@ def mha_causal_mask():
 
 
 @case("dropin", layout=MEGATRON)
-def unseeded_dropout_fit():
-    """An unseeded Dropout on sharded activations, fit() on numpy with
-    validation data: one process's epochs iterate a DataLoader, which draws a
-    seed from torch's generator (twice an epoch), and ModelParallel's walk
-    numpy batches; the ``data`` family draws the same, so the masks, losses
-    and weights equal one process's. Upstream trains to other losses."""
+def shuffled_dropout_fit():
+    """``fit()`` as users call it: numpy input shuffled (the default), an
+    unseeded Dropout on sharded activations, validation data. One process's
+    epochs iterate a torch DataLoader: it permutes with a torch generator and
+    draws a seed from torch's global one (twice an epoch), which the dropout
+    reads; ModelParallel's walked numpy batches, permuted by numpy, drawing
+    nothing. The ``data`` family iterates the same loader, so the batches,
+    masks, losses and weights equal one process's. Upstream trains to other
+    losses."""
     x, y = data()
     model = keras.Sequential(
         [
@@ -213,7 +216,6 @@ def unseeded_dropout_fit():
         y,
         batch_size=16,
         epochs=2,
-        shuffle=False,
         verbose=0,
         validation_data=(x[:32], y[:32]),
     )

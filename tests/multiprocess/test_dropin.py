@@ -56,8 +56,8 @@ UPSTREAM = {
     "separable_conv2d": "expected weight to be at least 4",
     "conv2d_transpose": "must match the size of tensor b",
     "mha_causal_mask": "ok",
-    # trains, but its dropout masks are not one process's: other losses
-    "unseeded_dropout_fit": "differs",
+    # trains, but its batch order and dropout masks are not one process's
+    "shuffled_dropout_fit": "differs",
     # cases_fallback.py: the plugin's local fast paths defeated on purpose;
     # upstream takes every op through DTensor and equals one process.
     "leaves_region_raises": "ok",

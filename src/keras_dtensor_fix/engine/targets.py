@@ -188,10 +188,6 @@ OBJECTS: dict[str, tuple[str | tuple[str, ...], str]] = {
         "ReversibleEmbedding",
     ),
     "get_device": (torch_module("core"), "get_device"),
-    "TorchDataLoaderAdapter": (
-        "keras.src.trainers.data_adapters.torch_data_loader_adapter",
-        "TorchDataLoaderAdapter",
-    ),
 }
 
 

@@ -3,8 +3,9 @@
 * ``distribute_data_input`` is replaced: it accepts both historical signatures
   (with and without ``batch_dim_name``), walks nested structures itself, and
   keeps data on its device (upstream copies CUDA batches to the CPU and back).
-* A ModelParallel epoch draws the seed one process's ``DataLoader`` draws
-  (:func:`_epoch_draw`), so that unseeded dropout masks as one process's.
+* A ModelParallel epoch iterates the ``DataLoader`` one process iterates
+  (:func:`_one_process_batches`): one process's batch order under
+  ``shuffle=True``, and its seed draws, which unseeded dropout's masks follow.
 * On nightlies whose trainer never distributes the batch (up to ~2026-09), the
   train/test/predict steps distribute plain batches as per-process shards, and
   ``predict`` returns each process's rows with the model axes gathered.
@@ -131,22 +132,30 @@ def _predict_step(wrapped, instance, args, kwargs):
     )
 
 
-def _epoch_draw(wrapped, instance, args, kwargs):
-    """``TorchEpochIterator._get_iterator``, drawing as one process does.
+def _one_process_batches(wrapped, instance, args, kwargs):
+    """``TorchEpochIterator._get_iterator`` under ModelParallel: the batches
+    one process iterates, each distributed as Keras distributes it.
 
-    Without a distribution every epoch iterates a ``DataLoader``, which draws
-    its base seed from torch's global generator; under ModelParallel Keras
-    walks numpy batches instead and draws nothing, so an unseeded dropout
-    (torch's own, on that generator) masked differently from one process.
-    The same draw keeps them equal. A user's own ``DataLoader`` draws either
-    way.
+    Without a distribution every epoch iterates the adapter's torch
+    ``DataLoader``: ``shuffle=True`` permutes with a torch generator, and each
+    ``iter()`` draws a seed from torch's global generator, which unseeded
+    dropout reads. Keras's ModelParallel epochs walk numpy batches instead,
+    permuted by numpy and drawing nothing: other batches and other masks than
+    one process's. The loader is iterated here, not at the first batch, so its
+    draw comes where one process's does.
     """
-    adapter = getattr(instance, "data_adapter", None)
-    if model_parallel() is not None and not isinstance(
-        adapter, targets.keras_object("TorchDataLoaderAdapter")
-    ):
-        torch.empty((), dtype=torch.int64).random_()
-    return wrapped(*args, **kwargs)
+    dist = model_parallel()
+    if dist is None:
+        return wrapped(*args, **kwargs)
+    return _distributed(iter(instance.data_adapter.get_torch_dataloader()), dist)
+
+
+def _distributed(batches: Any, dist: Any) -> Any:
+    layouts = None  # one set per epoch, from the first batch, as Keras makes them
+    for data in batches:
+        if layouts is None:
+            layouts = _step_layouts(dist, data)
+        yield distribute_data_input(data, layouts)
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
@@ -166,11 +175,12 @@ def patches(module: types.ModuleType) -> list[Patch]:
             )
         ]
     if targets.trainer_distributes_batches(module):
-        # This trainer distributes batches itself; its epochs walk numpy.
+        # This trainer distributes batches itself; its ModelParallel epochs
+        # walk numpy.
         iterator = getattr(module, "TorchEpochIterator", None)
         if iterator is None or not hasattr(iterator, "_get_distributed_iterator"):
             return []
-        return [Patch(name, "TorchEpochIterator._get_iterator", _epoch_draw)]
+        return [Patch(name, "TorchEpochIterator._get_iterator", _one_process_batches)]
     cls = targets.trainer_class(module)
     return [
         Patch(name, f"{cls}.train_step", _distribute_step_data, gated=True),
