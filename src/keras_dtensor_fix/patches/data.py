@@ -147,7 +147,11 @@ def _one_process_batches(wrapped, instance, args, kwargs):
     dist = model_parallel()
     if dist is None:
         return wrapped(*args, **kwargs)
-    return _distributed(iter(instance.data_adapter.get_torch_dataloader()), dist)
+    try:
+        loader = instance.data_adapter.get_torch_dataloader()
+    except NotImplementedError:  # an adapter without one: Keras's numpy batches
+        return wrapped(*args, **kwargs)
+    return _distributed(iter(loader), dist)
 
 
 def _distributed(batches: Any, dist: Any) -> Any:
