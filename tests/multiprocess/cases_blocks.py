@@ -120,19 +120,6 @@ def gpt_blocks_adamw():
     return _blocks(lambda: fit_gpt(True, optimizer=optimizer), mode=None)
 
 
-def _compiled_gpt(dropout: float = 0.0) -> tuple:
-    """Two TransformerDecoder blocks compiled with ``jit_compile=True``, and
-    8 rows of token ids with their next tokens."""
-    model = tiny_gpt(2, dropout=dropout)
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=True,
-    )
-    tokens = np.random.default_rng(0).integers(1, 64, size=(8, 12))
-    return model, tokens.astype("int32"), np.roll(tokens, -1, axis=1).astype("int32")
-
-
 @case("blocks", layout=GPT_LAYOUT)
 def gpt_blocks_evaluate():
     """The default mode's evaluation and prediction: two TransformerDecoder
@@ -140,13 +127,20 @@ def gpt_blocks_evaluate():
     compile their steps whole (no backward to save). Dropout in every block
     (``dropout=0.1``: attention and feed-forward, unseeded): each mask is
     drawn by one opaque op of the block's graph when it runs, as one process
-    draws it eagerly (the ``random`` family), and each epoch draws the seed
-    one process's ``DataLoader`` draws (the ``data`` family). Upstream fails
+    draws it eagerly (the ``random`` family), and each epoch iterates one
+    process's ``DataLoader`` (the ``data`` family). Upstream fails
     in the dropout ("aten.bernoulli_.float: in-place operations that require
     placement changes are not supported")."""
 
     def fit() -> dict:
-        model, x, y = _compiled_gpt(dropout=0.1)
+        model = tiny_gpt(2, dropout=0.1)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=True,
+        )
+        tokens = np.random.default_rng(0).integers(1, 64, size=(8, 12))
+        x, y = tokens.astype("int32"), np.roll(tokens, -1, axis=1).astype("int32")
         history = model.fit(
             x,
             y,

@@ -21,8 +21,8 @@ from scenario_kit import (  # noqa: E402
     fit_mlp,
     fit_model,
     mlp,
-    plugin_warnings,
     weights,
+    with_plugin_warnings,
 )
 
 # ---------------------------------------------------------------- drop-in
@@ -225,26 +225,15 @@ def shuffled_dropout_fit():
     }
 
 
-def _plugin_warnings(fn, *args, **kwargs) -> dict:
-    """``fn``'s result with the plugin's warnings it raised."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = fn(*args, **kwargs)
-    result["plugin_warnings"] = plugin_warnings(caught)
-    return result
-
-
 @case("dropin_compiled", layout=KERNELS)
 def lstm_compiled():
     """Compiled for real: its sharded kernels gathered once per call."""
-    return _plugin_warnings(_recurrent, layers.LSTM, jit_compile=True)
+    return with_plugin_warnings(_recurrent, layers.LSTM, jit_compile=True)
 
 
 @case("dropin_compiled", layout=KERNELS)
 def gru_compiled():
-    return _plugin_warnings(_recurrent, layers.GRU, jit_compile=True)
+    return with_plugin_warnings(_recurrent, layers.GRU, jit_compile=True)
 
 
 @case("dropin_compiled", layout=KERNELS, eager="generic RNN loop")
@@ -252,13 +241,13 @@ def masked_lstm_compiled():
     """A mask sends the LSTM to Keras's generic RNN loop, which torch cannot
     compile over DTensors: refused up front, as the model's graph shows the
     mask (warned), rather than after a failed trace as long as a compile."""
-    return _plugin_warnings(_recurrent, layers.LSTM, jit_compile=True, masked=True)
+    return with_plugin_warnings(_recurrent, layers.LSTM, jit_compile=True, masked=True)
 
 
 @case("dropin_compiled", layout=KERNELS, eager="generic RNN loop")
 def simple_rnn_compiled():
     """Any other RNN runs the generic loop: refused up front (warned)."""
-    return _plugin_warnings(_recurrent, layers.SimpleRNN, jit_compile=True)
+    return with_plugin_warnings(_recurrent, layers.SimpleRNN, jit_compile=True)
 
 
 def _compiled_twin(eager, slow: bool = True) -> None:
@@ -333,7 +322,7 @@ def _branching_case(name: str, factory) -> None:
     def run():
         import torch._dynamo.utils
 
-        result = _plugin_warnings(fit_mlp, factory(), jit_compile=True)
+        result = with_plugin_warnings(fit_mlp, factory(), jit_compile=True)
         breaks = torch._dynamo.utils.counters["graph_break"]
         result["graph_breaks"] = sum(breaks.values())
         return result
@@ -358,7 +347,7 @@ def loss_scale_sgd_fp16_compiled():
     keras.mixed_precision.set_dtype_policy("mixed_float16")
     try:
         optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05))
-        result = _plugin_warnings(fit_mlp, optimizer, epochs=2, jit_compile=True)
+        result = with_plugin_warnings(fit_mlp, optimizer, epochs=2, jit_compile=True)
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
     breaks = torch._dynamo.utils.counters["graph_break"]

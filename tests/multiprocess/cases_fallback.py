@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 from cases_hub import GPT_LAYOUT, hub_layout, short_prompts, tiny_causal_lm
-from scenario_kit import case, plugin_warnings
+from scenario_kit import case, plugin_warnings, with_plugin_warnings
 
 #: case name -> the fragment each process's warning must hold
 FALLBACKS: dict[str, str] = {}
@@ -136,14 +136,6 @@ def _fit_leaf_model() -> dict:
     return fit_model(keras.Model(inputs, outputs), x, y)
 
 
-def _with_plugin_warnings(fit: Callable[[], dict]) -> dict:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = fit()
-    result["plugin_warnings"] = plugin_warnings(caught)
-    return result
-
-
 def _defeated(module: str, name: str, replacement: Callable) -> Callable:
     """The leaf model's training with ``keras_dtensor_fix.<module>.<name>``
     replaced (restored after)."""
@@ -155,7 +147,7 @@ def _defeated(module: str, name: str, replacement: Callable) -> Callable:
         original = getattr(owner, name)
         setattr(owner, name, replacement(original))
         try:
-            return _with_plugin_warnings(_fit_leaf_model)
+            return with_plugin_warnings(_fit_leaf_model)
         finally:
             setattr(owner, name, original)
 

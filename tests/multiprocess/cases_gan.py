@@ -11,9 +11,16 @@ os.environ.setdefault("KERAS_BACKEND", "torch")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from cases_dropin import _plugin_warnings  # noqa: E402
 from keras import layers  # noqa: E402
-from scenario_kit import COLUMNS, case, data, distribute, fit_mlp, weights  # noqa: E402
+from scenario_kit import (  # noqa: E402
+    COLUMNS,
+    case,
+    data,
+    distribute,
+    fit_mlp,
+    weights,
+    with_plugin_warnings,
+)
 
 
 class _GAN(keras.Model):
@@ -145,7 +152,7 @@ def _fit_compiled(gan: _GAN, real: np.ndarray, batch_size: int) -> dict:
             "helper_frames": _helper_frames(),
         }
 
-    return _plugin_warnings(fit)
+    return with_plugin_warnings(fit)
 
 
 def _helper_frames() -> int:

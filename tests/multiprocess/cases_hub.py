@@ -19,6 +19,7 @@ from scenario_kit import (  # noqa: E402
     case,
     plugin_warnings,
     weights,
+    with_plugin_warnings,
 )
 
 # ---------------------------------------------------------------- keras-hub
@@ -282,12 +283,7 @@ def gemma_1x2_heads_miscounted():
 def watched(fit) -> dict:
     """``fit()``'s result with the plugin's warnings during it and dynamo's
     graph breaks (the case's: counters are cleared per case)."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = fit()
-    result["plugin_warnings"] = plugin_warnings(caught)
+    result = with_plugin_warnings(fit)
     result["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     return result
 

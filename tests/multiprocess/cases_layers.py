@@ -22,8 +22,8 @@ from scenario_kit import (  # noqa: E402
     fit_model,
     fit_rank_rows,
     mlp,
-    plugin_warnings,
     weights,
+    with_plugin_warnings,
 )
 
 # ---------------------------------------------------------------- layers
@@ -182,22 +182,18 @@ def compiled_train_on_batch():
     it builds the compiled step, so that step's trace saw the batch before the
     ``data`` family marked it static; the mark at the second call failed a
     guard, the step compiled again and the plugin warned of it."""
-    import warnings
-
     x, y = data()
     model = mlp()
     model.compile(keras.optimizers.Adam(1e-2), loss="mse", jit_compile=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+
+    def train() -> dict:
         losses = [
             float(model.train_on_batch(x[i : i + 16], y[i : i + 16]))
             for i in (0, 16, 32, 48)
         ]
-    return {
-        "losses": losses,
-        "weights": weights(model),
-        "plugin_warnings": plugin_warnings(caught),
-    }
+        return {"losses": losses, "weights": weights(model)}
+
+    return with_plugin_warnings(train)
 
 
 @case("compiled", layout=TRANSFORMER)

@@ -201,3 +201,15 @@ def plugin_warnings(caught) -> list[str]:
     ``lru_cache`` the plugin called in a traced step: a user sees it too)."""
     names = ("keras-dtensor-fix", "keras_dtensor_fix")
     return [str(w.message) for w in caught if any(n in str(w.message) for n in names)]
+
+
+def with_plugin_warnings(fn, *args, **kwargs) -> dict:
+    """``fn(*args, **kwargs)``'s result dict with the plugin's warnings it raised
+    (``plugin_warnings``)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn(*args, **kwargs)
+    result["plugin_warnings"] = plugin_warnings(caught)
+    return result

@@ -60,10 +60,7 @@ BLOCK = {
 
 @pytest.mark.parametrize(
     "name",
-    scenario_params(
-        "blocks",
-        leave_out=(*BLOCK_FALLBACKS, "gpt_blocks_evaluate"),
-    ),
+    scenario_params("blocks", leave_out=(*BLOCK_FALLBACKS, "gpt_blocks_evaluate")),
 )
 def test_blocks_compile_once(runs, name: str) -> None:
     ranks, single = runs.get("blocks", world=2), runs.get("blocks", world=1)[0]
@@ -141,7 +138,7 @@ def test_blocks_evaluate_compiles_whole(runs) -> None:
     eager draw was a graph break inside each block, torch's backward refused
     the split graph ("Expected a DTensor tangent but got a plain Tensor")
     and the step ran eagerly, warned, its masks no longer one process's; and
-    until each epoch drew the ``DataLoader``'s seed, ``fit()``'s masks
+    until each epoch iterated one process's ``DataLoader``, ``fit()``'s masks
     differed from one process's. Upstream fails (:data:`UPSTREAM`)."""
     name = "gpt_blocks_evaluate"
     ranks, single = runs.get("blocks", world=2), runs.get("blocks", world=1)[0]
