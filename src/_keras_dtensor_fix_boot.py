@@ -7,6 +7,10 @@ linter), so this module only reads ``KERAS_DTENSOR_FIX`` and puts a finder on
 the way ddtrace's and OpenTelemetry's site hooks wait for the library they
 patch. It lives outside the package because importing the package is what
 activates. Standard library already loaded at start only; never raises.
+
+It also holds the one parser of ``KERAS_DTENSOR_FIX`` (:func:`parse_enabled`),
+which ``keras_dtensor_fix.engine.config`` imports from here: this module is
+installed beside the package and must decide without importing it.
 """
 
 import os
@@ -18,8 +22,25 @@ import sys
 WATCHED = frozenset({"keras", "torch"})
 PACKAGE = "keras_dtensor_fix"
 ENV_ENABLE = "KERAS_DTENSOR_FIX"
-#: ``keras_dtensor_fix.engine.config.OFF_VALUES`` (a test keeps them equal).
-OFF_VALUES = ("0", "false", "off", "no")
+OFF_VALUES: tuple[str, ...] = ("0", "false", "off", "no")
+ON_VALUES: tuple[str, ...] = ("1", "true", "on", "yes")
+
+
+def parse_enabled(raw: str | None) -> tuple[bool, str, str | None]:
+    """Parse ``KERAS_DTENSOR_FIX``: ``(enabled, reason, warning or None)``."""
+    value = (raw or "").strip().lower()
+    if not value:
+        return True, f"{ENV_ENABLE} unset: on by default", None
+    if value in OFF_VALUES:
+        return False, f"{ENV_ENABLE}={raw!r} turns the fix off", None
+    if value in ON_VALUES:
+        return True, f"{ENV_ENABLE}={raw!r} turns the fix on", None
+    message = (
+        f"{ENV_ENABLE}={raw!r} is not understood; accepted values are "
+        f"{'/'.join(ON_VALUES)} (on) and {'/'.join(OFF_VALUES)} (off), "
+        "case-insensitive; using the default (on)"
+    )
+    return True, f"{ENV_ENABLE}={raw!r} not understood: on by default", message
 
 
 class Watcher:
@@ -59,7 +80,7 @@ def boot() -> None:
     """
     global _watcher
     try:
-        if os.environ.get(ENV_ENABLE, "").strip().lower() in OFF_VALUES:
+        if not parse_enabled(os.environ.get(ENV_ENABLE))[0]:
             return
         if PACKAGE in sys.modules:
             return

@@ -195,14 +195,6 @@ def test_first_watched_import_activates(wheel_venv, run_py, module) -> None:
     assert out == {"before": False, "active": True, "watchers": []}
 
 
-def test_boot_reads_the_same_off_values() -> None:
-    import _keras_dtensor_fix_boot as boot
-    from keras_dtensor_fix.engine import config
-
-    assert boot.OFF_VALUES == config.OFF_VALUES
-    assert boot.ENV_ENABLE == config.ENV_ENABLE
-
-
 def test_status_json_from_wheel(wheel_venv, run_py) -> None:
     proc = run_py(python=wheel_venv, src=False, module="keras_dtensor_fix")
     assert proc.returncode == 2  # no subcommand: usage error

@@ -5,8 +5,10 @@
 ``KERAS_DTENSOR_FIX_STRICT`` makes a patch that cannot apply raise instead of
 warn; ``KERAS_DTENSOR_FIX_SAVE_TIMEOUT`` is how long processes wait for the one
 writing a shared save; ``KERAS_DTENSOR_FIX_COMPILE`` chooses what
-``jit_compile=True`` compiles. This module imports nothing but the standard
-library: it runs at interpreter start.
+``jit_compile=True`` compiles. ``KERAS_DTENSOR_FIX`` is parsed by the
+start-up hook's :func:`parse_enabled` (``_keras_dtensor_fix_boot``, installed
+beside the package), the one parser of it. This module imports nothing but
+the standard library and that hook: it runs at interpreter start.
 """
 
 from __future__ import annotations
@@ -17,9 +19,14 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from _keras_dtensor_fix_boot import (  # the one parser of KERAS_DTENSOR_FIX
+    ENV_ENABLE,
+    OFF_VALUES,  # noqa: F401 - part of this module's interface
+    ON_VALUES,
+    parse_enabled,
+)
 from keras_dtensor_fix.engine import families as _families
 
-ENV_ENABLE = "KERAS_DTENSOR_FIX"
 ENV_DISABLE = "KERAS_DTENSOR_FIX_DISABLE"
 ENV_STRICT = "KERAS_DTENSOR_FIX_STRICT"
 ENV_SAVE_TIMEOUT = "KERAS_DTENSOR_FIX_SAVE_TIMEOUT"
@@ -33,8 +40,6 @@ DEFAULT_SAVE_SECONDS = 900.0
 #: Every patch family's name (the table is :mod:`keras_dtensor_fix.engine.families`).
 FAMILIES: tuple[str, ...] = _families.names()
 
-OFF_VALUES: tuple[str, ...] = ("0", "false", "off", "no")
-ON_VALUES: tuple[str, ...] = ("1", "true", "on", "yes")
 ALL = "*"
 
 
@@ -52,23 +57,6 @@ class Config:
     def family_enabled(self, family: str) -> bool:
         """Whether ``family`` may be patched under this configuration."""
         return not self.disable_all and family not in self.disabled
-
-
-def parse_enabled(raw: str | None) -> tuple[bool, str, str | None]:
-    """Parse ``KERAS_DTENSOR_FIX``: ``(enabled, reason, warning or None)``."""
-    value = (raw or "").strip().lower()
-    if not value:
-        return True, f"{ENV_ENABLE} unset: on by default", None
-    if value in OFF_VALUES:
-        return False, f"{ENV_ENABLE}={raw!r} turns the fix off", None
-    if value in ON_VALUES:
-        return True, f"{ENV_ENABLE}={raw!r} turns the fix on", None
-    message = (
-        f"{ENV_ENABLE}={raw!r} is not understood; accepted values are "
-        f"{'/'.join(ON_VALUES)} (on) and {'/'.join(OFF_VALUES)} (off), "
-        "case-insensitive; using the default (on)"
-    )
-    return True, f"{ENV_ENABLE}={raw!r} not understood: on by default", message
 
 
 def parse_disable(raw: str | None) -> tuple[frozenset[str], str | None]:
