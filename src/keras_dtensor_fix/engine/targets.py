@@ -128,11 +128,16 @@ MODULES: dict[str, tuple[str, ...]] = {
     "inductor_codecache": ("torch._inductor.codecache",),
 }
 
-#: Keras leaf layers that read across only some axes of their input, by
-#: ``(module, class)``: what the ``leaves`` family asks of each (see there;
-#: keras-hub's are ``hub.layers.MIXING_LAYERS``).
+#: Keras's and keras-hub's leaf layers that read across only some axes of
+#: their input, by ``(module, class)``, with their kind: what the ``leaves``
+#: family asks of each (see there).
 MIXING_LAYERS: dict[tuple[str, str], str] = {
     ("keras.src.layers.activations.softmax", "Softmax"): "softmax",
+    ("keras_hub.src.layers.modeling.rotary_embedding", "RotaryEmbedding"): "rotary",
+    (
+        "keras_hub.src.models.llama.llama_rotary_embedding",
+        "LlamaRotaryEmbedding",
+    ): "rotary",
 }
 
 #: Module kind -> modules that bind that kind's functions by name (``from

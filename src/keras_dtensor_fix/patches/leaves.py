@@ -7,12 +7,11 @@ full value on every rank. Through DTensor, each of its small ops is a
 dispatched op forward and more backward, each costing more than the op. Such
 a layer runs here as one process runs it: its inputs and weights as local
 tensors (one unwrap each), its output wrapped once as a Replicate DTensor.
-Layers that read across only some axes (``targets.MIXING_LAYERS``, keras-hub's
-in ``hub.layers``: softmax over its axis, a rotary embedding over sequence and
-features) also
-run on shards split on the other axes (the attention heads), their output
-keeping the input's placements. ``dtensor.planner.region`` decides; gradients
-are the local backward of each rank's piece, exact.
+Layers that read across only some axes (``targets.MIXING_LAYERS``, Keras's
+and keras-hub's: softmax over its axis, a rotary embedding over sequence and
+features) also run on shards split on the other axes (the attention heads),
+their output keeping the input's placements. ``dtensor.planner.region``
+decides; gradients are the local backward of each rank's piece, exact.
 
 Anything else calls the original: a layer with sublayers, sharded weights, a
 seed generator (dropout draws its own way), a Keras mask, an activity
@@ -36,7 +35,6 @@ from keras_dtensor_fix.dtensor import wrap_local as _wrap
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import compiling
-from keras_dtensor_fix.hub import layers as hub_layers
 from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED, FirstCall
 from keras_dtensor_fix.ops.values import (
     flatten_call,
@@ -47,8 +45,7 @@ from keras_dtensor_fix.ops.values import (
 
 #: True while a leaf runs locally: a layer it calls runs as it is.
 _ACTIVE: list[bool] = []
-#: Layer class -> its kind in :data:`targets.MIXING_LAYERS` or
-#: ``hub.layers.MIXING_LAYERS``, or None.
+#: Layer class -> its kind in :data:`targets.MIXING_LAYERS`, or None.
 _KINDS: dict[type, str | None] = {}
 #: Each layer's first local call, checked against DTensor's path.
 FIRST = FirstCall("the leaves family's local call")
@@ -62,7 +59,7 @@ def _kind(layer: Any) -> str | None:
         return _KINDS[cls]
     except KeyError:
         key = (cls.__module__, cls.__qualname__)
-        kind = targets.MIXING_LAYERS.get(key, hub_layers.MIXING_LAYERS.get(key))
+        kind = targets.MIXING_LAYERS.get(key)
         _KINDS[cls] = kind
         return kind
 
