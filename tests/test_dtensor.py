@@ -76,8 +76,8 @@ def test_replicated_locals(mesh1) -> None:
     assert replicated_locals([full, 1.0]) is None
 
 
-def test_settle_relabels_one_rank_axes_without_a_collective(mesh1, monkeypatch) -> None:
-    """On a mesh axis of one rank a Partial sum is already the total: settle()
+def test_redistributed_relabels_one_rank_axes(mesh1, monkeypatch) -> None:
+    """On a mesh axis of one rank a Partial sum is already the total: redistributed()
     relabels it (same storage, no collective), forward and backward."""
     import torch
     from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -93,10 +93,10 @@ def test_settle_relabels_one_rank_axes_without_a_collective(mesh1, monkeypatch) 
     )
     local = torch.arange(3.0, requires_grad=True)
     partial = DTensor.from_local(local, mesh1, [Partial()], run_check=False)
-    settled = dtensor.settle(partial, (Replicate(),))
-    assert tuple(settled.placements) == (Replicate(),)
-    assert settled._local_tensor.data_ptr() == local.data_ptr()
-    settled.to_local().sum().backward()
+    reduced = dtensor.redistributed(partial, (Replicate(),))
+    assert tuple(reduced.placements) == (Replicate(),)
+    assert reduced._local_tensor.data_ptr() == local.data_ptr()
+    reduced.to_local().sum().backward()
     assert torch.equal(local.grad, torch.ones(3)) and calls == []
     reduced = dtensor.reduce_partial(DTensor.from_local(local, mesh1, [Partial()]))
     assert tuple(reduced.placements) == (Replicate(),) and calls == []

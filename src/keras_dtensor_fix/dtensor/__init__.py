@@ -11,7 +11,7 @@ setting from the package):
   torch's sharding caches when a new mesh is made.
 - :mod:`.collectives`: the one all-reduce path (and generation's all-gather),
   polled on CPU.
-- :mod:`.placement`: mesh and placement checks, ``settle``, ``placed``,
+- :mod:`.placement`: mesh and placement checks, ``redistributed``, ``placed``,
   reducing Partial values.
 - :mod:`.planner`: the one rule for running on local tensors: may a layer,
   an op, a loss or an optimizer update run on each rank's local tensors, and
@@ -31,7 +31,7 @@ setting from the package):
   (imported as a module: it is about processes, not tensors).
 
 Import the names below from the package (``from keras_dtensor_fix.dtensor
-import settle``); the modules are its layout, not its interface.
+import redistributed``); the modules are its layout, not its interface.
 
 :data:`POLL_SECONDS` is a setting, and it lives here only: ``poll_work`` in
 :mod:`.collectives` reads ``keras_dtensor_fix.dtensor.POLL_SECONDS`` at each
@@ -74,10 +74,10 @@ from keras_dtensor_fix.dtensor.placement import (
     on_mesh,
     one_rank_replicated,
     placed,
+    redistributed,
     reduce_masked,
     reduce_partial,
     same_mesh,
-    settle,
 )
 from keras_dtensor_fix.dtensor.planner import whole
 from keras_dtensor_fix.dtensor.promotion import (
@@ -133,7 +133,7 @@ __all__ = [
     "replicated_locals",
     "same_mesh",
     "set_implicit_replication",
-    "settle",
+    "redistributed",
     "to_placements",
     "unwrap_local",
     "update_in_place_of",

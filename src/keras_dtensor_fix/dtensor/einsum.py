@@ -24,10 +24,10 @@ from keras_dtensor_fix.dtensor import (
     all_reduce_sum,
     placed,
     planner,
+    redistributed,
     reducing_gradient,
     replicate,
     same_mesh,
-    settle,
     unwrap_local,
     wrap_local,
 )
@@ -235,15 +235,15 @@ def local_dense(
     if found is None:
         return None
     out, (x_grad, w_grad), summed = found
-    settled = tuple(Replicate() if p.is_partial() else p for p in out)
+    reduced = tuple(Replicate() if p.is_partial() else p for p in out)
     out_shape = _output_shape(equation, tuple(x.shape), tuple(w.shape))
     if b is not None:
         if not isinstance(b, DTensor) or b.dtype != w.dtype or not _same_mesh(b, mesh):
             return None
-        b_plan = _bias_plan(out_shape, settled, tuple(b.shape))
+        b_plan = _bias_plan(out_shape, reduced, tuple(b.shape))
         if b_plan is None or b_plan[0] != tuple(b.placements):
             return None
-    if activation is not None and not _scope_fits(scope, settled, len(out_shape)):
+    if activation is not None and not _scope_fits(scope, reduced, len(out_shape)):
         return None
     if not isinstance(x, DTensor):
         local = x
@@ -262,7 +262,7 @@ def local_dense(
         y = y + unwrap_local(b, b_plan[1])
     if activation is not None:
         y = activation(y)
-    return wrap_local(y, mesh, settled)
+    return wrap_local(y, mesh, reduced)
 
 
 @functools.lru_cache(maxsize=512)
@@ -335,7 +335,7 @@ class _LocalEinsum(torch.autograd.Function):
         want = tuple(Replicate() if p.is_partial() else p for p in out_placements)
         if not isinstance(grad, DTensor):
             grad = replicate(grad, mesh)
-        grad = settle(grad, want)
+        grad = redistributed(grad, want)
         needs = ctx.needs_input_grad[2:]
         locals_ = ctx.saved_tensors
         g = grad._local_tensor

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from keras_dtensor_fix.dtensor.collectives import all_reduce_copy
-from keras_dtensor_fix.dtensor.placement import forget_kept, settle, views_leaf
+from keras_dtensor_fix.dtensor.placement import forget_kept, redistributed, views_leaf
 from keras_dtensor_fix.dtensor.spec import (
     INTERNALS,
     SPECS,
@@ -76,7 +76,7 @@ class _WrapLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
         if isinstance(grad, DTensor):
-            grad = settle(grad, ctx.spec.placements)._local_tensor
+            grad = redistributed(grad, ctx.spec.placements)._local_tensor
         return grad, None
 
 
@@ -197,8 +197,8 @@ class _ReduceGradient(torch.autograd.Function):
         if not axes:
             return grad
         total = all_reduce_copy(grad._local_tensor, ctx.mesh, axes)
-        settled = tuple(Replicate() if p.is_partial() else p for p in placements)
-        return wrap_local(total, ctx.mesh, settled)
+        reduced = tuple(Replicate() if p.is_partial() else p for p in placements)
+        return wrap_local(total, ctx.mesh, reduced)
 
 
 class _UnwrapLocal(torch.autograd.Function):

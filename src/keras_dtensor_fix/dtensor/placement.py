@@ -1,6 +1,6 @@
-"""Placements of a DTensor on its mesh: compare, settle, share, reduce.
+"""Placements of a DTensor on its mesh: compare, move, share, reduce.
 
-``settle`` redistributes and only relabels on mesh axes of one rank;
+``redistributed`` redistributes, a relabel only on mesh axes of one rank;
 ``placed`` keeps an activation's redistribution for all its readers;
 ``reduce_partial`` and ``reduce_masked`` turn pending (Partial) reductions
 into Replicate, with plain c10d all-reduces where they can
@@ -61,11 +61,11 @@ class _Relabel(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
         if isinstance(grad, DTensor):
-            grad = settle(grad, ctx.placements)
+            grad = redistributed(grad, ctx.placements)
         return grad, None
 
 
-def settle(value: DTensor, placements: Sequence[Any]) -> DTensor:
+def redistributed(value: DTensor, placements: Sequence[Any]) -> DTensor:
     """``value.redistribute`` to ``placements`` on its mesh, free on one-rank axes.
 
     Placements that differ only on mesh axes of one rank are relabelled
@@ -110,7 +110,7 @@ def one_rank_replicated(value: Any) -> Any:
         return value
     have = tuple(value.placements)
     want = _trivial_taken(value.device_mesh, have, (Replicate(),) * len(have))
-    return value if want == have else settle(value, want)
+    return value if want == have else redistributed(value, want)
 
 
 def on_mesh(value: Any, mesh: Any) -> Any:
@@ -140,7 +140,7 @@ def on_mesh(value: Any, mesh: Any) -> Any:
 
 
 def placed(value: DTensor, placements: Sequence[Any]) -> DTensor:
-    """:func:`settle`, once per activation and placements.
+    """:func:`redistributed`, once per activation and placements.
 
     An activation (not a leaf: nothing assigns to it) keeps what it was
     redistributed to, so its readers share one redistribution and its
@@ -154,7 +154,7 @@ def placed(value: DTensor, placements: Sequence[Any]) -> DTensor:
     """
     placements = tuple(placements)
     if value.is_leaf or views_leaf(value):
-        return settle(value, placements)
+        return redistributed(value, placements)
     grad = torch.is_grad_enabled()
     # Dynamo reads no version counter; a traced activation is not changed in
     # place between its readers here (Keras's layers return new tensors).
@@ -166,7 +166,7 @@ def placed(value: DTensor, placements: Sequence[Any]) -> DTensor:
     for have, at, with_grad, result in kept:
         if have == placements and at == version and (with_grad or not grad):
             return result
-    result = settle(value, placements)
+    result = redistributed(value, placements)
     # It replaces what it serves better: a stale one, or one without gradient.
     kept[:] = [entry for entry in kept if entry[0] != placements]
     kept.append((placements, version, grad, result))
@@ -244,10 +244,10 @@ def reduce_partial(value: Any) -> Any:
     placements = tuple(value.placements)
     if not any(p.is_partial() for p in placements):
         return value
-    settled = without_partials(placements)
-    value = settle(value, _trivial_taken(value.device_mesh, placements, settled))
+    reduced = without_partials(placements)
+    value = redistributed(value, _trivial_taken(value.device_mesh, placements, reduced))
     placements = tuple(value.placements)
-    if placements == settled:
+    if placements == reduced:
         return value
     if (
         INTERNALS is not None
@@ -258,8 +258,8 @@ def reduce_partial(value: Any) -> Any:
             if p.is_partial()
         )
     ):
-        return _SumPartial.apply(value, settled)
-    return value.redistribute(value.device_mesh, settled)
+        return _SumPartial.apply(value, reduced)
+    return value.redistribute(value.device_mesh, reduced)
 
 
 def reduce_masked(value: Any) -> Any:
@@ -274,8 +274,8 @@ def reduce_masked(value: Any) -> Any:
     if isinstance(value, DTensor) and any(
         p.is_partial() and type(p) is not Partial for p in value.placements
     ):
-        settled = without_partials(value.placements)
-        return _ReduceMasked.apply(value, settled)
+        reduced = without_partials(value.placements)
+        return _ReduceMasked.apply(value, reduced)
     return value
 
 
@@ -287,14 +287,14 @@ class _ReduceMasked(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, value: DTensor, settled: tuple) -> DTensor:
-        return value.redistribute(value.device_mesh, settled)
+    def forward(ctx: Any, value: DTensor, reduced: tuple) -> DTensor:
+        return value.redistribute(value.device_mesh, reduced)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
         if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            settled = without_partials(grad.placements)
-            grad = grad.redistribute(grad.device_mesh, settled)
+            reduced = without_partials(grad.placements)
+            grad = grad.redistribute(grad.device_mesh, reduced)
         return grad, None
 
 
@@ -307,14 +307,14 @@ class _SumPartial(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, value: DTensor, settled: tuple) -> DTensor:
+    def forward(ctx: Any, value: DTensor, reduced: tuple) -> DTensor:
         mesh = value.device_mesh
-        ctx.placements = settled
+        ctx.placements = reduced
         axes = [axis for axis, p in enumerate(value.placements) if p.is_partial()]
         local = all_reduce_copy(value._local_tensor, mesh, axes)
-        spec = copy_spec(cached_spec(mesh, settled, value._spec.tensor_meta))
+        spec = copy_spec(cached_spec(mesh, reduced, value._spec.tensor_meta))
         return DTensor(local, spec, requires_grad=value.requires_grad)
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None]:
-        return settle(grad, ctx.placements), None
+        return redistributed(grad, ctx.placements), None

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map_only
 
 from keras_dtensor_fix.dtensor import planner
 from keras_dtensor_fix.dtensor.local import replicate, wrap_local
-from keras_dtensor_fix.dtensor.placement import same_mesh, settle
+from keras_dtensor_fix.dtensor.placement import redistributed, same_mesh
 
 
 class PromotionError(RuntimeError):
@@ -205,7 +205,7 @@ def to_placements(value: torch.Tensor, like: DTensor) -> DTensor:
     if isinstance(value, DTensor):
         if not same_mesh(value.device_mesh, mesh):
             return value.redistribute(mesh, placements)
-        return settle(value, placements)
+        return redistributed(value, placements)
     if tuple(value.shape) == tuple(like.shape):
         return replicate(value, mesh).redistribute(mesh, placements)
     if tuple(value.shape) == tuple(like._local_tensor.shape):

@@ -134,7 +134,7 @@ def writer(what: str, path: str) -> bool:
     return places.index(place) == rank
 
 
-def _settle(what: str, path: str, acting: bool, act: Callable[[], None]) -> None:
+def _act_report(what: str, path: str, acting: bool, act: Callable[[], None]) -> None:
     """``act()`` where ``acting``; every process learns how each went.
 
     :func:`handshake.one_acts`, the package's one protocol for it; a failure
@@ -169,7 +169,7 @@ def by_one(
     Every process calls it; all return once it is done, or raise what failed.
     """
     act = run if writer(what, path) else elsewhere
-    _settle(what, path, act is not None, act or (lambda: None))
+    _act_report(what, path, act is not None, act or (lambda: None))
 
 
 def save(what: str, path: str, write: Callable[[str], None], values: Iterable) -> None:
@@ -185,4 +185,4 @@ def save(what: str, path: str, write: Callable[[str], None], values: Iterable) -
         with _using(cache):
             write_atomically(path, write)
 
-    _settle(what, path, mine, act)
+    _act_report(what, path, mine, act)
