@@ -283,7 +283,7 @@ else:
     del wrapt.register_post_import_hook
 os.environ["KERAS_DTENSOR_FIX"] = "1"  # as if set at start-up
 from keras_dtensor_fix import _bootstrap
-_bootstrap.boot()                      # what the .pth file runs
+_bootstrap.boot()                      # what importing the package runs
 import keras_dtensor_fix as kdf
 kdf.activate()                         # an explicit call: same answer
 import importlib, keras

@@ -1,7 +1,10 @@
-"""Interpreter-start entry point, called by ``keras_dtensor_fix.pth`` / ``.start``.
+"""The package's activation, run once by ``import keras_dtensor_fix``.
 
-Reads the environment and, when the fix is on, registers the post-import
-hooks. Imports neither torch, nor keras, nor numpy, and never raises.
+The interpreter-start hook (``_keras_dtensor_fix_boot``, run by the ``.pth``
+or ``.start`` file) only imports the package when Keras or torch is first
+imported; that import calls :func:`boot`, which reads the environment and,
+when the fix is on, activates the engine (its post-import hooks). Imports
+neither torch, nor keras, nor numpy, and never raises.
 """
 
 from __future__ import annotations
