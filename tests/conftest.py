@@ -85,6 +85,19 @@ def run_py() -> RunPy:
     return run
 
 
+@pytest.fixture
+def lenient_run_py(run_py) -> RunPy:
+    """``run_py``, not strict by default: fake families patch missing targets
+    on purpose (the engine's tests)."""
+
+    def run(code: str = "", *, env=None, **kwargs) -> subprocess.CompletedProcess:
+        return run_py(
+            code, env={"KERAS_DTENSOR_FIX_STRICT": None, **(env or {})}, **kwargs
+        )
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def mesh1(tmp_path_factory: pytest.TempPathFactory):
     """A one-device torch ``DeviceMesh`` on a world-size-1 gloo group, in-process.

@@ -266,3 +266,38 @@ def test_an_unnamed_module_is_found(tmp_path: Path) -> None:
     for name in ("handlers", "call", "blocks"):
         (tmp_path / f"{name}.py").write_text("")
     assert unnamed_modules(tmp_path) == ["blocks"]
+
+
+def test_structure_keras_names_families_and_docs() -> None:
+    """Keras module names live in targets.py only; no family imports another;
+    the developer docs' family table names families of the table, in order
+    (adding a family needs no doc: the table is the list)."""
+    import re
+
+    from keras_dtensor_fix.engine import families
+
+    spelled = [
+        path.name
+        for path in (SRC / PACKAGE).rglob("*.py")
+        if path.name != "targets.py" and "keras.src." in path.read_text()
+    ]
+    assert spelled == []
+    implementations = {row.implementation for row in families.FAMILIES}
+    for name in implementations:
+        tree = ast.parse((SRC / PACKAGE / "patches" / f"{name}.py").read_text())
+        imported = {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module
+        }
+        others = {f"keras_dtensor_fix.patches.{n}" for n in implementations - {name}}
+        assert not imported & others, (name, imported & others)
+    architecture = (SRC.parent / "docs" / "architecture.md").read_text()
+    section = architecture.split("## The families")[1].split("\n## ")[0]
+    documented = re.findall(r"^\| `(\w+)`", section, re.M)
+    assert documented == [name for name in families.names() if name in documented]
+    # One row per family, linking its module (whose docstring says what and why).
+    assert documented == list(families.names())
+    for row in families.FAMILIES:
+        link = f"](../src/keras_dtensor_fix/patches/{row.implementation}.py) |"
+        assert link in section, row.name
