@@ -13,7 +13,7 @@ axis (see ``keras_dtensor_fix.patches.data``).
 
 Tiny keras-hub CausalLMs (2 layers) sharded by their own
 ``get_layout_map`` on (1, 2) run what Megatron needs for that layout,
-counted by hand (benchmarks/results/method.md). Gemma: 11 (per layer the attention
+counted by hand (benchmarks/method.md). Gemma: 11 (per layer the attention
 and FFN row-parallel sums and the column-parallel inputs' gradients, the
 vocabulary-sharded lookup, the tied head's input gradient, one all-gather of
 the logits for both the loss and the accuracy metric). It ran 17 without
