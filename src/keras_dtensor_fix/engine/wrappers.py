@@ -3,6 +3,16 @@
 :func:`install` puts a wrapper where a :class:`~.contract.Patch` points and
 returns the one record (:class:`Applied`) that :func:`restore` later reverts
 from: the original goes back only where this very wrapper still is.
+
+A gated patch's wrapper is installed with ``enabled=state.SHARDING``, a list
+wrapt tests in C: until a sharded distribution is in use it calls the
+original with no Python frame, so without one the plugin changes nothing (the
+``.pth`` activates it in every Keras-on-torch process). Compiled code too:
+every entry dynamo can meet tests the gate itself, and is marked never to be
+a frame of its own (:func:`not_a_frame`). Gated patches are installed up
+front, not when sharding starts: a process may set a distribution after
+building and compiling models, and the status report would depend on when
+it is read.
 """
 
 from __future__ import annotations
