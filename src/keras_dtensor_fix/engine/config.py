@@ -19,13 +19,21 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from _keras_dtensor_fix_boot import (  # the one parser of KERAS_DTENSOR_FIX
-    ENV_ENABLE,
-    OFF_VALUES,  # noqa: F401 - part of this module's interface
-    ON_VALUES,
-    parse_enabled,
-)
 from keras_dtensor_fix.engine import families as _families
+
+try:  # the one parser of KERAS_DTENSOR_FIX
+    from _keras_dtensor_fix_boot import (
+        ENV_ENABLE,
+        OFF_VALUES,  # noqa: F401 - part of this module's interface
+        ON_VALUES,
+        parse_enabled,
+    )
+except ImportError as error:  # an install's hook older than its package
+    raise ImportError(
+        "keras-dtensor-fix: the start-up hook _keras_dtensor_fix_boot.py in "
+        "site-packages is missing or older than the package; reinstall the "
+        "package (`pip install -e .` for a checkout)"
+    ) from error
 
 ENV_DISABLE = "KERAS_DTENSOR_FIX_DISABLE"
 ENV_STRICT = "KERAS_DTENSOR_FIX_STRICT"
