@@ -164,3 +164,13 @@ def test_env_disable_unknown_warns(run_py) -> None:
     assert proc.stderr.count("bogus") == 1, proc.stderr
     assert out["wrapped"] == 0
     assert all(row["family"] != "numpy" for row in out["applied"])
+
+
+def test_an_older_start_up_hook_is_named(run_py, tmp_path) -> None:
+    """The package parses ``KERAS_DTENSOR_FIX`` with the hook's parser: an
+    install whose hook predates it warns what to reinstall and stays off."""
+    (tmp_path / "_keras_dtensor_fix_boot.py").write_text("def boot():\n    pass\n")
+    code = "import json, keras_dtensor_fix as kdf; print(json.dumps(kdf.is_active()))"
+    proc = run_py(code, path=[tmp_path])
+    assert last_json(proc) is False
+    assert "older than the package; reinstall" in proc.stderr, proc.stderr
