@@ -61,14 +61,16 @@ def report() -> dict[str, Any]:
 def problems(import_error: str | None = None) -> list[str]:
     """Why a ModelParallel script started now would not get the fix, each
     with what to do; ``import_error``: how importing Keras failed, if it did."""
-    found = [install.keras_problem(), install.backend_problem()]
+    backend = install.backend_problem()
     # Another backend fails to import when it is not installed: its line says
-    # what to do.
-    if import_error and not any(found):
-        found[0] = (
+    # what to do. Else a Keras that fails to import fails every check.
+    keras = install.keras_problem()
+    if import_error and not backend:
+        keras = (
             f"Keras cannot be imported ({import_error}): reinstall it, "
             f"`{install.INSTALL_NIGHTLY}`"
         )
+    found = [keras, backend]
     return [problem for problem in found if problem]
 
 
@@ -173,7 +175,8 @@ def summarize(
         state, headline = "waiting", "WAITING: nothing patched yet"
     else:
         state = "active"
-        headline = f"ACTIVE: {applied} Keras functions patched ({patched} groups)"
+        groups = f"{patched} group" + ("s" if patched != 1 else "")
+        headline = f"ACTIVE: {applied} Keras functions patched ({groups})"
         if not applied:
             headline = "ACTIVE, but nothing is patched"
         off = [n for n, f in families.items() if f["state"] == DISABLED]
