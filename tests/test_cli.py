@@ -9,6 +9,7 @@ import pytest
 from keras_dtensor_fix import status_text
 from keras_dtensor_fix.__main__ import summarize
 from keras_dtensor_fix.engine.config import FAMILIES
+from support import ROOT
 
 KEYS = {
     "version",
@@ -393,3 +394,14 @@ sys.exit(main(["demo", "--ranks", "2", "-v"]))
     proc = run_py(code)
     assert proc.returncode == 3, proc.stderr
     assert "demo got ['--ranks', '2', '-v']" in proc.stdout
+
+
+def test_gpu_check_skips_cleanly_without_cuda(run_py) -> None:
+    """``nox -s gpu`` on a machine with no CUDA device: one line, exit 0."""
+    script = ROOT / "benchmarks" / "gpu_check.py"
+    code = f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')"
+    proc = run_py(code, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines() == [
+        "gpu: skipped: no CUDA device here (torch.cuda.is_available() is False)"
+    ]
