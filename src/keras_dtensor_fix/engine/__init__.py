@@ -6,7 +6,7 @@ name the plugin knows), ``contract`` (what a family module exports),
 (post-import hooks), ``wrappers`` (installing and removing a wrapper by
 identity), ``patcher`` (applies and reverts; activate/deactivate), ``ledger``
 (a row per target), ``install`` (whether this install can run
-ModelParallel on torch, and the fix), ``state`` (what the families share at run time) and
-``config`` (the environment). Families import ``contract``, ``targets`` and
+ModelParallel on torch, and the fix), ``state`` (what the families share at
+run time) and ``config`` (the environment). Families import ``contract``, ``targets`` and
 ``state``, never ``patcher``.
 """
