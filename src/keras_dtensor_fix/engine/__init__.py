@@ -7,6 +7,6 @@ name the plugin knows), ``contract`` (what a family module exports),
 identity), ``patcher`` (applies and reverts; activate/deactivate), ``ledger``
 (a row per target), ``install`` (whether this install can run
 ModelParallel on torch, and the fix), ``state`` (what the families share at
-run time) and ``config`` (the environment). Families import ``contract``, ``targets`` and
-``state``, never ``patcher``.
+run time) and ``config`` (the environment). Families import ``contract``,
+``targets`` and ``state``, never ``patcher``.
 """
