@@ -151,8 +151,12 @@ ALIASES: dict[str, tuple[str, ...]] = {
     )
     + (*LAYOUTS.values(), KERAS_TORCH, "keras.src.backend"),
     "trainer": (TRAINER,),
-    # ``keras.distribution``'s public modules bind its functions by name.
-    "distribution_api": ("keras.distribution", "keras._tf_keras.keras.distribution"),
+    # Its package and ``keras.distribution``'s public modules bind them by name.
+    "distribution_api": (
+        "keras.src.distribution",
+        "keras.distribution",
+        "keras._tf_keras.keras.distribution",
+    ),
     "dynamo_utils": ("torch._functorch._aot_autograd.autograd_cache",),
 }
 
