@@ -1,4 +1,4 @@
-"""Sessions: tests, full, tests4, lint, demo, compat, matrix, bench (nox -s NAME)."""
+"""Sessions: tests, full, tests4, lint, demo, compat, matrix, bench, gpu (nox -s X)."""
 
 from __future__ import annotations
 
@@ -193,3 +193,15 @@ def bench(session: nox.Session) -> None:
         return
     session.install("matplotlib")  # the plot; a benchmark-only dependency
     session.run("python", "benchmarks/hub.py", *hub, env=ENV)
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The one-GPU checks (benchmarks/gpu_check.py): one process, plugin on =
+    off on CUDA, eager and compiled, the demo's model. On Linux the registry's
+    torch wheel is the CUDA build; without a CUDA device the check says so in
+    one line and passes. Not in CI."""
+    session.install(TORCH)
+    session.install(f"keras-nightly=={KERAS_NIGHTLY}")
+    session.install("-e", ".")
+    session.run("python", "benchmarks/gpu_check.py", *session.posargs, env=ENV)

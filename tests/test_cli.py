@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from keras_dtensor_fix.__main__ import format_summary, summarize
+from keras_dtensor_fix import status_text
+from keras_dtensor_fix.__main__ import summarize
 from keras_dtensor_fix.engine.config import FAMILIES
+from support import ROOT
 
 KEYS = {
     "version",
@@ -22,6 +24,8 @@ KEYS = {
     "targets",
     "warnings",
     "summary",
+    "problems",
+    "configured_backend",
 }
 FIELDS = ("family", "module", "attribute", "state", "reason", "cause")
 SUMMARY_KEYS = {"state", "headline", "python", "families", "unexpected", "ok"}
@@ -73,47 +77,78 @@ def test_status_json_under_torch(run_py) -> None:
         assert family["pending"] == 0, name  # every target module was imported
 
 
-def test_status_summary_is_short(run_py) -> None:
-    proc = status(run_py)
+#: Words of the code that the default output must not use (docs/status.md).
+JARGON = ("famil", "target", "gate", "layout", "KerasDTensorPromotionMode", "dispatch")
+
+
+def _flat(text: str) -> str:
+    """``text`` with its lines re-joined (items wrap at 100 columns)."""
+    return " ".join(text.split())
+
+
+def test_status_default_is_quick_and_plain(run_py) -> None:
+    """The default answer imports no Keras, in plain words on one screen."""
+    code = """
+import sys
+from keras_dtensor_fix.__main__ import main
+code = main(["status"])
+imported = [name in sys.modules for name in ("keras", "torch")]
+print("keras imported: {} torch imported: {}".format(*imported))
+sys.exit(code)
+"""
+    proc = run_py(code)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    lines = out.splitlines()
-    assert lines[0].startswith("keras-dtensor-fix 0.1.0: ACTIVE: ")
-    assert "targets patched in" in lines[0]
-    for word in ("fix:", "gate:", "Keras:", "torch:", "Python:", "families:"):
+    assert out.startswith("keras-dtensor-fix 0.1.0: READY: "), out
+    assert "keras imported: False torch imported: False" in out
+    for word in ("plugin:", "Keras:", "torch:", "Python:", "--check"):
         assert word in out
-    assert "unexpected: none" in out and "warnings: none" in out
-    for name in FAMILIES:
-        assert any(line.split()[:2] == [name, "applied"] for line in lines), name
-    # No per-target table: one screen, not one line per wrapped function.
-    assert "REASON" not in out and len(lines) < 40
+    assert "keras-nightly 3.16" in out and "torch backend (from KERAS_BACKEND)" in out
+    text = out.split("keras imported:")[0].lower()
+    assert not [word for word in JARGON if word.lower() in text], text
+    assert len(out.splitlines()) < 15 and proc.stderr == ""
 
 
-def test_status_verbose_lists_every_target(run_py) -> None:
+def test_status_check_is_plain_and_quiet(run_py) -> None:
+    """--check imports everything; third-party warnings stay out of it."""
+    proc = status(run_py, "--check")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    out = proc.stdout
+    assert out.startswith("keras-dtensor-fix 0.1.0: ACTIVE: "), out
+    assert "Keras functions patched" in out.splitlines()[0]
+    assert "problems: none" in out and "warnings: none" in out
+    assert "absl" not in proc.stdout + proc.stderr, proc.stderr
+    assert "WARNING" not in proc.stderr, proc.stderr
+    lowered = out.lower()
+    assert not [w for w in JARGON if w.lower() in lowered], out
+
+
+def test_status_verbose_groups_by_family(run_py) -> None:
     proc = status(run_py, "--verbose")
     assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
-    assert out.startswith("keras-dtensor-fix 0.1.0: ACTIVE")
-    for word in ("keras-dtensor-fix:", "Keras:", "torch:", "backend:", "STATE"):
-        assert word in out
-    assert "REASON" in out
-    targets = [line for line in out.splitlines() if line.startswith("applied ")]
-    assert len(targets) > 100
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("keras-dtensor-fix 0.1.0: ACTIVE")
+    heads = [line for line in lines if line and not line.startswith(" ")]
+    for name in FAMILIES:
+        assert any(line.startswith(f"{name} [applied; ") for line in heads), name
+    # Targets grouped by module: one line per module, not one per function.
+    assert sum("applied" in line for line in lines) > len(FAMILIES)
+    assert "Adam._parallel_update_step" in proc.stdout
+    assert len(lines) < 200
+    assert "notes:" in proc.stdout
 
 
 @pytest.mark.parametrize(
     ("env", "state"),
     [
-        ({"KERAS_BACKEND": "numpy"}, "idle"),
-        ({"KERAS_BACKEND": "tensorflow"}, "waiting"),  # not installed
         ({"KERAS_DTENSOR_FIX": "0"}, "off"),
         ({"KERAS_DTENSOR_FIX": "maybe", "KERAS_DTENSOR_FIX_DISABLE": "bogus,*"}, None),
     ],
 )
 @pytest.mark.parametrize("as_json", [True, False])
 def test_status_exits_zero(run_py, env, state, as_json) -> None:
-    """Off, idle, no Keras, everything disabled: nothing expected is missing."""
-    argv = ["--json", "--check"] if as_json else []
+    """Off or everything disabled: a choice, not a problem."""
+    argv = ["--json", "--check"] if as_json else ["--check"]
     proc = status(run_py, *argv, env=env)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     if as_json:
@@ -123,17 +158,41 @@ def test_status_exits_zero(run_py, env, state, as_json) -> None:
         assert summary["ok"] and summary["unexpected"] == []
         if state:
             assert summary["state"] == state
-        if env.get("KERAS_BACKEND") == "numpy":
-            assert report["gate"]["ok"] is False
-            assert "numpy" in report["gate"]["reason"]
-            assert all(r["state"] != "applied" for r in report["targets"])
         if env.get("KERAS_DTENSOR_FIX_DISABLE"):
             assert {f["state"] for f in summary["families"].values()} == {"disabled"}
             assert any("maybe" in w for w in report["warnings"])
-    else:
-        head = proc.stdout.splitlines()[0]
-        word = {"idle": "IDLE", "waiting": "WAITING", "off": "OFF"}.get(state)
-        assert word is None or f": {word}: " in head, head
+    elif state:
+        assert ": OFF: " in proc.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize("backend", [None, "numpy", "tensorflow"])
+def test_status_check_fails_unless_the_backend_is_torch(
+    run_py, tmp_path, backend
+) -> None:
+    """Unset (Keras's default, tensorflow), numpy, tensorflow (not installed):
+    a ModelParallel script would run unpatched; --check says so and fails."""
+    env = {"KERAS_BACKEND": backend, "KERAS_HOME": str(tmp_path)}  # no keras.json
+    proc = status(run_py, "--check", env=env)
+    assert proc.returncode == 1, proc.stderr + proc.stdout
+    out = _flat(proc.stdout)
+    name = backend or "tensorflow"
+    assert f"NOT READY: Keras's backend is '{name}'" in out, out
+    assert "run `export KERAS_BACKEND=torch`" in out
+    if backend == "numpy":
+        report = json.loads(status(run_py, "--json", env=env).stdout)
+        assert report["gate"]["ok"] is False and report["summary"]["state"] == (
+            "not ready"
+        )
+        assert all(
+            r["state"] != "applied"
+            for r in report["targets"]
+            if r["family"] != "install_check"
+        )
+    # The quick answer says the same, exit 0 without --check.
+    proc = status(run_py, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0].endswith("NOT READY")
+    assert f"Keras's backend is '{name}'" in _flat(proc.stdout)
 
 
 def test_status_check_fails_on_an_unexpected_skip(run_py) -> None:
@@ -141,13 +200,10 @@ def test_status_check_fails_on_an_unexpected_skip(run_py) -> None:
     not_strict = {"KERAS_DTENSOR_FIX_STRICT": None}  # strict would raise at import
     proc = run_py(MOVED_DROPOUT, argv=["status", "--check"], env=not_strict)
     assert proc.returncode == 1, proc.stderr + proc.stdout
-    out = proc.stdout
-    assert "unexpected: 1" in out
+    out = _flat(proc.stdout)
+    assert "problems: 1" in out
     assert "random: keras.src.backend.torch.random skipped: " in out
     assert "random.dropout not found" in out
-    random_row = next(line for line in out.splitlines() if "  random " in line)
-    assert random_row.split()[:2] == ["random", "skipped"]
-    assert "1 unexpected" in random_row
     # Without --check the same report exits 0; --json carries the finding.
     proc = run_py(MOVED_DROPOUT, argv=["status", "--json"], env=not_strict)
     assert proc.returncode == 0, proc.stderr
@@ -161,20 +217,21 @@ def test_status_check_passes_with_a_family_disabled(run_py) -> None:
     assert proc.returncode == 0, proc.stderr + proc.stdout
     head = proc.stdout.splitlines()[0]
     assert "ACTIVE: " in head and "(1 disabled: random)" in head
-    assert "unexpected: none" in proc.stdout
+    assert "problems: none" in proc.stdout
 
 
-def test_status_without_keras(run_py, tmp_path) -> None:
+def test_status_check_fails_without_keras(run_py, tmp_path) -> None:
     (tmp_path / "keras").mkdir()
     (tmp_path / "keras" / "__init__.py").write_text("raise ImportError('no keras')\n")
+    proc = status(run_py, "--check", path=[tmp_path])
+    assert proc.returncode == 1, proc.stderr + proc.stdout
+    out = _flat(proc.stdout)
+    assert "NOT READY: Keras cannot be imported (ImportError: no keras)" in out
     proc = status(run_py, "--json", path=[tmp_path])
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert any("no keras" in note for note in report["notes"])
-    assert report["summary"]["state"] == "waiting"
-    proc = status(run_py, path=[tmp_path])
-    assert proc.returncode == 0, proc.stderr
-    assert "import keras failed: ImportError: no keras" in proc.stdout
+    assert report["summary"]["state"] == "not ready"
 
 
 # -- summarize() on made-up reports ---------------------------------------------
@@ -239,11 +296,13 @@ def test_summary_counts_and_expected_skips() -> None:
     assert f["skipped_because"] == {"inherited": 1, "other layout": 1}
     assert summary["families"]["g"]["state"] == "disabled"
     assert summary["headline"] == (
-        "ACTIVE: 1 targets patched in 1 families (1 disabled: g)"
+        "ACTIVE: 1 Keras functions patched (1 group) (1 disabled: g)"
     )
     report["summary"] = summary
-    text = format_summary(report)
-    assert "1 inherited (its parent's patch covers it)" in text
+    text = _flat(status_text.by_family(report))
+    assert "f [applied; 1 applied, 2 skipped]:" in text
+    assert "skipped k.a.C.m: inherited from B; covered by its patch" in text
+    assert "applied k.a: x" in text
 
 
 @pytest.mark.parametrize(
@@ -312,6 +371,17 @@ def test_summary_off_and_idle_are_not_errors() -> None:
     assert _summary(_report(gated, gate=False, enabled=False))["ok"]
 
 
+def test_summary_problems_are_unexpected_unless_off() -> None:
+    report = _report([("f", "k.a", "x", "applied", "wrapped", "wrapped")])
+    report["problems"] = ["Keras's backend is 'jax': run this"]
+    summary = _summary(report)
+    assert summary["unexpected"] == report["problems"]
+    assert summary["state"] == "not ready"
+    assert summary["headline"] == "NOT READY: Keras's backend is 'jax': run this"
+    off = _summary({**report, "enabled": False})
+    assert off["ok"] and off["state"] == "off"
+
+
 def test_demo_is_delegated(run_py) -> None:
     code = """
 import sys, types
@@ -324,3 +394,14 @@ sys.exit(main(["demo", "--ranks", "2", "-v"]))
     proc = run_py(code)
     assert proc.returncode == 3, proc.stderr
     assert "demo got ['--ranks', '2', '-v']" in proc.stdout
+
+
+def test_gpu_check_skips_cleanly_without_cuda(run_py) -> None:
+    """``nox -s gpu`` on a machine with no CUDA device: one line, exit 0."""
+    script = ROOT / "benchmarks" / "gpu_check.py"
+    code = f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')"
+    proc = run_py(code, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines() == [
+        "gpu: skipped: no CUDA device here (torch.cuda.is_available() is False)"
+    ]

@@ -13,7 +13,7 @@ from typing import Any
 from keras_dtensor_fix import _bootstrap
 from keras_dtensor_fix._version import __version__
 from keras_dtensor_fix.engine import config as _config
-from keras_dtensor_fix.engine import patcher, targets
+from keras_dtensor_fix.engine import install, patcher, targets
 from keras_dtensor_fix.engine.ledger import (
     ANY,
     APPLIED,
@@ -41,9 +41,12 @@ def report() -> dict[str, Any]:
     why = part.pop("why")
     if not enabled and why == "not activated":
         why = _bootstrap.reason if _bootstrap.reason != "not booted" else cfg.reason
+    backend, backend_source = install.configured_backend()
     return {
         "version": __version__,
         "keras": {"version": keras_version, "distribution": keras_dist},
+        "configured_backend": {"name": backend, "from": backend_source},
+        "problems": problems(),
         "torch": {"version": targets.torch_version()},
         "backend": targets.backend(),
         "layout": targets.layout(),
@@ -53,6 +56,22 @@ def report() -> dict[str, Any]:
         "warnings": warnings,
         "notes": patcher.notes(),
     }
+
+
+def problems(import_error: str | None = None) -> list[str]:
+    """Why a ModelParallel script started now would not get the fix, each
+    with what to do; ``import_error``: how importing Keras failed, if it did."""
+    backend = install.backend_problem()
+    # Another backend fails to import when it is not installed: its line says
+    # what to do. Else a Keras that fails to import fails every check.
+    keras = install.keras_problem()
+    if import_error and not backend:
+        keras = (
+            f"Keras cannot be imported ({import_error}): reinstall it, "
+            f"`{install.INSTALL_NIGHTLY}`"
+        )
+    found = [keras, backend]
+    return [problem for problem in found if problem]
 
 
 # -- the summary ------------------------------------------------------------------
@@ -106,7 +125,8 @@ def summarize(
     ``exists`` tells whether this Keras has a module (default:
     :func:`keras_dtensor_fix.engine.targets.find_spec`); ``all_targets`` says whether
     every existing target module was imported, so that one still pending is
-    news. Keys: ``state`` (``active``, ``off``, ``idle`` or ``waiting``),
+    news. Keys: ``state`` (``active``, ``off``, ``not ready``, ``idle`` or
+    ``waiting``),
     ``headline``, ``python``, ``families`` (name -> ``state`` and a count per
     row state, plus ``skipped_because``: a word of :data:`EXPECTED`, or
     ``unexpected``), ``unexpected`` (lines) and ``ok`` (no unexpected line).
@@ -135,22 +155,28 @@ def summarize(
             unexpected.append(f"{row['family']}: {target} pending: {reason}")
     disabled = set(report["disabled_families"])
     _judge(families, unexpected, disabled, working, exists)
-    if report["enabled"] and report["backend"] == "torch" and gate["ok"] is False:
-        # Keras's torch backend without DTensor support: the plugin is
-        # installed for nothing, and ModelParallel cannot work.
-        unexpected.append(f"gate: {gate['reason']}")
+    problems = report.get("problems") or []
+    if report["enabled"]:
+        # Keras missing or broken, another backend, a build without torch
+        # distribution: ModelParallel would run unpatched or not at all.
+        unexpected.extend(problems)
+        if report["backend"] == "torch" and gate["ok"] is False and not problems:
+            unexpected.append(f"gate: {gate['reason']}")
     applied = sum(f[APPLIED] for f in families.values())
     patched = sum(1 for f in families.values() if f[APPLIED])
     # The headline says what holds; the lines under it say why.
     if not report["enabled"]:
         state, headline = "off", "OFF: upstream Keras runs unpatched"
+    elif problems:
+        state, headline = "not ready", f"NOT READY: {problems[0]}"
     elif gate["ok"] is False:
         state, headline = "idle", "IDLE: nothing to patch here"
     elif gate["ok"] is None:
         state, headline = "waiting", "WAITING: nothing patched yet"
     else:
         state = "active"
-        headline = f"ACTIVE: {applied} targets patched in {patched} families"
+        groups = f"{patched} group" + ("s" if patched != 1 else "")
+        headline = f"ACTIVE: {applied} Keras functions patched ({groups})"
         if not applied:
             headline = "ACTIVE, but nothing is patched"
         off = [n for n, f in families.items() if f["state"] == DISABLED]

@@ -154,6 +154,14 @@ FAMILIES: tuple[Family, ...] = (
         gated=False,
     ),
     Family(
+        "install_check",
+        ("distribution_api",),
+        "install_check",
+        "a ModelParallel script on a Keras without it warns with the fix",
+        # The gate is closed on exactly the builds it warns about.
+        gated=False,
+    ),
+    Family(
         "resume",
         ("epoch_iterator",),
         "resume",

@@ -100,6 +100,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "ops": _each_layout("nn", "math", "linalg", "image", "core"),
     "core": torch_module("core"),
     "distribution_lib": (DISTRIBUTION_LIB,),
+    "distribution_api": (DISTRIBUTION_API,),
     "trainer": (TRAINER,),
     "random": (f"{KERAS_TORCH}.random",),
     "optimizers": tuple(f"{_OPTIMIZERS}.torch_{name}" for name in OPTIMIZERS),
@@ -155,6 +156,12 @@ ALIASES: dict[str, tuple[str, ...]] = {
     )
     + (*LAYOUTS.values(), KERAS_TORCH, "keras.src.backend"),
     "trainer": (TRAINER,),
+    # Its package and ``keras.distribution``'s public modules bind them by name.
+    "distribution_api": (
+        "keras.src.distribution",
+        "keras.distribution",
+        "keras._tf_keras.keras.distribution",
+    ),
     "dynamo_utils": ("torch._functorch._aot_autograd.autograd_cache",),
 }
 
@@ -348,11 +355,17 @@ def installed_keras() -> list[tuple[str, str]]:
 
 
 def keras_version() -> tuple[str | None, str | None]:
-    """``(version, distribution name)`` of the installed Keras, or Nones."""
+    """``(version, distribution name)`` of the Keras whose files are in use.
+
+    With both installed, the one whose version ``keras/src/version.py`` holds
+    (the last installed overwrote the other's files); else the nightly.
+    """
     found = installed_keras()
     if not found:
         return None, None
-    dist, version = found[0]
+    spec = find_spec("keras.src.version")
+    in_use = spec and spec.origin and _source_value(spec.origin, "__version__")
+    dist, version = next(((d, v) for d, v in found if v == in_use), found[0])
     return version, dist
 
 
@@ -366,17 +379,27 @@ def torch_version() -> str | None:
         return None
 
 
-@functools.lru_cache(maxsize=8)
-def _source_defines(path: str, name: str) -> bool | None:
-    import re
-
+@functools.lru_cache(maxsize=16)
+def _source(path: str) -> str | None:
     try:
         with open(path, encoding="utf-8") as handle:
-            source = handle.read()
+            return handle.read()
     except OSError:
+        return None
+
+
+def _source_defines(path: str, name: str) -> bool | None:
+    source = _source(path)
+    if source is None:
         return None
     pattern = rf"^(?:def\s+{name}\b|{name}\s*=)"
     return re.search(pattern, source, re.MULTILINE) is not None
+
+
+def _source_value(path: str, name: str) -> str | None:
+    """The string a module's source assigns to ``name`` (``__version__``)."""
+    found = re.search(rf"^{name}\s*=\s*[\"']([^\"']+)", _source(path) or "", re.M)
+    return found[1] if found else None
 
 
 def distribution_support() -> bool | None:
@@ -387,8 +410,11 @@ def distribution_support() -> bool | None:
     module = sys.modules.get(DISTRIBUTION_LIB)
     if module is not None and not initializing(module):
         return hasattr(module, "distribute_data_input")
-    spec = find_spec(DISTRIBUTION_LIB)
-    if spec is None:
+    spec, package = find_spec(DISTRIBUTION_LIB), find_spec(KERAS_TORCH)
+    # A backend package that never imports it: stable keras installed over
+    # the nightly leaves the nightly's distribution_lib.py behind, unused.
+    imports = package and package.origin and _source(package.origin)
+    if spec is None or (imports is not None and "distribution_lib" not in imports):
         return False
     origin = spec.origin
     if origin and origin.endswith(".py"):

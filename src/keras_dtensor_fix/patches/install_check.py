@@ -1,0 +1,57 @@
+"""A ModelParallel script on a Keras build without torch distribution warns.
+
+Stable ``keras`` installed over keras-nightly (``pip install keras-hub``
+without ``--no-deps`` does it) has no ModelParallel on torch: Keras itself
+fails with ``'NoneType' object has no attribute 'initialize'``. The first
+call to ``keras.distribution``'s ``initialize``, ``list_devices`` or
+``set_distribution`` warns once, first, with the commands that fix the
+install (:func:`keras_dtensor_fix.engine.install.keras_problem`). Ungated:
+the gate is closed on exactly such a build. One-device scripts never call
+them, and a good install costs one check per process.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+from keras_dtensor_fix.engine import install, targets
+from keras_dtensor_fix.engine.contract import Implementation, Patch
+
+#: Functions a ModelParallel script calls before anything else distributed.
+ENTRY_POINTS: tuple[str, ...] = ("initialize", "list_devices", "set_distribution")
+
+_checked = False
+
+
+def _check_once() -> None:
+    global _checked
+    if _checked:
+        return
+    _checked = True
+    problem = install.keras_problem() if targets.backend() == "torch" else None
+    if problem:
+        warnings.warn(f"keras-dtensor-fix: {problem}", stacklevel=3)
+
+
+def _entry(wrapped, instance, args, kwargs):
+    _check_once()
+    return wrapped(*args, **kwargs)
+
+
+def patches(module: types.ModuleType) -> list[Patch]:
+    name = module.__name__
+    also = targets.aliases("distribution_api")
+    return [
+        Patch(name, function, _entry, also_in=also)
+        for function in ENTRY_POINTS
+        if callable(getattr(module, function, None))
+    ]
+
+
+def after_revert() -> None:
+    global _checked
+    _checked = False
+
+
+IMPLEMENTATION = Implementation(patches, after_revert=after_revert)

@@ -1,0 +1,121 @@
+"""``python -m keras_dtensor_fix status`` as text for a person.
+
+Three views of :mod:`keras_dtensor_fix.report`'s report: :func:`quick` (the
+default, made without importing Keras), :func:`checked` (``--check``: after
+importing Keras and every module the plugin patches) and :func:`by_family`
+(``--verbose``: every patched function, grouped). Plain words; the terms
+that stay are in docs/status.md.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+from keras_dtensor_fix.engine import families as _families
+from keras_dtensor_fix.engine.ledger import ANY, APPLIED, SKIPPED
+
+WIDTH = 100
+
+
+def _items(title: str, items: list[str]) -> list[str]:
+    lines = [f"{title}: {len(items) or 'none'}"]
+    for item in items:
+        lines.extend(
+            textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
+        )
+    return lines
+
+
+def _why(why: str) -> str:
+    """The engine's activation reason without its wrapping."""
+    prefix = "activated at start-up or import ("
+    return why[len(prefix) : -1] if why.startswith(prefix) else why
+
+
+def _versions(report: dict[str, Any]) -> list[str]:
+    keras = report["keras"]
+    backend = report.get("configured_backend") or {}
+    keras_text = "not installed"
+    if keras["version"]:
+        keras_text = f"{keras['distribution']} {keras['version']}"
+        if backend:
+            keras_text += f", {backend['name']} backend (from {backend['from']})"
+    return [
+        f"  plugin:  {'on' if report['enabled'] else 'off'} ({_why(report['why'])})",
+        f"  Keras:   {keras_text}",
+        f"  torch:   {report['torch']['version'] or 'not installed'}",
+        f"  Python:  {report['summary']['python']}",
+    ]
+
+
+def quick(report: dict[str, Any]) -> str:
+    """The default answer: can a ModelParallel script get the fix here?"""
+    problems = report.get("problems") or []
+    if not report["enabled"]:
+        head = "OFF: scripts run on upstream Keras, unpatched"
+    elif problems:
+        head = "NOT READY"
+    else:
+        head = "READY: a script's ModelParallel gets the fix when it imports Keras"
+    lines = [f"keras-dtensor-fix {report['version']}: {head}", *_versions(report)]
+    if problems:
+        lines += ["", *_items("problems", problems)]
+    lines += [
+        "",
+        "--check: import Keras, check every patch, exit 1 on a problem; "
+        "--verbose: list the patches; --json: for programs",
+    ]
+    return "\n".join(lines)
+
+
+def checked(report: dict[str, Any]) -> str:
+    """After importing Keras: the summary's verdict and what is unexpected."""
+    summary = report["summary"]
+    lines = [
+        f"keras-dtensor-fix {report['version']}: {summary['headline']}",
+        *_versions(report),
+        "",
+        *_items("problems", summary["unexpected"]),
+        *_items("warnings", report.get("warnings") or []),
+    ]
+    return "\n".join(lines)
+
+
+def _wrapped(label: str, text: str) -> list[str]:
+    return textwrap.wrap(
+        text, WIDTH, initial_indent=f"  {label:8} ", subsequent_indent=" " * 11
+    )
+
+
+def by_family(report: dict[str, Any]) -> str:
+    """Every target, grouped by patch group (family) and module."""
+    summary = report["summary"]
+    groups: dict[str, list[dict[str, str]]] = {}
+    for row in report["targets"]:
+        groups.setdefault(row["family"], []).append(row)
+    lines = ["patches by group (KERAS_DTENSOR_FIX_DISABLE takes these names):"]
+    for name, rows in groups.items():
+        family = summary["families"].get(name, {})
+        try:
+            what = _families.get(name).summary
+        except KeyError:
+            what = "registered at run time"
+        counts = ", ".join(
+            f"{family[s]} {s}" for s in (APPLIED, SKIPPED) if family.get(s)
+        )
+        lines.append("")
+        lines.append(f"{name} [{family.get('state', '?')}; {counts or '-'}]: {what}")
+        applied: dict[str, list[str]] = {}
+        for row in rows:
+            if row["state"] == APPLIED:
+                applied.setdefault(row["module"], []).append(row["attribute"])
+                continue
+            target = row["module"]
+            if row["attribute"] != ANY:
+                target += f".{row['attribute']}"
+            lines += _wrapped(row["state"], f"{target}: {row['reason']}")
+        for module, attributes in applied.items():
+            lines += _wrapped(APPLIED, f"{module}: {', '.join(attributes)}")
+    lines += ["", *_items("notes", report.get("notes") or [])]
+    return "\n".join(lines)
