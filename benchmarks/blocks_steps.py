@@ -80,7 +80,6 @@ def worker(args: argparse.Namespace) -> None:
     import hub_worker as hub
 
     from keras_dtensor_fix.compiled import blocks, optimizer_step, steady, tail
-    from keras_dtensor_fix.patches.compile import compile_failure
 
     torch.set_num_threads(1)
     keras.distribution.initialize()
@@ -146,10 +145,10 @@ def worker(args: argparse.Namespace) -> None:
         steady._unguarded = (lambda: None) if config == "guarded" else unguarded
         settings(config)
         if config in BLOCKS:
-            routed = blocks.install(model, compile_failure)  # guards settle again
+            routed = blocks.install(model)  # guards settle again
             if phase == "fit":
-                tail.install(model, routed, compile_failure)
-                optimizer_step.install(model, compile_failure, routed)
+                tail.install(model, routed)
+                optimizer_step.install(model, routed)
         else:
             blocks.uninstall(model)
         setattr(model, f"{made}_function", functions[config])

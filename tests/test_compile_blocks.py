@@ -57,12 +57,12 @@ plain = keras.Sequential([layers.Dense(4)])
 plain.build((None, 4))
 chosen["auto_plain"] = blocks.choose(plain, "auto")
 original = Block.call
-routed = [layer.name for layer in blocks.install(model, lambda error: False)]
+routed = [layer.name for layer in blocks.install(model)]
 installed = all("call" in vars(layer) for layer in blocks.repeated(model))
 y = model(keras.ops.ones((2, 4)))   # no distribution: Keras's own call
 blocks.uninstall(model)
 uninstalled = all("call" not in vars(layer) for layer in model.layers)
-blocks.install(model, lambda error: False)
+blocks.install(model)
 kdf.deactivate()
 print(json.dumps({
     "found": found, "routed": routed, "installed": installed,
@@ -138,25 +138,25 @@ refused = {
     "own train_step": tail.plan(own, blocks.repeated(own)),
     "sequential": tail.plan(plain, []),
 }
-installed = tail.install(model, routed, lambda error: False)
+installed = tail.install(model, routed)
 SET = ("_run_through_graph", "_compute_loss")
 attributes = sorted(k for k in vars(model) if k in SET)
 y = model(keras.ops.ones((2, 4)))   # no train step running: Keras's own call
 tail.uninstall(model)
 after = sorted(k for k in vars(model) if k in SET)
-tail.install(model, routed, lambda error: False)
+tail.install(model, routed)
 model.compile(optimizer="adam", loss="mse")
 own.compile(optimizer="adam", loss="mse")
 updates = {
-    "refused": optimizer_step.install(own, lambda error: False),
-    "installed": optimizer_step.install(model, lambda error: False),
+    "refused": optimizer_step.install(own),
+    "installed": optimizer_step.install(model),
     "apply": "apply" in vars(model.optimizer),
 }
 model.fit(np.ones((4, 4)), np.ones((4, 3)), verbose=0)  # no distribution: Keras's
 updates["used"] = optimizer_step.used()
 optimizer_step.uninstall(model)
 updates["after"] = "apply" in vars(model.optimizer)
-optimizer_step.install(model, lambda error: False)
+optimizer_step.install(model)
 kdf.deactivate()
 updates["restored"] = "apply" in vars(model.optimizer)
 print(json.dumps({
@@ -222,7 +222,7 @@ SAVED = r"""
 import json, os, types
 os.environ["KERAS_BACKEND"] = "torch"
 import torch
-from keras_dtensor_fix.compiled import blocks
+from keras_dtensor_fix.compiled import region
 
 torch.manual_seed(0)
 w1 = torch.randn(8, 32, requires_grad=True)
@@ -236,7 +236,7 @@ dist = types.SimpleNamespace(device_mesh=types.SimpleNamespace(shape=(1,)))
 x = torch.randn(4, 16, 8)  # 3-D: matmul sees relu through a view
 saved = {}
 for name, function in (
-    ("region", blocks.compile_region(mlp, dist)),
+    ("region", region.compile_static(mlp, dist)),
     ("user", torch.compile(lambda x: mlp(x))),
 ):
     out = function(x)

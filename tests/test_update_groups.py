@@ -49,7 +49,7 @@ def train(make, grouped):
     optimizer.build(variables)
     update = update_groups._update_function(optimizer)
     bound = functools.partial(update, optimizer)
-    runner = update_groups.Grouped(optimizer, blocks, lambda error: False)
+    runner = update_groups.Grouped(optimizer, blocks)
     for grads in steps:
         lr = optimizer._get_current_learning_rate()
         with torch.no_grad():
@@ -78,7 +78,7 @@ for name, make in OPTIMIZERS.items():
 make = OPTIMIZERS["adam_amsgrad"]
 optimizer = make()
 optimizer.build(variables)
-runner = update_groups.Grouped(optimizer, blocks, lambda error: False)
+runner = update_groups.Grouped(optimizer, blocks)
 bound = functools.partial(update_groups._update_function(optimizer), optimizer)
 lr = optimizer._get_current_learning_rate()
 with torch.no_grad():
@@ -86,7 +86,7 @@ with torch.no_grad():
     rest = list(runner._entries.values())[-1]
     def broken(*args):
         raise ValueError("broken on purpose")
-    rest.compiled = broken
+    rest.region = broken
     try:
         runner(bound, optimizer, steps[0], variables, lr)
         partly = None

@@ -32,21 +32,20 @@ eagerly only where no optimizer counted a step).
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from keras_dtensor_fix.compiled import blocks, refusals, update_groups
+from keras_dtensor_fix.compiled import refusals, region, update_groups
 from keras_dtensor_fix.dtensor import DTensor
 from keras_dtensor_fix.engine import state
 
 
 @dataclass
 class _Region:
-    compiled: Any = None
-    failed: bool = False
+    #: The whole ``apply`` compiled (:func:`_update`).
+    whole: region.Region
     #: The per-group update, where the optimizer's update is per variable.
     grouped: update_groups.Grouped | None = None
 
@@ -74,9 +73,7 @@ def refusal(model: Any) -> str | None:
     return None
 
 
-def install(
-    model: Any, failure: Callable[[BaseException], bool], routed: list[Any] = ()
-) -> str | None:
+def install(model: Any, routed: list[Any] = ()) -> str | None:
     """Give ``model``'s optimizer a compiled ``apply``; None, or why not.
 
     With ``routed`` (the blocks compiled) and a per-variable update, the
@@ -87,15 +84,18 @@ def install(
     optimizer = model.optimizer
     if optimizer in _REGIONS:
         return None
-    region = _REGIONS[optimizer] = _Region()
+    what = f"the update of {type(optimizer).__name__}"
+    qualname = f"{type(optimizer).__qualname__}.apply"
+    whole = region.Region(_update, what, qualname=qualname)
+    found = _REGIONS[optimizer] = _Region(whole)
     if GROUPED and routed and update_groups.groupable(optimizer) is None:
-        region.grouped = update_groups.Grouped(optimizer, list(routed), failure)
+        found.grouped = update_groups.Grouped(optimizer, list(routed))
     original = optimizer.apply
 
     def apply(grads: Any, trainable_variables: Any = None) -> Any:
         grads = list(grads)
         if (
-            region.failed
+            whole.failed
             or trainable_variables is None
             or not optimizer.built
             or state.compiling()
@@ -104,25 +104,16 @@ def install(
         ):
             return original(grads, trainable_variables)
         variables = list(trainable_variables)
-        if region.grouped is not None:
-            return _grouped(region.grouped, original, grads, variables)
+        if found.grouped is not None:
+            return _grouped(found.grouped, original, grads, variables)
         state.SHARDWISE_UPDATE.append(True)
         try:
-            result = _compiled(optimizer, region)(optimizer, grads, variables)
-        except Exception as error:
-            if not failure(error):
-                raise
-            region.failed = True
-            warnings.warn(
-                "keras-dtensor-fix: torch.compile failed on the update of "
-                f"{type(optimizer).__name__} ({blocks.failure_cause(error)}); "
-                "it runs eagerly from now on.",
-                stacklevel=2,
+            result = whole(
+                lambda: original(grads, variables), optimizer, grads, variables
             )
-            return original(grads, variables)
         finally:
             state.SHARDWISE_UPDATE.pop()
-        _USED[0] += 1
+        _USED[0] += not whole.failed
         return result
 
     state.set_attribute(optimizer, "apply", apply)
@@ -132,8 +123,8 @@ def install(
 def how(model: Any) -> str:
     """How ``model``'s optimizer update compiles, once installed."""
     optimizer = getattr(model, "optimizer", None)
-    region = _REGIONS.get(optimizer) if optimizer is not None else None
-    if region is not None and region.grouped is not None:
+    found = _REGIONS.get(optimizer) if optimizer is not None else None
+    if found is not None and found.grouped is not None:
         return "per block, one graph for the blocks alike"
     return "one region"
 
@@ -175,11 +166,3 @@ def _grouped(
 
 def _update(optimizer: Any, grads: list, variables: list) -> Any:
     return type(optimizer).apply(optimizer, grads, variables)
-
-
-def _compiled(optimizer: Any, region: _Region) -> Callable[..., Any]:
-    if region.compiled is None:
-        name = f"{type(optimizer).__qualname__}.apply"
-        traced = blocks.renamed(_update, name, "apply")
-        region.compiled = blocks.compile_region(traced, state.model_parallel())
-    return region.compiled

@@ -35,16 +35,14 @@ gradient. A region torch.compile fails on runs eagerly from then on (warned).
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.utils._pytree as pytree
 
-from keras_dtensor_fix.compiled import blocks, graph_split, refusals
+from keras_dtensor_fix.compiled import graph_split, refusals, region
 from keras_dtensor_fix.dtensor import (
     DTensor,
     forget_kept,
@@ -75,8 +73,8 @@ class _Plan:
     #: the region), and the tensors its tail reads from its front.
     opened: graph_split.Opened | None = None
     inner_boundary: list[Any] = field(default_factory=list)
-    compiled: Any = None
-    failed: bool = False
+    #: The compiled region (:func:`_tail`), made with the plan.
+    region: Any = None
     #: The instance's own values of :data:`_ATTRIBUTES` before, put back by
     #: :func:`uninstall` (the compile family's ``_compute_loss`` wrapper).
     saved: dict[str, Any] = field(default_factory=dict)
@@ -170,12 +168,17 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
     )
     base = targets.keras_object("BaseTrainer")
     reads_x = getattr(type(model), "compute_loss", None) is not base.compute_loss
-    return _Plan(front, tail, boundary, reads_x, opened, inner_boundary)
+    found = _Plan(front, tail, boundary, reads_x, opened, inner_boundary)
+    found.region = region.Region(
+        _tail,
+        f"the layers after {model.name}'s last block and its loss",
+        qualname=f"{model.name}.tail",
+        then="they run eagerly from now on.",
+    )
+    return found
 
 
-def install(
-    model: Any, routed: list[Any], failure: Callable[[BaseException], bool]
-) -> str | None:
+def install(model: Any, routed: list[Any]) -> str | None:
     """Run ``model``'s tail and loss as one region in its training steps.
 
     Returns None where installed, else why not. Undone by :func:`uninstall`.
@@ -193,10 +196,17 @@ def install(
 
     def run_through_graph(inputs: Any, *args: Any, **kwargs: Any) -> Any:
         pending = _STEP.get(model)
-        if pending is None or pending.called or args or kwargs or not _eligible(found):
+        if (
+            pending is None
+            or pending.called
+            or args
+            or kwargs
+            or found.region.failed
+            or not region.eligible()
+        ):
             return original_run(inputs, *args, **kwargs)
         pending.called = True
-        return _run(model, found, inputs, pending, failure)
+        return _run(model, found, inputs, pending)
 
     def compute_loss(*args: Any, **kwargs: Any) -> Any:
         pending = _STEP.get(model)
@@ -300,24 +310,7 @@ def forget() -> None:
     _STEP.clear()
 
 
-def _eligible(found: _Plan) -> bool:
-    return (
-        not found.failed
-        and torch.is_grad_enabled()
-        and not state.compiling()
-        and state.model_parallel() is not None
-        and not targets.keras_object("in_symbolic_scope")()
-        and not targets.keras_object("in_stateless_scope")()
-    )
-
-
-def _run(
-    model: Any,
-    found: _Plan,
-    inputs: Any,
-    pending: _Pending,
-    failure: Callable[[BaseException], bool],
-) -> Any:
+def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
     tree = targets.keras_object("tree")
     flat = tree.flatten(inputs)
     values = {id(ref): value for ref, value in zip(model.inputs, flat, strict=False)}
@@ -335,21 +328,15 @@ def _run(
     x = pending.x if found.reads_x else None
     metrics = _metrics_in_region(model)
     arguments = (model, found, boundary, x, pending.y, pending.sample_weight, metrics)
-    try:
-        with blocks.region():
-            (outputs, loss), kept = _compiled(model, found)(*arguments)
-    except Exception as error:
-        if not failure(error):
-            raise
-        found.failed = True
-        warnings.warn(
-            f"keras-dtensor-fix: torch.compile failed on the layers after "
-            f"{model.name}'s last block and its loss"
-            f"{' and metrics' if metrics else ''} "
-            f"({blocks.failure_cause(error)}); they run eagerly from now on.",
-            stacklevel=2,
-        )
+    found.region.what = (
+        f"the layers after {model.name}'s last block and its loss"
+        f"{' and metrics' if metrics else ''}"
+    )
+    with region.scopeless():
+        result = found.region(lambda: None, *arguments)
+    if result is None:
         return _eager_rest(model, found, values, inner)
+    (outputs, loss), kept = result
     leaves, spec = pytree.tree_flatten((outputs, loss))
     leaves = zero_gradients_if_unused(leaves)
     for leaf, entries in zip(leaves, kept, strict=True):
@@ -403,13 +390,6 @@ def _tail(
     leaves, spec = pytree.tree_flatten((outputs, loss))
     kept = [kept_detached(v) if isinstance(v, DTensor) else [] for v in leaves]
     return pytree.tree_unflatten([without_kept(v) for v in leaves], spec), kept
-
-
-def _compiled(model: Any, found: _Plan) -> Callable[..., Any]:
-    if found.compiled is None:
-        traced = blocks.renamed(_tail, f"{model.name}.tail", "tail")
-        found.compiled = blocks.compile_region(traced, state.model_parallel())
-    return found.compiled
 
 
 def _eager_rest(model: Any, found: _Plan, values: dict, inner: dict) -> Any:

@@ -30,12 +30,11 @@ region. A compile failure runs the update eagerly from then on (warned).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
-from keras_dtensor_fix.compiled import blocks
-from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.compiled import region
+from keras_dtensor_fix.engine import targets
 
 __all__ = ["Grouped", "groupable"]
 
@@ -84,11 +83,14 @@ class _Entry:
             **{row: list(stands) for row, stands in self.rows.items()},
         }
         self.sync(optimizer)
-        traced = blocks.renamed(_group_step, name, "update")
         # The entry passes its own update, stand-in optimizer and stand-ins
         # at every call: the signature covers the tensors only.
-        self.compiled = blocks.compile_region(
-            traced, state.model_parallel(), interleaved=True, fixed=4
+        self.region = region.Region(
+            _group_step,
+            f"the update of {type(optimizer).__name__}",
+            qualname=name,
+            interleaved=True,
+            fixed=4,
         )
 
     def sync(self, optimizer: Any) -> None:
@@ -112,22 +114,15 @@ def _group_step(update, proxy, stands, rows, grads, values, slots, learning_rate
 class Grouped:
     """The shard-wise update of one optimizer, group by group (the module)."""
 
-    def __init__(
-        self,
-        optimizer: Any,
-        routed: list[Any],
-        failure: Callable[[BaseException], bool],
-    ) -> None:
+    def __init__(self, optimizer: Any, routed: list[Any]) -> None:
         #: The class's own update (:func:`groupable` checked it per variable).
         self._update = _update_function(optimizer)
-        self._class = type(optimizer).__name__
         self._name = f"{type(optimizer).__qualname__}.update"
         self._owner = {
             id(variable): index
             for index, block in enumerate(routed)
             for variable in block.trainable_variables
         }
-        self._failure = failure
         self._entries: dict[tuple, _Entry] = {}
         #: Updates that ran every group compiled.
         self.used = 0
@@ -181,21 +176,16 @@ class Grouped:
             self._entries[key] = entry
         entry.sync(optimizer)
         fixed = (self._update, entry.proxy, entry.stands, entry.row_stands)
-        try:
-            entry.compiled(*fixed, group_grads, values, slots, lr)
-        except Exception as error:
-            if not self._failure(error):
-                raise
-            self.failed = True
-            warnings.warn(
-                "keras-dtensor-fix: torch.compile failed on the update of "
-                f"{self._class} ({blocks.failure_cause(error)}); it runs "
-                "eagerly from now on.",
-                stacklevel=2,
-            )
-            bound(group_grads, group_vars, lr)
-            return False
-        return True
+        entry.region(
+            lambda: bound(group_grads, group_vars, lr),
+            *fixed,
+            group_grads,
+            values,
+            slots,
+            lr,
+        )
+        self.failed = entry.region.failed
+        return not self.failed
 
     def _groups(self, variables: list) -> list[list[int]]:
         """Indices of ``variables`` by owning block, in order; the rest last."""

@@ -22,9 +22,11 @@ import types
 from keras_dtensor_fix.compiled import (
     blocks,
     cache_key,
+    failure,
     frames,
     optimizer_step,
     refusals,
+    region,
     tail,
     updates,
 )
@@ -61,7 +63,7 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
             "keras-dtensor-fix: jit_compile=True is not used for this "
             f"ModelParallel model: its recurrent layers ({', '.join(recurrent)}) "
             "run Keras's generic RNN loop, which torch "
-            f"{_torch_version()} cannot compile over DTensors. The model runs "
+            f"{targets.torch_version()} cannot compile over DTensors. The model runs "
             "eagerly. LSTM and GRU with their defaults (use_cudnn='auto', no "
             "recurrent_dropout) and no mask compile.",
             stacklevel=2,
@@ -88,13 +90,13 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
         why = "the default: training goes block by block, this step has no backward"
         blocks.tell(instance, building, "step", why)
         return True
-    routed = blocks.install(instance, compile_failure) if mode == "blocks" else []
+    routed = blocks.install(instance) if mode == "blocks" else []
     if routed:
         if building in (None, "make_train_function"):
-            refused = tail.install(instance, routed, compile_failure)
+            refused = tail.install(instance, routed)
             if refused is None:
                 why += "; the layers after the last block and the loss: one region"
-            if optimizer_step.install(instance, compile_failure, routed) is None:
+            if optimizer_step.install(instance, routed) is None:
                 why += "; the optimizer's update: " + optimizer_step.how(instance)
         blocks.tell(instance, building, "blocks", why)
         return False  # the step runs eagerly, its blocks compiled
@@ -113,12 +115,6 @@ def _uninstall(model) -> None:
 _BUILDING: list[str] = []
 #: Steps without a backward: compiled whole even where training goes by blocks.
 _FORWARD = ("make_test_function", "make_predict_function")
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 STEP_FUNCTIONS = {
@@ -208,23 +204,6 @@ def _cache_backend_layouts(model) -> None:
             layout.backend_layout  # noqa: B018  (a cached property)
 
 
-def compile_failure(error: BaseException) -> bool:
-    """Whether ``error`` comes from torch.compile itself, not from the step.
-
-    dynamo's and inductor's own errors (a torch bug on some DTensor graph).
-    An error in the step's own code is among them when traced; the eager
-    retry then raises it as it is.
-    """
-    import torch._dynamo.exc as exc
-
-    if isinstance(error, exc.TorchDynamoException):
-        return True
-    # An assertion inside dynamo's own checks (DTensor outputs it expected as
-    # fake tensors) is not wrapped in its exception types.
-    files = _traceback_files(error)
-    return bool(files) and "torch/_dynamo/" in files[-1]
-
-
 def _eager_if_compile_fails(function, instance, make: str):
     """``function``, or the eager step once torch.compile fails on it.
 
@@ -250,7 +229,7 @@ def _eager_if_compile_fails(function, instance, make: str):
         try:
             result = function(*args, **kwargs)
         except Exception as error:
-            graph_failed = _in_compiled_runtime(error)
+            graph_failed = failure.in_compiled_runtime(error)
             if graph_failed and ran and not updates.none_since(marks):
                 raise RuntimeError(
                     "keras-dtensor-fix: a compiled ModelParallel step failed "
@@ -259,15 +238,13 @@ def _eager_if_compile_fails(function, instance, make: str):
                     "eagerly. Compile with jit_compile=False to run it as "
                     "upstream Keras does."
                 ) from error
-            if not (compile_failure(error) or graph_failed):
+            if not (failure.compile_failure(error) or graph_failed):
                 raise
             import warnings
 
-            lines = [line for line in str(error).splitlines() if line.strip()]
-            first = (lines or [""])[0][:200]
             warnings.warn(
                 "keras-dtensor-fix: torch.compile failed on this ModelParallel "
-                f"step ({type(error).__name__}: {first}); it runs eagerly from "
+                f"step ({failure.cause(error)}); it runs eagerly from "
                 "now on, as upstream Keras runs it.",
                 stacklevel=2,
             )
@@ -326,28 +303,6 @@ def break_report(
     )
 
 
-#: Where torch runs a compiled graph: an error raised there on the first call
-#: is torch's (a DTensor output aliasing an input after a graph break: "as_strided
-#: not supported with DTensor": torch 2.13, pytorch/pytorch#184002), not the
-#: step's, which dynamo met while tracing.
-_COMPILED_RUNTIME = ("torch/_functorch/_aot_autograd/", "torch/_inductor/")
-
-
-def _in_compiled_runtime(error: BaseException) -> bool:
-    """Whether ``error`` was raised inside torch's runner of a compiled graph."""
-    return any(
-        part in name for name in _traceback_files(error) for part in _COMPILED_RUNTIME
-    )
-
-
-def _traceback_files(error: BaseException) -> list[str]:
-    """The files of ``error``'s traceback, outermost first, with ``/`` separators."""
-    import traceback
-
-    frames = traceback.extract_tb(error.__traceback__)
-    return [frame.filename.replace("\\", "/") for frame in frames]
-
-
 def _build_eagerly(instance, make: str):
     """The step function ``make`` builds with ``jit_compile`` off."""
     attribute = STEP_FUNCTIONS[make]
@@ -392,7 +347,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
     if targets.is_kind(module.__name__, "layer_base"):
         # traced: a region's trace must run it (one frame per layer call, and
         # one guard, in a whole step's trace).
-        scope, wrapper = "Layer._open_name_scope", blocks.name_scope
+        scope, wrapper = "Layer._open_name_scope", region.name_scope
         return [Patch(module.__name__, scope, wrapper, gated=True, traced=True)]
     cls = targets.trainer_class(module)
     if not targets.trainer_compiles_model_parallel(module):

@@ -38,11 +38,11 @@ from __future__ import annotations
 import contextlib
 import types
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from keras_dtensor_fix.compiled import cache_key
-from keras_dtensor_fix.compiled.steady import Steady, code_of
+from keras_dtensor_fix.compiled import region
 from keras_dtensor_fix.dtensor import DTensor, on_mesh, one_rank_replicated
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import model_parallel
@@ -50,9 +50,9 @@ from keras_dtensor_fix.generation import causal_lm, decoder, paths, token_args
 from keras_dtensor_fix.generation.paths import CHECKED, DTENSOR
 from keras_dtensor_fix.hub import generation as hub
 
-#: CausalLM class -> ``torch.compile`` of its ``call_with_cache`` (one per class:
-#: dynamo guards on the model it is called with).
-_COMPILED: dict[type, Any] = {}
+#: Distribution -> CausalLM class -> its ``call_with_cache`` as a region (one
+#: per class: dynamo guards on the model it is called with).
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _compiles(model: Any) -> bool:
@@ -68,13 +68,18 @@ def _compiles(model: Any) -> bool:
     )
 
 
-def _compiled(cls: type) -> Any:
-    found = _COMPILED.get(cls)
+def _compiled(cls: type, dist: Any) -> Any:
+    """The class's compiled token call under ``dist``, its guards checked
+    again until this generation's tokens settle."""
+    by_class = _COMPILED.setdefault(dist, {})
+    found = by_class.get(cls)
     if found is None:
-        import torch
-
-        found = _COMPILED[cls] = torch.compile(cls.call_with_cache)
-    return found
+        # dynamic shapes as torch.compile's default: a longer generate() call
+        # makes its cache length symbolic rather than compile again
+        what = f"{cls.__name__}.call_with_cache"
+        found = by_class[cls] = region.Region(cls.call_with_cache, what, dynamic=None)
+    found.reset()
+    return found.compiled()
 
 
 def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
@@ -98,18 +103,15 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None = None) -> Any:
 
     eager = model.call_with_cache
     signature = token_args.signature_of(eager)
-    compiled = _compiled(type(model))
     dist = model_parallel()
+    compiled = _compiled(type(model), dist)
     if dist is not None:
-        compiled = cache_key.keyed(compiled, dist)
         plain, prompt = causal_lm.whole_inputs, _blocks_local
         # the weights' mesh: the graph guards on its identity
         meshes = (getattr(v, "_value", None) for v in model.weights)
         mesh = next((m.device_mesh for m in meshes if isinstance(m, DTensor)), None)
     else:
         plain, prompt, mesh = tuple, _no_context, None
-    # this generation's tokens skip dynamo's guards once they have settled
-    compiled = Steady(compiled, code_of(type(model).call_with_cache))
     first = [True]
 
     def call_with_cache(*args: Any, **kwargs: Any) -> Any:
