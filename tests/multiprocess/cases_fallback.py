@@ -278,7 +278,7 @@ def _blocks_case(
 
 # the block's compilation fails: that class runs its own call (blocks.py);
 # the tail's and the optimizer update's too: they run eagerly (tail.py,
-# optimizer_step.py)
+# update_groups.py)
 _blocks_case(
     "gpt_blocks_compile_raises",
     _compiler_raises,

@@ -58,8 +58,6 @@ from keras_dtensor_fix.ops.values import flatten_call, output_laid_out
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: The attribute marking a block whose ``call`` this module installed.
 _INSTALLED = "_keras_dtensor_fix_block"
-#: Model -> its blocks routed through a region.
-_ROUTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def repeated(model: Any) -> list[Any]:
@@ -151,7 +149,7 @@ def install(model: Any) -> list[Any]:
     """Route each repeated block of ``model`` through its class's region.
 
     Returns the blocks routed; a block refused is named in one warning.
-    Undone by :func:`uninstall` and by deactivation.
+    Undone by :func:`uninstall` and by deactivation (``compiled/plan``).
     """
     routed, refused = [], []
     for by_class in _COMPILED.values():
@@ -170,8 +168,6 @@ def install(model: Any) -> list[Any]:
         state.set_attribute(block, "call", call)
         state.set_attribute(block, _INSTALLED, True)
         routed.append(block)
-    if routed:
-        _ROUTED[model] = routed
     if refused:
         warnings.warn(
             "keras-dtensor-fix: KERAS_DTENSOR_FIX_COMPILE=blocks runs these "
@@ -183,13 +179,8 @@ def install(model: Any) -> list[Any]:
     return routed
 
 
-def uninstall(model: Any) -> None:
-    """Give the model's blocks their own ``call`` back (the mode or
-    ``jit_compile`` changed before a step was built again)."""
-    try:
-        routed = _ROUTED.pop(model, ())
-    except TypeError:  # an object no weak reference can hold: nothing routed
-        return
+def uninstall(routed: list[Any]) -> None:
+    """Give the ``routed`` blocks their own ``call`` back."""
     for block in routed:
         vars(block).pop("call", None)
         vars(block).pop(_INSTALLED, None)
@@ -291,13 +282,6 @@ def _with_f(original: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def settled() -> int:
-    """How many blocks' calls skip dynamo's guards under this distribution."""
-    by_class = _COMPILED.get(state.model_parallel(), {}) if _COMPILED else {}
-    return sum(one.signatures_settled for pair in by_class.values() for one in pair)
-
-
 def forget() -> None:
-    """Drop the compiled regions, failures and routes (on deactivation)."""
+    """Drop the compiled regions and their failures (on deactivation)."""
     _COMPILED.clear()
-    _ROUTED.clear()

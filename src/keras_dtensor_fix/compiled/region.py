@@ -166,11 +166,6 @@ class Region:
         if self._compiled is not None:
             self._compiled.reset()
 
-    @property
-    def signatures_settled(self) -> int:
-        """How many call signatures skip their guards now."""
-        return 0 if self._compiled is None else self._compiled.signatures_settled
-
     def __call__(self, eager: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
         """The compiled call, or ``eager()`` once torch.compile failed on it."""
         if self.failed:

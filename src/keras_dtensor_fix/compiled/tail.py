@@ -16,9 +16,9 @@ and two attributes of the instance are set:
 
 - ``_run_through_graph`` (what ``Functional.call`` runs) runs the graph's
   nodes up to the last one holding a block eagerly, as Keras does, then the
-  rest and ``_compute_loss`` in the region (where that node calls a nested
-  functional model, a keras-hub backbone, the split goes inside it, so its
-  final norm joins the region: :mod:`~keras_dtensor_fix.compiled.graph_split`);
+  rest and ``_compute_loss`` in the region (a nested backbone holding the
+  blocks runs whole, eagerly: its final norm in the region gained 0-8 ms a
+  Gemma step, ``benchmarks/results/2026-12-05-one-region.md``);
 - ``_compute_loss`` returns the region's loss when called with that output
   and that batch; otherwise it computes the loss itself;
 - ``compute_metrics``: where the class keeps Keras's, the region also updates
@@ -35,7 +35,6 @@ gradient. A region torch.compile fails on runs eagerly from then on (warned).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +51,7 @@ from keras_dtensor_fix.dtensor import (
     without_kept,
     zero_gradients_if_unused,
 )
-from keras_dtensor_fix.engine import state, targets, wrappers
+from keras_dtensor_fix.engine import state, targets
 
 #: The instance attributes this module sets (undone by :func:`uninstall`).
 _ATTRIBUTES = ("_run_through_graph", "_compute_loss", "compute_metrics")
@@ -69,15 +68,13 @@ class _Plan:
     boundary: list[Any]
     #: Whether the loss reads ``x`` (a ``compute_loss`` of the model's own).
     reads_x: bool
-    #: The nested model holding the last block, opened (its tail runs first in
-    #: the region), and the tensors its tail reads from its front.
-    opened: graph_split.Opened | None = None
-    inner_boundary: list[Any] = field(default_factory=list)
     #: The compiled region (:func:`_tail`), made with the plan.
     region: Any = None
     #: The instance's own values of :data:`_ATTRIBUTES` before, put back by
     #: :func:`uninstall` (the compile family's ``_compute_loss`` wrapper).
     saved: dict[str, Any] = field(default_factory=dict)
+    #: The batch of the model's ``train_step`` running now (:func:`step`).
+    pending: Any = None
 
 
 @dataclass
@@ -98,20 +95,6 @@ class _Pending:
 ENABLED = True
 #: False: the compiled metrics update eagerly after the step (benchmarks).
 METRICS = True
-#: False: a nested model holding the last block runs whole in the front
-#: (benchmarks compare; :mod:`~keras_dtensor_fix.compiled.graph_split`).
-NESTED = True
-#: Model -> its plan, for the models whose tail is installed.
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: Training steps whose loss came from a region, since the import.
-_USED = [0]
-#: Training steps whose compiled metrics a region updated, since the import.
-_METRICS_USED = [0]
-#: Training steps whose region ran a nested model's layers after its last
-#: block (:mod:`~keras_dtensor_fix.compiled.graph_split`), since the import.
-_OPENED_USED = [0]
-#: Model -> the batch of its ``train_step`` running now.
-_STEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def refusal(model: Any) -> str | None:
@@ -153,22 +136,16 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
     if not held:
         return "no layer follows its last block"
     last = held[-1]
-    opened = graph_split.open_nested(nodes[last], ids) if NESTED else None
-    if opened is None and last == len(nodes) - 1:
+    if last == len(nodes) - 1:
         return "no layer follows its last block"
-    front, tail = nodes[: last + (opened is None)], nodes[last + 1 :]
-    inner_tail = opened.tail if opened else []
-    reason = graph_split.refusal(model, opened, [*tail, *inner_tail])
+    front, tail = nodes[: last + 1], nodes[last + 1 :]
+    reason = graph_split.refusal(tail)
     if reason is not None:
         return reason
-    made = opened.node.outputs if opened else []
-    boundary = graph_split.boundary(tail, model.outputs, made)
-    inner_boundary = (
-        graph_split.boundary(inner_tail, opened.model.outputs) if opened else []
-    )
+    boundary = graph_split.boundary(tail, model.outputs)
     base = targets.keras_object("BaseTrainer")
     reads_x = getattr(type(model), "compute_loss", None) is not base.compute_loss
-    found = _Plan(front, tail, boundary, reads_x, opened, inner_boundary)
+    found = _Plan(front, tail, boundary, reads_x)
     found.region = region.Region(
         _tail,
         f"the layers after {model.name}'s last block and its loss",
@@ -178,13 +155,11 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
     return found
 
 
-def install(model: Any, routed: list[Any]) -> str | None:
+def install(model: Any, routed: list[Any]) -> _Plan | str:
     """Run ``model``'s tail and loss as one region in its training steps.
 
-    Returns None where installed, else why not. Undone by :func:`uninstall`.
+    Returns the plan installed, else why not. Undone by :func:`uninstall`.
     """
-    if model in _PLANS:
-        return None
     if not ENABLED:
         return "turned off"
     found = plan(model, routed)
@@ -195,7 +170,7 @@ def install(model: Any, routed: list[Any]) -> str | None:
     original_metrics = model.compute_metrics
 
     def run_through_graph(inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        pending = _STEP.get(model)
+        pending = found.pending
         if (
             pending is None
             or pending.called
@@ -209,7 +184,7 @@ def install(model: Any, routed: list[Any]) -> str | None:
         return _run(model, found, inputs, pending)
 
     def compute_loss(*args: Any, **kwargs: Any) -> Any:
-        pending = _STEP.get(model)
+        pending = found.pending
         if (
             pending is not None
             and pending.loss is not None
@@ -221,7 +196,6 @@ def install(model: Any, routed: list[Any]) -> str | None:
             and kwargs.get("training", True)
         ):
             loss, pending.loss = pending.loss, None
-            _USED[0] += 1
             return loss
         if pending is not None and pending.y_pred is not None:
             # a loss of its own may differentiate y_pred: no detached gather
@@ -229,7 +203,7 @@ def install(model: Any, routed: list[Any]) -> str | None:
         return original_loss(*args, **kwargs)
 
     def compute_metrics(x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Any:
-        pending = _STEP.get(model)
+        pending = found.pending
         if (
             pending is not None
             and pending.metrics
@@ -238,7 +212,6 @@ def install(model: Any, routed: list[Any]) -> str | None:
             and sample_weight is pending.sample_weight
         ):
             pending.metrics = False
-            _METRICS_USED[0] += 1
             return model.get_metrics_result()
         return original_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -246,41 +219,24 @@ def install(model: Any, routed: list[Any]) -> str | None:
     ours = (run_through_graph, compute_loss, compute_metrics)
     for name, value in zip(_ATTRIBUTES, ours, strict=True):
         state.set_attribute(model, name, value)
-    _PLANS[model] = found
-    return None
+    return found
 
 
-def step(train_step: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
-    """Keras's ``train_step`` (the ``compile`` family's wrapper of it), its batch
-    kept for the model's tail while it runs."""
-    try:
-        installed = len(args) == 1 and not kwargs and model in _PLANS
-    except TypeError:  # an object no weak reference can hold: nothing installed
-        installed = False
-    if not installed:
+def step(found: _Plan, train_step: Callable[..., Any], args: tuple, kwargs: dict):
+    """Keras's ``train_step``, its batch kept for the model's tail while it runs."""
+    if len(args) != 1 or kwargs:
         return train_step(*args, **kwargs)
     x, y, sample_weight = targets.keras_object("unpack_x_y_sample_weight")(args[0])
-    _STEP[model] = _Pending(x, y, sample_weight)
+    found.pending = _Pending(x, y, sample_weight)
     try:
         return train_step(*args, **kwargs)
     finally:
-        _STEP.pop(model, None)
+        found.pending = None
 
 
-# A whole step compiles Keras's train_step as its first frame, as upstream
-# does: this wrapper, run first, is not a frame of its own.
-wrappers.not_a_frame(step.__code__)
-
-
-def uninstall(model: Any) -> None:
+def uninstall(model: Any, found: _Plan) -> None:
     """Take the attributes :func:`install` set off ``model``."""
-    try:
-        installed = _PLANS.pop(model, None)
-    except TypeError:  # an object no weak reference can hold: nothing installed
-        return
-    if installed is None:
-        return
-    for name, before in installed.saved.items():
+    for name, before in found.saved.items():
         # Whatever wraps ours now (the compile family's _compute_loss wrapper,
         # made again at the next build) goes with it.
         if before is _ABSENT:
@@ -289,42 +245,14 @@ def uninstall(model: Any) -> None:
             vars(model)[name] = before
 
 
-def used() -> int:
-    """How many training steps took their loss from a region, since the import."""
-    return _USED[0]
-
-
-def metrics_used() -> int:
-    """How many training steps updated their compiled metrics in a region."""
-    return _METRICS_USED[0]
-
-
-def opened_used() -> int:
-    """How many training steps ran a nested model's last layers in a region."""
-    return _OPENED_USED[0]
-
-
-def forget() -> None:
-    """Drop every plan (on deactivation; the attributes are undone by state)."""
-    _PLANS.clear()
-    _STEP.clear()
-
-
 def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
     tree = targets.keras_object("tree")
     flat = tree.flatten(inputs)
     values = {id(ref): value for ref, value in zip(model.inputs, flat, strict=False)}
     graph_split.run_nodes(model, found.front, values)
-    inner = {}
-    if found.opened is not None:
-        inner = graph_split.run_opened(found.opened, values)
-        if inner is None:  # this call runs the nested model whole: eager
-            graph_split.run_nodes(model, [found.opened.node, *found.tail], values)
-            return graph_split.pack(model, values)
     boundary = [values.get(id(ref)) for ref in found.boundary]
-    boundary += [inner.get(id(ref)) for ref in found.inner_boundary]
     if any(v is None or getattr(v, "_keras_mask", None) is not None for v in boundary):
-        return _eager_rest(model, found, values, inner)  # a mask rides on its tensor
+        return _eager_rest(model, found, values)  # a mask rides on its tensor
     x = pending.x if found.reads_x else None
     metrics = _metrics_in_region(model)
     arguments = (model, found, boundary, x, pending.y, pending.sample_weight, metrics)
@@ -335,7 +263,7 @@ def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
     with region.scopeless():
         result = found.region(lambda: None, *arguments)
     if result is None:
-        return _eager_rest(model, found, values, inner)
+        return _eager_rest(model, found, values)
     (outputs, loss), kept = result
     leaves, spec = pytree.tree_flatten((outputs, loss))
     leaves = zero_gradients_if_unused(leaves)
@@ -345,7 +273,6 @@ def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
     pending.y_pred = targets.keras_object("unpack_singleton")(outputs)
     pending.loss = loss
     pending.metrics = metrics
-    _OPENED_USED[0] += found.opened is not None
     return outputs
 
 
@@ -376,10 +303,7 @@ def _tail(
     read the same values: the step's order changes no result)."""
     # Megatron's "f" of each input as the graph's first op (as a block's).
     boundary = [reducing_input(value) for value in boundary]
-    refs = [*found.boundary, *found.inner_boundary]
-    values = {id(ref): value for ref, value in zip(refs, boundary, strict=True)}
-    if found.opened is not None:
-        graph_split.close_opened(found.opened, values, values)
+    values = {id(ref): v for ref, v in zip(found.boundary, boundary, strict=True)}
     graph_split.run_nodes(model, found.tail, values)
     outputs = graph_split.pack(model, values)
     y_pred = targets.keras_object("unpack_singleton")(outputs)
@@ -392,10 +316,7 @@ def _tail(
     return pytree.tree_unflatten([without_kept(v) for v in leaves], spec), kept
 
 
-def _eager_rest(model: Any, found: _Plan, values: dict, inner: dict) -> Any:
-    """The tail run eagerly, as Keras runs it (the nested model's in its scope)."""
-    if found.opened is not None:
-        with found.opened.model._open_name_scope():
-            graph_split.close_opened(found.opened, inner, values)
+def _eager_rest(model: Any, found: _Plan, values: dict) -> Any:
+    """The tail run eagerly, as Keras runs it."""
     graph_split.run_nodes(model, found.tail, values)
     return graph_split.pack(model, values)

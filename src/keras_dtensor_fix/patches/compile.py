@@ -24,10 +24,9 @@ from keras_dtensor_fix.compiled import (
     cache_key,
     failure,
     frames,
-    optimizer_step,
+    plan,
     refusals,
     region,
-    tail,
     updates,
 )
 from keras_dtensor_fix.engine import config, state, targets
@@ -41,7 +40,7 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
     if model_parallel() is None or state.promotion_modes():
         return wrapped(*args, **kwargs)
     if not instance.jit_compile or instance.run_eagerly:
-        _uninstall(instance)
+        plan.uninstall(instance)
         return False
     import warnings
 
@@ -90,25 +89,18 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
         why = "the default: training goes block by block, this step has no backward"
         blocks.tell(instance, building, "step", why)
         return True
-    routed = blocks.install(instance) if mode == "blocks" else []
-    if routed:
-        if building in (None, "make_train_function"):
-            refused = tail.install(instance, routed)
-            if refused is None:
-                why += "; the layers after the last block and the loss: one region"
-            if optimizer_step.install(instance, routed) is None:
-                why += "; the optimizer's update: " + optimizer_step.how(instance)
+    training = building in (None, "make_train_function")
+    found = plan.install(instance, training) if mode == "blocks" else None
+    if found is not None:
+        if training and found.split is not None:
+            why += "; the layers after the last block and the loss: one region"
+        if training and found.update:
+            why += "; the optimizer's update: per block, one graph for alike blocks"
         blocks.tell(instance, building, "blocks", why)
         return False  # the step runs eagerly, its blocks compiled
-    _uninstall(instance)
+    plan.uninstall(instance)
     blocks.tell(instance, building, "step", why)
     return True
-
-
-def _uninstall(model) -> None:
-    blocks.uninstall(model)
-    tail.uninstall(model)
-    optimizer_step.uninstall(model)
 
 
 #: The ``make_*_function`` running now (innermost last).
@@ -358,7 +350,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
     attribute = f"{cls}._use_torch_compile"
     return [
         Patch(module.__name__, attribute, _use_torch_compile),
-        Patch(module.__name__, f"{cls}.train_step", tail.step, gated=True),
+        Patch(module.__name__, f"{cls}.train_step", plan.step, gated=True),
     ] + [
         Patch(module.__name__, f"{cls}.{name}", _static_shapes)
         for name in STEP_FUNCTIONS
@@ -389,9 +381,7 @@ def notes() -> list[str]:
 
 
 def after_revert() -> None:
-    blocks.forget()
-    tail.forget()
-    optimizer_step.forget()
+    plan.forget()
     frames.restore()
 
 
