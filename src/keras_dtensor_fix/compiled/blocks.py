@@ -23,7 +23,7 @@ Two things would make each instance a graph of its own:
   (:func:`_with_f`), kept on its own in-graph result, which the block reads:
   its all-reduce runs in the block's backward graph, not eagerly between two
   graphs with a DTensor wrapped around it. Where that graph fails to compile,
-  the "f" is made before the region, eagerly (warned).
+  the class's blocks run their own call from then on (warned).
 
 Outside training (``torch.no_grad``: evaluation, prediction, generation),
 inside a compiled step, without a ModelParallel distribution and in Keras's
@@ -53,8 +53,8 @@ from keras_dtensor_fix.dtensor import (
 from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.ops.values import flatten_call, output_laid_out
 
-#: Distribution -> (block class, the user's cache key tag) -> the class's two
-#: regions (:func:`_regions`), shared by every instance.
+#: Distribution -> (block class, the user's cache key tag, :data:`IN_GRAPH_F`)
+#: -> the class's region (:func:`_region`), shared by every instance.
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: The attribute marking a block whose ``call`` this module installed.
 _INSTALLED = "_keras_dtensor_fix_block"
@@ -153,9 +153,8 @@ def install(model: Any) -> list[Any]:
     """
     routed, refused = [], []
     for by_class in _COMPILED.values():
-        for pair in by_class.values():
-            for compiled in pair:
-                compiled.reset()  # a new step: every block's guards run again
+        for compiled in by_class.values():
+            compiled.reset()  # a new step: every block's guards run again
     for block in repeated(model):
         if getattr(block, _INSTALLED, False):
             routed.append(block)
@@ -191,38 +190,17 @@ def _region_call(
 ) -> Any:
     if region.SCOPELESS or not region.eligible():
         return original(block, *args, **kwargs)
-    inside, before = _regions(type(block), original)
-
-    def eager() -> Any:
-        return original(block, *args, **kwargs)
-
-    def f_before() -> Any:
+    if not IN_GRAPH_F:  # the "f" of each DTensor input before the region
         leaves, _ = flatten_call(args, kwargs)
         for value in leaves:
             if isinstance(value, DTensor):
                 reducing_gradient(value)
-        with region.scopeless():
-            return _tangents_ready(before(eager, block, *args, **kwargs))
-
-    if not IN_GRAPH_F or inside.failed:
-        return f_before()
+    compiled = _region(type(block), original)
     with region.scopeless():
-        result = inside(lambda: _NOT_RUN, block, *args, **kwargs)
-    if result is not _NOT_RUN:
-        return _tangents_ready(result)
-    result = f_before()  # again with the "f" eager; one warning whatever it gives
-    if not before.failed:
-        warnings.warn(
-            f"keras-dtensor-fix: torch.compile failed on {before.what} "
-            f'({inside.cause}); Megatron\'s "f" of its inputs runs eagerly '
-            "from now on.",
-            stacklevel=2,
-        )
-    return result
-
-
-#: What a region whose compile failed gives back (its caller falls back).
-_NOT_RUN = object()
+        result = compiled(lambda: None, block, *args, **kwargs)
+    if compiled.failed:  # its blocks' own call from now on (warned)
+        return original(block, *args, **kwargs)
+    return _tangents_ready(result)
 
 
 def _tangents_ready(result: Any) -> Any:
@@ -239,32 +217,22 @@ def _tangents_ready(result: Any) -> Any:
     return pytree.tree_unflatten(zero_gradients_if_unused(leaves), spec)
 
 
-def _regions(cls: type, original: Callable[..., Any]) -> tuple[Any, Any]:
-    """The class's two regions under this distribution: the "f" of its
-    inputs inside the graph, and before it."""
-    user_tag = torch.compiler.config.cache_key_tag
+def _region(cls: type, original: Callable[..., Any]) -> region.Region:
+    """The class's region under this distribution, shared by its blocks."""
+    key = (cls, torch.compiler.config.cache_key_tag, IN_GRAPH_F)
     by_class = _COMPILED.setdefault(state.model_parallel(), {})
-    pair = by_class.get((cls, user_tag))
-    if pair is None:
+    found = by_class.get(key)
+    if found is None:
         # Every block of the class calls it in turn, once forward per step:
         # each block's guards run until a step of its calls compiles nothing.
-        pair = (
-            region.Region(
-                _with_f(original),
-                cls.__name__,
-                qualname=original.__qualname__,
-                then=None,
-                interleaved=True,
-            ),
-            region.Region(
-                original,
-                cls.__name__,
-                then="its blocks run eagerly from now on.",
-                interleaved=True,
-            ),
+        found = by_class[key] = region.Region(
+            _with_f(original) if IN_GRAPH_F else original,
+            cls.__name__,
+            qualname=original.__qualname__,
+            then="its blocks run eagerly from now on.",
+            interleaved=True,
         )
-        by_class[(cls, user_tag)] = pair
-    return pair
+    return found
 
 
 #: Megatron's "f" of a block's DTensor inputs inside its graph (False: made

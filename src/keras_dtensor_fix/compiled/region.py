@@ -128,8 +128,7 @@ class Region:
     """``function`` compiled as a region under the distribution of its first call.
 
     ``what`` names it in the one warning a compile failure gives, ``then``
-    says what runs from then on; ``then=None`` fails without a warning (the
-    caller's fallback tells). ``interleaved``, ``fixed``: :class:`.steady.Steady`.
+    says what runs from then on. ``interleaved``, ``fixed``: :class:`.steady.Steady`.
     """
 
     def __init__(
@@ -138,7 +137,7 @@ class Region:
         what: str,
         *,
         qualname: str | None = None,
-        then: str | None = "it runs eagerly from now on.",
+        then: str = "it runs eagerly from now on.",
         interleaved: bool = False,
         fixed: int = 0,
         dynamic: bool | None = False,
@@ -150,8 +149,6 @@ class Region:
         self.then = then
         #: Whether torch.compile failed on it: its calls run the eager code.
         self.failed = False
-        #: Why it failed (``Type: first line``), once it did.
-        self.cause = ""
 
     def compiled(self) -> Steady:
         """The compiled function (made at the first call)."""
@@ -175,11 +172,10 @@ class Region:
         except Exception as error:
             if not failure.compile_failure(error):
                 raise
-            self.failed, self.cause = True, failure.cause(error)
-            if self.then is not None:
-                warnings.warn(
-                    f"keras-dtensor-fix: torch.compile failed on {self.what} "
-                    f"({self.cause}); {self.then}",
-                    stacklevel=3,
-                )
+            self.failed = True
+            warnings.warn(
+                f"keras-dtensor-fix: torch.compile failed on {self.what} "
+                f"({failure.cause(error)}); {self.then}",
+                stacklevel=3,
+            )
             return eager()
