@@ -5,8 +5,7 @@ its failure's one warning and eager fallback), ``failure`` (whether an error
 is torch.compile's own), ``plan`` (blocks mode for one model, installed and
 undone in order), ``blocks`` (each repeated block compiled once for all its
 instances), ``tail`` (in that mode, the layers after the
-last block, the loss and the compiled metrics as one region), ``graph_split``
-(where that region's split falls, inside a nested backbone),
+last block, the loss and the compiled metrics as one region),
 ``update_groups`` (in that mode, the optimizer's update compiled per block),
 ``refusals`` (layers a compiled step refuses up front), ``updates`` (whether a
 failed compiled step may run again eagerly: did an optimizer count a step),

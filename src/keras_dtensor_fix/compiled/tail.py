@@ -41,7 +41,7 @@ from typing import Any
 
 import torch.utils._pytree as pytree
 
-from keras_dtensor_fix.compiled import graph_split, refusals, region
+from keras_dtensor_fix.compiled import refusals, region
 from keras_dtensor_fix.dtensor import (
     DTensor,
     forget_kept,
@@ -52,6 +52,7 @@ from keras_dtensor_fix.dtensor import (
     zero_gradients_if_unused,
 )
 from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.ops.values import output_laid_out
 
 #: The instance attributes this module sets (undone by :func:`uninstall`).
 _ATTRIBUTES = ("_run_through_graph", "_compute_loss", "compute_metrics")
@@ -131,18 +132,18 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
     for name in ("tree", "unpack_singleton"):
         targets.keras_object(name)  # imported now: the region's trace cannot
     ids = {id(block) for block in routed}
-    nodes = graph_split.nodes_of(model)
-    held = graph_split.holding(nodes, ids)
+    nodes = _nodes_of(model)
+    held = _holding(nodes, ids)
     if not held:
         return "no layer follows its last block"
     last = held[-1]
     if last == len(nodes) - 1:
         return "no layer follows its last block"
     front, tail = nodes[: last + 1], nodes[last + 1 :]
-    reason = graph_split.refusal(tail)
+    reason = _nodes_refusal(tail)
     if reason is not None:
         return reason
-    boundary = graph_split.boundary(tail, model.outputs)
+    boundary = _boundary(tail, model.outputs)
     base = targets.keras_object("BaseTrainer")
     reads_x = getattr(type(model), "compute_loss", None) is not base.compute_loss
     found = _Plan(front, tail, boundary, reads_x)
@@ -249,7 +250,7 @@ def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
     tree = targets.keras_object("tree")
     flat = tree.flatten(inputs)
     values = {id(ref): value for ref, value in zip(model.inputs, flat, strict=False)}
-    graph_split.run_nodes(model, found.front, values)
+    _run_nodes(model, found.front, values)
     boundary = [values.get(id(ref)) for ref in found.boundary]
     if any(v is None or getattr(v, "_keras_mask", None) is not None for v in boundary):
         return _eager_rest(model, found, values)  # a mask rides on its tensor
@@ -304,8 +305,8 @@ def _tail(
     # Megatron's "f" of each input as the graph's first op (as a block's).
     boundary = [reducing_input(value) for value in boundary]
     values = {id(ref): v for ref, v in zip(found.boundary, boundary, strict=True)}
-    graph_split.run_nodes(model, found.tail, values)
-    outputs = graph_split.pack(model, values)
+    _run_nodes(model, found.tail, values)
+    outputs = _pack(model, values)
     y_pred = targets.keras_object("unpack_singleton")(outputs)
     compute = type(model)._compute_loss
     loss = compute(model, x=x, y=y, y_pred=y_pred, sample_weight=weight, training=True)
@@ -318,5 +319,83 @@ def _tail(
 
 def _eager_rest(model: Any, found: _Plan, values: dict) -> Any:
     """The tail run eagerly, as Keras runs it."""
-    graph_split.run_nodes(model, found.tail, values)
-    return graph_split.pack(model, values)
+    _run_nodes(model, found.tail, values)
+    return _pack(model, values)
+
+
+# -- the graph split after the last block, run as ``Function._run_through_graph``
+# runs it
+
+
+def _nodes_of(model: Any) -> list[Any]:
+    """``model``'s operation nodes in the order Keras runs them."""
+    return [
+        node
+        for depth in sorted(model._nodes_by_depth, reverse=True)
+        for node in model._nodes_by_depth[depth]
+        if node.operation is not None and not node.is_input
+    ]
+
+
+def _holding(nodes: list[Any], ids: set[int]) -> list[int]:
+    """The positions of the nodes whose operation is or holds a routed block."""
+    return [i for i, node in enumerate(nodes) if _holds(node.operation, ids)]
+
+
+def _holds(operation: Any, ids: set[int]) -> bool:
+    if id(operation) in ids:
+        return True
+    layers = getattr(operation, "_flatten_layers", None)
+    if layers is None:
+        return False
+    return any(id(layer) in ids for layer in layers(include_self=False, recursive=True))
+
+
+def _run_nodes(model: Any, nodes: list[Any], values: dict[int, Any]) -> None:
+    """Run ``nodes`` as ``Function._run_through_graph`` does, into ``values``."""
+    tree = targets.keras_object("tree")
+    operation_for = getattr(model, "_get_operation_for_node", None)
+    for node in nodes:
+        if any(id(ref) not in values for ref in node.input_tensors):
+            continue  # not computable: Keras skips it too
+        args, kwargs = node.arguments.fill_in(values)
+        operation = operation_for(node) if operation_for else node.operation
+        outputs = operation(*args, **kwargs)
+        for ref, value in zip(node.outputs, tree.flatten(outputs), strict=False):
+            values[id(ref)] = value
+
+
+def _pack(model: Any, values: dict[int, Any]) -> Any:
+    """``model``'s outputs from ``values``, in its output structure."""
+    tree = targets.keras_object("tree")
+    found = [values[id(ref)] for ref in model.outputs]
+    return tree.pack_sequence_as(model._outputs_struct, found)
+
+
+def _boundary(nodes: list[Any], outputs: list[Any]) -> list[Any]:
+    """What ``nodes`` read and ``outputs`` need that ``nodes`` do not make:
+    the tensors a region takes in, in order, each once."""
+    wanted = [ref for node in nodes for ref in node.input_tensors] + list(outputs)
+    skip = {id(ref) for node in nodes for ref in node.outputs}
+    found = []
+    for ref in wanted:
+        if id(ref) not in skip:
+            skip.add(id(ref))
+            found.append(ref)
+    return found
+
+
+def _nodes_refusal(nodes: list[Any]) -> str | None:
+    """Why the region cannot hold ``nodes``: an output layout (which Keras
+    applies in a layer's call) or an activity regularizer; else None."""
+    distribution = targets.keras_object("distribution")()
+    for node in nodes:
+        layers = getattr(node.operation, "_flatten_layers", None)
+        for layer in layers(include_self=True, recursive=True) if layers else ():
+            if output_laid_out(layer):
+                return f"the LayoutMap lays out {layer.path}/output"
+            if getattr(layer, "activity_regularizer", None) is not None:
+                return f"{layer.name} has an activity regularizer"
+    if distribution is not None and distribution.get_tensor_layout("/output"):
+        return "the LayoutMap lays out the path '/output'"
+    return None
