@@ -19,10 +19,6 @@ train function once, then runs ``--rounds`` rounds of one epoch each
             (blocks mode before they became one compiled region)
   no-opt    blocks with the optimizer's update eager (blocks mode before it
             became one compiled region)
-  one-update  blocks with the optimizer's whole ``apply`` one compiled
-            region (blocks mode before the update compiled per block)
-  no-nest   blocks with a nested backbone run whole before the tail's region
-            (blocks mode before the region held the backbone's final norm)
   no-metrics  blocks with the compiled metrics updated eagerly after the
             step (blocks mode before the tail region updated them)
 
@@ -65,8 +61,6 @@ BLOCKS = (
     "no-tail",
     "no-opt",
     "no-metrics",
-    "one-update",
-    "no-nest",
 )
 
 
@@ -79,8 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(HERE))
     import hub_worker as hub
 
-    from keras_dtensor_fix.compiled import blocks, optimizer_step, steady, tail
-    from keras_dtensor_fix.patches.compile import compile_failure
+    from keras_dtensor_fix.compiled import blocks, steady, tail, update_groups
 
     torch.set_num_threads(1)
     keras.distribution.initialize()
@@ -132,11 +125,9 @@ def worker(args: argparse.Namespace) -> None:
         blocks.IN_GRAPH_F = config != "eager-f"
         tail.ENABLED = config != "no-tail"
         tail.METRICS = config != "no-metrics"
-        optimizer_step.ENABLED = config != "no-opt"
-        optimizer_step.GROUPED = config != "one-update"
-        tail.NESTED = config != "no-nest"
+        update_groups.ENABLED = config != "no-opt"
         tail.uninstall(model)
-        optimizer_step.uninstall(model)
+        update_groups.uninstall(model)
 
     def switch(config: str) -> None:
         # An eager step leaves the gradients on the weights; a compiled one
@@ -146,10 +137,10 @@ def worker(args: argparse.Namespace) -> None:
         steady._unguarded = (lambda: None) if config == "guarded" else unguarded
         settings(config)
         if config in BLOCKS:
-            routed = blocks.install(model, compile_failure)  # guards settle again
+            routed = blocks.install(model)  # guards settle again
             if phase == "fit":
-                tail.install(model, routed, compile_failure)
-                optimizer_step.install(model, compile_failure, routed)
+                tail.install(model, routed)
+                update_groups.install(model, routed)
         else:
             blocks.uninstall(model)
         setattr(model, f"{made}_function", functions[config])

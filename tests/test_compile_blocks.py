@@ -34,7 +34,7 @@ os.environ["KERAS_BACKEND"] = "torch"
 import keras
 from keras import layers
 import keras_dtensor_fix as kdf
-from keras_dtensor_fix.compiled import blocks
+from keras_dtensor_fix.compiled import blocks, plan
 
 {BLOCK}
 
@@ -57,12 +57,12 @@ plain = keras.Sequential([layers.Dense(4)])
 plain.build((None, 4))
 chosen["auto_plain"] = blocks.choose(plain, "auto")
 original = Block.call
-routed = [layer.name for layer in blocks.install(model, lambda error: False)]
+routed = [layer.name for layer in plan.install(model, training=False).blocks]
 installed = all("call" in vars(layer) for layer in blocks.repeated(model))
 y = model(keras.ops.ones((2, 4)))   # no distribution: Keras's own call
-blocks.uninstall(model)
+plan.uninstall(model)
 uninstalled = all("call" not in vars(layer) for layer in model.layers)
-blocks.install(model, lambda error: False)
+plan.install(model, training=False)
 kdf.deactivate()
 print(json.dumps({
     "found": found, "routed": routed, "installed": installed,
@@ -97,7 +97,8 @@ import keras
 import numpy as np
 from keras import layers
 import keras_dtensor_fix as kdf
-from keras_dtensor_fix.compiled import blocks, optimizer_step, tail
+import torch
+from keras_dtensor_fix.compiled import blocks, tail, update_groups
 
 {BLOCK}
 
@@ -138,40 +139,39 @@ refused = {
     "own train_step": tail.plan(own, blocks.repeated(own)),
     "sequential": tail.plan(plain, []),
 }
-installed = tail.install(model, routed, lambda error: False)
+installed = tail.install(model, routed)
 SET = ("_run_through_graph", "_compute_loss")
 attributes = sorted(k for k in vars(model) if k in SET)
 y = model(keras.ops.ones((2, 4)))   # no train step running: Keras's own call
-tail.uninstall(model)
+tail.uninstall(model, installed)
 after = sorted(k for k in vars(model) if k in SET)
-tail.install(model, routed, lambda error: False)
+tail.install(model, routed)
 model.compile(optimizer="adam", loss="mse")
 own.compile(optimizer="adam", loss="mse")
+UPDATE = "_parallel_update_step"
 updates = {
-    "refused": optimizer_step.install(own, lambda error: False),
-    "installed": optimizer_step.install(model, lambda error: False),
-    "apply": "apply" in vars(model.optimizer),
+    "refused": update_groups.install(own, blocks.repeated(own)),
+    "installed": update_groups.install(model, routed),
+    "update": UPDATE in vars(model.optimizer),
 }
 model.fit(np.ones((4, 4)), np.ones((4, 3)), verbose=0)  # no distribution: Keras's
-updates["used"] = optimizer_step.used()
-optimizer_step.uninstall(model)
-updates["after"] = "apply" in vars(model.optimizer)
-optimizer_step.install(model, lambda error: False)
+updates["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+update_groups.uninstall(model)
+updates["after"] = UPDATE in vars(model.optimizer)
+update_groups.install(model, routed)
 kdf.deactivate()
-updates["restored"] = "apply" in vars(model.optimizer)
+updates["restored"] = UPDATE in vars(model.optimizer)
 print(json.dumps({
     "nested": {
         "front": [n.operation.name for n in opened.front],
-        "opened": opened.opened.model.name,
-        "inner": [[n.operation.name for n in opened.opened.front],
-                  [n.operation.name for n in opened.opened.tail]],
         "tail": [n.operation.name for n in opened.tail],
-        "boundary": [len(opened.boundary), len(opened.inner_boundary)],
+        "boundary": len(opened.boundary),
     },
     "updates": updates,
     "front": [n.operation.name for n in found.front],
     "tail": [n.operation.name for n in found.tail],
-    "boundary": len(found.boundary), "refused": refused, "installed": installed,
+    "boundary": len(found.boundary), "refused": refused,
+    "installed": not isinstance(installed, str),
     "attributes": attributes, "shape": list(y.shape), "after": after,
     "restored": sorted(k for k in vars(model) if k in SET),
 }))
@@ -183,26 +183,20 @@ def test_tail_splits_after_the_last_block(run_py) -> None:
     nodes split after the last one holding a block; a model whose blocks end
     it, one with its own ``train_step`` and a Sequential have no tail region.
     Installing sets two attributes on the instance; uninstalling and
-    deactivation take them off. The optimizer's update as a region
-    (``compiled/optimizer_step.py``): its ``apply`` installed on the
-    optimizer, not for a model with its own ``train_step``, Keras's own
+    deactivation take them off. The optimizer's update per block
+    (``compiled/update_groups.py``): its ``_parallel_update_step`` installed
+    on the optimizer, not for a model with its own ``train_step``, Keras's own
     update without a distribution, taken off by uninstalling and
     deactivation."""
     out = last_json(run_py(TAIL.replace("{BLOCK}", BLOCK)))
-    # a nested model holding the blocks (a keras-hub backbone) is opened: its
-    # layers after the last block join the region, before the outer head
-    assert out["nested"] == {
-        "front": [],
-        "opened": "backbone",
-        "inner": [["embed", "n0", "n1"], ["final"]],
-        "tail": ["head"],
-        "boundary": [0, 1],
-    }
+    # a nested model holding the blocks (a keras-hub backbone) runs whole in
+    # the front; the outer head is the region
+    assert out["nested"] == {"front": ["backbone"], "tail": ["head"], "boundary": 1}
     assert out["updates"] == {
         "refused": "its class has a train_step() of its own",
         "installed": None,
-        "apply": True,
-        "used": 0,
+        "update": True,
+        "graphs": 0,
         "after": False,
         "restored": False,
     }
@@ -213,7 +207,7 @@ def test_tail_splits_after_the_last_block(run_py) -> None:
         "own train_step": "its class has a train_step() of its own",
         "sequential": "it is not a functional model",
     }
-    assert out["installed"] is None
+    assert out["installed"] is True
     assert out["attributes"] == ["_compute_loss", "_run_through_graph"]
     assert out["shape"] == [2, 3] and out["after"] == [] and out["restored"] == []
 
@@ -222,7 +216,7 @@ SAVED = r"""
 import json, os, types
 os.environ["KERAS_BACKEND"] = "torch"
 import torch
-from keras_dtensor_fix.compiled import blocks
+from keras_dtensor_fix.compiled import region
 
 torch.manual_seed(0)
 w1 = torch.randn(8, 32, requires_grad=True)
@@ -236,7 +230,7 @@ dist = types.SimpleNamespace(device_mesh=types.SimpleNamespace(shape=(1,)))
 x = torch.randn(4, 16, 8)  # 3-D: matmul sees relu through a view
 saved = {}
 for name, function in (
-    ("region", blocks.compile_region(mlp, dist)),
+    ("region", region.compile_static(mlp, dist)),
     ("user", torch.compile(lambda x: mlp(x))),
 ):
     out = function(x)

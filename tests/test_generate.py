@@ -38,7 +38,7 @@ import torch
 import keras, keras_hub
 import keras_dtensor_fix
 from keras_hub.src.models import causal_lm
-from keras_dtensor_fix.patches import generate as family
+from keras_dtensor_fix.generation import tokens as family
 
 original = causal_lm.CausalLM.__dict__["make_generate_function"].__wrapped__
 one_rank_model_parallel()
@@ -100,7 +100,7 @@ import json, warnings
 import numpy as np
 import keras, keras_hub
 import keras_dtensor_fix
-from keras_dtensor_fix.patches import generate as family
+from keras_dtensor_fix.generation import tokens as family
 
 one_rank_model_parallel()
 

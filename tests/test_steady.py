@@ -129,7 +129,7 @@ def test_a_turn_that_compiles_again_does_not_settle() -> None:
 
 def test_a_settled_call_runs_without_the_compile_wrappers() -> None:
     """Blocks mode wraps each region in settings that matter only when dynamo
-    compiles (``compile_region``): a settled call, which cannot compile,
+    compiles (``region.compile_static``): a settled call, which cannot compile,
     runs the compiled function without them; guarded calls keep them."""
     plain = torch.compile(scaled, backend="eager")
     wrapped_calls = []

@@ -23,20 +23,32 @@ from scenario_kit import case, weights
 @contextlib.contextmanager
 def blocks_mode(mode: str | None = "blocks"):
     """The mode a user sets in the environment (None: the default), and what
-    torch.compile got: the qualified names of the functions compiled."""
-    compiled: list[str] = []
+    torch.compile got: the qualified name of each function compiled, with
+    how many times its compiled function was called, and how many of those
+    calls skipped dynamo's guards."""
+    compiled: dict[str, int] = {}
+    unguarded: dict[str, int] = {}
     original = torch.compile
 
     def compile_and_name(function=None, *args, **kwargs):
-        compiled.append(getattr(function, "__qualname__", repr(function)))
-        return original(function, *args, **kwargs)
+        name = getattr(function, "__qualname__", repr(function))
+        compiled.setdefault(name, 0)
+        made = original(function, *args, **kwargs)
+
+        def counted(*call_args, **call_kwargs):
+            compiled[name] += 1
+            if torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe:
+                unguarded[name] = unguarded.get(name, 0) + 1
+            return made(*call_args, **call_kwargs)
+
+        return counted
 
     saved = os.environ.pop("KERAS_DTENSOR_FIX_COMPILE", None)
     if mode is not None:
         os.environ["KERAS_DTENSOR_FIX_COMPILE"] = mode
     torch.compile = compile_and_name
     try:
-        yield compiled
+        yield compiled, unguarded
     finally:
         torch.compile = original
         os.environ.pop("KERAS_DTENSOR_FIX_COMPILE", None)
@@ -64,26 +76,42 @@ def eager_f():
         local._ReduceGradient.forward = saved
 
 
-def _blocks(fit, mode: str | None = "blocks") -> dict:
-    from keras_dtensor_fix.compiled import blocks, optimizer_step, tail
+@contextlib.contextmanager
+def eager_metric_updates():
+    """How many times the compiled metrics were updated eagerly (outside any
+    graph): a compiled region's update runs Python only while it is traced."""
+    from keras.src.trainers.compile_utils import CompileMetrics
 
-    before, updates = tail.used(), optimizer_step.used()
-    metrics, opened = tail.metrics_used(), tail.opened_used()
-    with blocks_mode(mode) as compiled, eager_f() as made:
-        result = watched(fit)
-    # training steps whose head and loss ran as one compiled region, and
-    # optimizer updates that ran as one
-    result["tail_steps"] = tail.used() - before
-    result["compiled_updates"] = optimizer_step.used() - updates
-    result["metric_steps"] = tail.metrics_used() - metrics
-    # ... and whose region ran a nested model's layers after its last block
-    result["opened_steps"] = tail.opened_used() - opened
+    made = []
+    saved = vars(CompileMetrics)["update_state"]
+
+    def counted(self, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            made.append(True)
+        return saved(self, *args, **kwargs)
+
+    CompileMetrics.update_state = counted
+    try:
+        yield made
+    finally:
+        CompileMetrics.update_state = saved
+
+
+def _blocks(fit, mode: str | None = "blocks") -> dict:
+    from keras_dtensor_fix.compiled import blocks
+
+    with blocks_mode(mode) as (compiled, unguarded), eager_f() as made:
+        with eager_metric_updates() as updated:
+            result = watched(fit)
     result["why"] = list(blocks.LAST)
-    result["compiled"] = sorted(set(compiled))
+    # each function compiled, and how often its compiled function ran
+    result["compiled"] = sorted(compiled)
+    result["calls"] = compiled
+    result["eager_metric_updates"] = len(updated)
     result["eager_f"] = len(made)
-    # blocks whose later steps skipped dynamo's guards (their results, checked
-    # against one process, are the skipped calls')
-    result["settled"] = blocks.settled()
+    # calls that skipped dynamo's guards (their results, checked against one
+    # process, are the skipped calls')
+    result["unguarded"] = unguarded
     return result
 
 

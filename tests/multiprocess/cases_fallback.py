@@ -39,17 +39,17 @@ def _uncompilable(cls: type) -> Callable:
 def _generate_with(module: str, name: str) -> dict:
     """Gemma's greedy tokens (twice) with ``module.name`` raising."""
     from keras_dtensor_fix.generation import causal_lm, decoder
-    from keras_dtensor_fix.patches import generate
+    from keras_dtensor_fix.generation import tokens as token_step
 
-    owner = {"causal_lm": causal_lm, "decoder": decoder, "generate": generate}[module]
+    owner = {"causal_lm": causal_lm, "decoder": decoder, "tokens": token_step}[module]
     original: Callable = getattr(owner, name)
-    setattr(owner, name, _uncompilable if module == "generate" else _broken)
+    setattr(owner, name, _uncompilable if module == "tokens" else _broken)
     try:
         import keras
 
         keras.utils.set_random_seed(1)
         model = tiny_causal_lm("gemma")
-        model.compile(sampler="greedy", jit_compile=module == "generate")
+        model.compile(sampler="greedy", jit_compile=module == "tokens")
         prompt = short_prompts()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -83,7 +83,7 @@ _fallback_case("causal_lm", "run", "did not match (RuntimeError")
 # jit_compile=True, its compiled token call raising (nothing compiles): from
 # the second token on, where the first token's whole call proved local and
 # the cache is this rank's heads, the eager call runs inside causal_lm.run
-_fallback_case("generate", "_compiled", "runs eagerly: its compiled token step")
+_fallback_case("tokens", "_compiled", "runs eagerly: its compiled token step")
 # decoder.run raises on a block's first call: its check keeps it on DTensors
 _fallback_case("decoder", "run", "did not match (RuntimeError")
 
@@ -278,7 +278,7 @@ def _blocks_case(
 
 # the block's compilation fails: that class runs its own call (blocks.py);
 # the tail's and the optimizer update's too: they run eagerly (tail.py,
-# optimizer_step.py)
+# update_groups.py)
 _blocks_case(
     "gpt_blocks_compile_raises",
     _compiler_raises,

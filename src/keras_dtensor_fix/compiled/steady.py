@@ -138,11 +138,6 @@ class Steady:
         """Whether calls with the last signature skip their guards."""
         return self._last in self._settled
 
-    @property
-    def signatures_settled(self) -> int:
-        """How many signatures skip their guards now."""
-        return len(self._settled)
-
     def reset(self) -> None:
         """Evaluate every signature's guards again until it settles again."""
         self._last = None

@@ -16,9 +16,9 @@ and two attributes of the instance are set:
 
 - ``_run_through_graph`` (what ``Functional.call`` runs) runs the graph's
   nodes up to the last one holding a block eagerly, as Keras does, then the
-  rest and ``_compute_loss`` in the region (where that node calls a nested
-  functional model, a keras-hub backbone, the split goes inside it, so its
-  final norm joins the region: :mod:`~keras_dtensor_fix.compiled.graph_split`);
+  rest and ``_compute_loss`` in the region (a nested backbone holding the
+  blocks runs whole, eagerly: its final norm in the region gained 0-8 ms a
+  Gemma step, ``benchmarks/results/2026-12-05-one-region.md``);
 - ``_compute_loss`` returns the region's loss when called with that output
   and that batch; otherwise it computes the loss itself;
 - ``compute_metrics``: where the class keeps Keras's, the region also updates
@@ -35,16 +35,13 @@ gradient. A region torch.compile fails on runs eagerly from then on (warned).
 
 from __future__ import annotations
 
-import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.utils._pytree as pytree
 
-from keras_dtensor_fix.compiled import blocks, graph_split, refusals
+from keras_dtensor_fix.compiled import refusals, region
 from keras_dtensor_fix.dtensor import (
     DTensor,
     forget_kept,
@@ -54,7 +51,8 @@ from keras_dtensor_fix.dtensor import (
     without_kept,
     zero_gradients_if_unused,
 )
-from keras_dtensor_fix.engine import state, targets, wrappers
+from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.ops.values import output_laid_out
 
 #: The instance attributes this module sets (undone by :func:`uninstall`).
 _ATTRIBUTES = ("_run_through_graph", "_compute_loss", "compute_metrics")
@@ -71,15 +69,13 @@ class _Plan:
     boundary: list[Any]
     #: Whether the loss reads ``x`` (a ``compute_loss`` of the model's own).
     reads_x: bool
-    #: The nested model holding the last block, opened (its tail runs first in
-    #: the region), and the tensors its tail reads from its front.
-    opened: graph_split.Opened | None = None
-    inner_boundary: list[Any] = field(default_factory=list)
-    compiled: Any = None
-    failed: bool = False
+    #: The compiled region (:func:`_tail`), made with the plan.
+    region: Any = None
     #: The instance's own values of :data:`_ATTRIBUTES` before, put back by
     #: :func:`uninstall` (the compile family's ``_compute_loss`` wrapper).
     saved: dict[str, Any] = field(default_factory=dict)
+    #: The batch of the model's ``train_step`` running now (:func:`step`).
+    pending: Any = None
 
 
 @dataclass
@@ -100,20 +96,6 @@ class _Pending:
 ENABLED = True
 #: False: the compiled metrics update eagerly after the step (benchmarks).
 METRICS = True
-#: False: a nested model holding the last block runs whole in the front
-#: (benchmarks compare; :mod:`~keras_dtensor_fix.compiled.graph_split`).
-NESTED = True
-#: Model -> its plan, for the models whose tail is installed.
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: Training steps whose loss came from a region, since the import.
-_USED = [0]
-#: Training steps whose compiled metrics a region updated, since the import.
-_METRICS_USED = [0]
-#: Training steps whose region ran a nested model's layers after its last
-#: block (:mod:`~keras_dtensor_fix.compiled.graph_split`), since the import.
-_OPENED_USED = [0]
-#: Model -> the batch of its ``train_step`` running now.
-_STEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def refusal(model: Any) -> str | None:
@@ -150,38 +132,35 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
     for name in ("tree", "unpack_singleton"):
         targets.keras_object(name)  # imported now: the region's trace cannot
     ids = {id(block) for block in routed}
-    nodes = graph_split.nodes_of(model)
-    held = graph_split.holding(nodes, ids)
+    nodes = _nodes_of(model)
+    held = _holding(nodes, ids)
     if not held:
         return "no layer follows its last block"
     last = held[-1]
-    opened = graph_split.open_nested(nodes[last], ids) if NESTED else None
-    if opened is None and last == len(nodes) - 1:
+    if last == len(nodes) - 1:
         return "no layer follows its last block"
-    front, tail = nodes[: last + (opened is None)], nodes[last + 1 :]
-    inner_tail = opened.tail if opened else []
-    reason = graph_split.refusal(model, opened, [*tail, *inner_tail])
+    front, tail = nodes[: last + 1], nodes[last + 1 :]
+    reason = _nodes_refusal(tail)
     if reason is not None:
         return reason
-    made = opened.node.outputs if opened else []
-    boundary = graph_split.boundary(tail, model.outputs, made)
-    inner_boundary = (
-        graph_split.boundary(inner_tail, opened.model.outputs) if opened else []
-    )
+    boundary = _boundary(tail, model.outputs)
     base = targets.keras_object("BaseTrainer")
     reads_x = getattr(type(model), "compute_loss", None) is not base.compute_loss
-    return _Plan(front, tail, boundary, reads_x, opened, inner_boundary)
+    found = _Plan(front, tail, boundary, reads_x)
+    found.region = region.Region(
+        _tail,
+        f"the layers after {model.name}'s last block and its loss",
+        qualname=f"{model.name}.tail",
+        then="they run eagerly from now on.",
+    )
+    return found
 
 
-def install(
-    model: Any, routed: list[Any], failure: Callable[[BaseException], bool]
-) -> str | None:
+def install(model: Any, routed: list[Any]) -> _Plan | str:
     """Run ``model``'s tail and loss as one region in its training steps.
 
-    Returns None where installed, else why not. Undone by :func:`uninstall`.
+    Returns the plan installed, else why not. Undone by :func:`uninstall`.
     """
-    if model in _PLANS:
-        return None
     if not ENABLED:
         return "turned off"
     found = plan(model, routed)
@@ -192,14 +171,21 @@ def install(
     original_metrics = model.compute_metrics
 
     def run_through_graph(inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        pending = _STEP.get(model)
-        if pending is None or pending.called or args or kwargs or not _eligible(found):
+        pending = found.pending
+        if (
+            pending is None
+            or pending.called
+            or args
+            or kwargs
+            or found.region.failed
+            or not region.eligible()
+        ):
             return original_run(inputs, *args, **kwargs)
         pending.called = True
-        return _run(model, found, inputs, pending, failure)
+        return _run(model, found, inputs, pending)
 
     def compute_loss(*args: Any, **kwargs: Any) -> Any:
-        pending = _STEP.get(model)
+        pending = found.pending
         if (
             pending is not None
             and pending.loss is not None
@@ -211,7 +197,6 @@ def install(
             and kwargs.get("training", True)
         ):
             loss, pending.loss = pending.loss, None
-            _USED[0] += 1
             return loss
         if pending is not None and pending.y_pred is not None:
             # a loss of its own may differentiate y_pred: no detached gather
@@ -219,7 +204,7 @@ def install(
         return original_loss(*args, **kwargs)
 
     def compute_metrics(x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Any:
-        pending = _STEP.get(model)
+        pending = found.pending
         if (
             pending is not None
             and pending.metrics
@@ -228,7 +213,6 @@ def install(
             and sample_weight is pending.sample_weight
         ):
             pending.metrics = False
-            _METRICS_USED[0] += 1
             return model.get_metrics_result()
         return original_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -236,41 +220,24 @@ def install(
     ours = (run_through_graph, compute_loss, compute_metrics)
     for name, value in zip(_ATTRIBUTES, ours, strict=True):
         state.set_attribute(model, name, value)
-    _PLANS[model] = found
-    return None
+    return found
 
 
-def step(train_step: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
-    """Keras's ``train_step`` (the ``compile`` family's wrapper of it), its batch
-    kept for the model's tail while it runs."""
-    try:
-        installed = len(args) == 1 and not kwargs and model in _PLANS
-    except TypeError:  # an object no weak reference can hold: nothing installed
-        installed = False
-    if not installed:
+def step(found: _Plan, train_step: Callable[..., Any], args: tuple, kwargs: dict):
+    """Keras's ``train_step``, its batch kept for the model's tail while it runs."""
+    if len(args) != 1 or kwargs:
         return train_step(*args, **kwargs)
     x, y, sample_weight = targets.keras_object("unpack_x_y_sample_weight")(args[0])
-    _STEP[model] = _Pending(x, y, sample_weight)
+    found.pending = _Pending(x, y, sample_weight)
     try:
         return train_step(*args, **kwargs)
     finally:
-        _STEP.pop(model, None)
+        found.pending = None
 
 
-# A whole step compiles Keras's train_step as its first frame, as upstream
-# does: this wrapper, run first, is not a frame of its own.
-wrappers.not_a_frame(step.__code__)
-
-
-def uninstall(model: Any) -> None:
+def uninstall(model: Any, found: _Plan) -> None:
     """Take the attributes :func:`install` set off ``model``."""
-    try:
-        installed = _PLANS.pop(model, None)
-    except TypeError:  # an object no weak reference can hold: nothing installed
-        return
-    if installed is None:
-        return
-    for name, before in installed.saved.items():
+    for name, before in found.saved.items():
         # Whatever wraps ours now (the compile family's _compute_loss wrapper,
         # made again at the next build) goes with it.
         if before is _ABSENT:
@@ -279,77 +246,26 @@ def uninstall(model: Any) -> None:
             vars(model)[name] = before
 
 
-def used() -> int:
-    """How many training steps took their loss from a region, since the import."""
-    return _USED[0]
-
-
-def metrics_used() -> int:
-    """How many training steps updated their compiled metrics in a region."""
-    return _METRICS_USED[0]
-
-
-def opened_used() -> int:
-    """How many training steps ran a nested model's last layers in a region."""
-    return _OPENED_USED[0]
-
-
-def forget() -> None:
-    """Drop every plan (on deactivation; the attributes are undone by state)."""
-    _PLANS.clear()
-    _STEP.clear()
-
-
-def _eligible(found: _Plan) -> bool:
-    return (
-        not found.failed
-        and torch.is_grad_enabled()
-        and not state.compiling()
-        and state.model_parallel() is not None
-        and not targets.keras_object("in_symbolic_scope")()
-        and not targets.keras_object("in_stateless_scope")()
-    )
-
-
-def _run(
-    model: Any,
-    found: _Plan,
-    inputs: Any,
-    pending: _Pending,
-    failure: Callable[[BaseException], bool],
-) -> Any:
+def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
     tree = targets.keras_object("tree")
     flat = tree.flatten(inputs)
     values = {id(ref): value for ref, value in zip(model.inputs, flat, strict=False)}
-    graph_split.run_nodes(model, found.front, values)
-    inner = {}
-    if found.opened is not None:
-        inner = graph_split.run_opened(found.opened, values)
-        if inner is None:  # this call runs the nested model whole: eager
-            graph_split.run_nodes(model, [found.opened.node, *found.tail], values)
-            return graph_split.pack(model, values)
+    _run_nodes(model, found.front, values)
     boundary = [values.get(id(ref)) for ref in found.boundary]
-    boundary += [inner.get(id(ref)) for ref in found.inner_boundary]
     if any(v is None or getattr(v, "_keras_mask", None) is not None for v in boundary):
-        return _eager_rest(model, found, values, inner)  # a mask rides on its tensor
+        return _eager_rest(model, found, values)  # a mask rides on its tensor
     x = pending.x if found.reads_x else None
     metrics = _metrics_in_region(model)
     arguments = (model, found, boundary, x, pending.y, pending.sample_weight, metrics)
-    try:
-        with blocks.region():
-            (outputs, loss), kept = _compiled(model, found)(*arguments)
-    except Exception as error:
-        if not failure(error):
-            raise
-        found.failed = True
-        warnings.warn(
-            f"keras-dtensor-fix: torch.compile failed on the layers after "
-            f"{model.name}'s last block and its loss"
-            f"{' and metrics' if metrics else ''} "
-            f"({blocks.failure_cause(error)}); they run eagerly from now on.",
-            stacklevel=2,
-        )
-        return _eager_rest(model, found, values, inner)
+    found.region.what = (
+        f"the layers after {model.name}'s last block and its loss"
+        f"{' and metrics' if metrics else ''}"
+    )
+    with region.scopeless():
+        result = found.region(lambda: None, *arguments)
+    if result is None:
+        return _eager_rest(model, found, values)
+    (outputs, loss), kept = result
     leaves, spec = pytree.tree_flatten((outputs, loss))
     leaves = zero_gradients_if_unused(leaves)
     for leaf, entries in zip(leaves, kept, strict=True):
@@ -358,7 +274,6 @@ def _run(
     pending.y_pred = targets.keras_object("unpack_singleton")(outputs)
     pending.loss = loss
     pending.metrics = metrics
-    _OPENED_USED[0] += found.opened is not None
     return outputs
 
 
@@ -389,12 +304,9 @@ def _tail(
     read the same values: the step's order changes no result)."""
     # Megatron's "f" of each input as the graph's first op (as a block's).
     boundary = [reducing_input(value) for value in boundary]
-    refs = [*found.boundary, *found.inner_boundary]
-    values = {id(ref): value for ref, value in zip(refs, boundary, strict=True)}
-    if found.opened is not None:
-        graph_split.close_opened(found.opened, values, values)
-    graph_split.run_nodes(model, found.tail, values)
-    outputs = graph_split.pack(model, values)
+    values = {id(ref): v for ref, v in zip(found.boundary, boundary, strict=True)}
+    _run_nodes(model, found.tail, values)
+    outputs = _pack(model, values)
     y_pred = targets.keras_object("unpack_singleton")(outputs)
     compute = type(model)._compute_loss
     loss = compute(model, x=x, y=y, y_pred=y_pred, sample_weight=weight, training=True)
@@ -405,17 +317,85 @@ def _tail(
     return pytree.tree_unflatten([without_kept(v) for v in leaves], spec), kept
 
 
-def _compiled(model: Any, found: _Plan) -> Callable[..., Any]:
-    if found.compiled is None:
-        traced = blocks.renamed(_tail, f"{model.name}.tail", "tail")
-        found.compiled = blocks.compile_region(traced, state.model_parallel())
-    return found.compiled
+def _eager_rest(model: Any, found: _Plan, values: dict) -> Any:
+    """The tail run eagerly, as Keras runs it."""
+    _run_nodes(model, found.tail, values)
+    return _pack(model, values)
 
 
-def _eager_rest(model: Any, found: _Plan, values: dict, inner: dict) -> Any:
-    """The tail run eagerly, as Keras runs it (the nested model's in its scope)."""
-    if found.opened is not None:
-        with found.opened.model._open_name_scope():
-            graph_split.close_opened(found.opened, inner, values)
-    graph_split.run_nodes(model, found.tail, values)
-    return graph_split.pack(model, values)
+# -- the graph split after the last block, run as ``Function._run_through_graph``
+# runs it
+
+
+def _nodes_of(model: Any) -> list[Any]:
+    """``model``'s operation nodes in the order Keras runs them."""
+    return [
+        node
+        for depth in sorted(model._nodes_by_depth, reverse=True)
+        for node in model._nodes_by_depth[depth]
+        if node.operation is not None and not node.is_input
+    ]
+
+
+def _holding(nodes: list[Any], ids: set[int]) -> list[int]:
+    """The positions of the nodes whose operation is or holds a routed block."""
+    return [i for i, node in enumerate(nodes) if _holds(node.operation, ids)]
+
+
+def _holds(operation: Any, ids: set[int]) -> bool:
+    if id(operation) in ids:
+        return True
+    layers = getattr(operation, "_flatten_layers", None)
+    if layers is None:
+        return False
+    return any(id(layer) in ids for layer in layers(include_self=False, recursive=True))
+
+
+def _run_nodes(model: Any, nodes: list[Any], values: dict[int, Any]) -> None:
+    """Run ``nodes`` as ``Function._run_through_graph`` does, into ``values``."""
+    tree = targets.keras_object("tree")
+    operation_for = getattr(model, "_get_operation_for_node", None)
+    for node in nodes:
+        if any(id(ref) not in values for ref in node.input_tensors):
+            continue  # not computable: Keras skips it too
+        args, kwargs = node.arguments.fill_in(values)
+        operation = operation_for(node) if operation_for else node.operation
+        outputs = operation(*args, **kwargs)
+        for ref, value in zip(node.outputs, tree.flatten(outputs), strict=False):
+            values[id(ref)] = value
+
+
+def _pack(model: Any, values: dict[int, Any]) -> Any:
+    """``model``'s outputs from ``values``, in its output structure."""
+    tree = targets.keras_object("tree")
+    found = [values[id(ref)] for ref in model.outputs]
+    return tree.pack_sequence_as(model._outputs_struct, found)
+
+
+def _boundary(nodes: list[Any], outputs: list[Any]) -> list[Any]:
+    """What ``nodes`` read and ``outputs`` need that ``nodes`` do not make:
+    the tensors a region takes in, in order, each once."""
+    wanted = [ref for node in nodes for ref in node.input_tensors] + list(outputs)
+    skip = {id(ref) for node in nodes for ref in node.outputs}
+    found = []
+    for ref in wanted:
+        if id(ref) not in skip:
+            skip.add(id(ref))
+            found.append(ref)
+    return found
+
+
+def _nodes_refusal(nodes: list[Any]) -> str | None:
+    """Why the region cannot hold ``nodes``: an output layout (which Keras
+    applies in a layer's call) or an activity regularizer; else None."""
+    distribution = targets.keras_object("distribution")()
+    for node in nodes:
+        layers = getattr(node.operation, "_flatten_layers", None)
+        for layer in layers(include_self=True, recursive=True) if layers else ():
+            if output_laid_out(layer):
+                return f"the LayoutMap lays out {layer.path}/output"
+            if getattr(layer, "activity_regularizer", None) is not None:
+                return f"{layer.name} has an activity regularizer"
+    if distribution is not None and distribution.get_tensor_layout("/output"):
+        return "the LayoutMap lays out the path '/output'"
+    return None

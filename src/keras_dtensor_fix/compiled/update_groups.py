@@ -1,43 +1,100 @@
 """Blocks mode's optimizer update compiled per block, one graph for alike blocks.
 
-Tracing Keras's whole ``apply`` (:mod:`keras_dtensor_fix.compiled.optimizer_step`)
-walks every variable, so that region's compile grew with the depth (and so did
-its C++ kernels: one per variable). Keras's torch optimizers update a list of
-variables with ``torch._foreach_*`` ops, and for most of them each variable's
-update reads only that variable, its gradient and its own slots: the update of
-one block's variables is the same program for every block of the same shapes.
+Blocks mode (:mod:`keras_dtensor_fix.compiled.blocks`) runs the training
+step eagerly around its compiled blocks, so the optimizer's update ran op by
+op: on CPU each ``torch._foreach_*`` of Keras's torch optimizers is one op per
+variable, which the whole step's graph fuses into a few kernels. For most of
+them each variable's update reads only that variable, its gradient and its
+own slots: the update of one block's variables is the same program for every
+block of the same shapes.
 
 Here ``apply`` runs eagerly (on DTensors, as in eager training: clipping,
-weight decay, the step count), and the ``optimizers`` family hands its
-shard-wise update (the local shards, inside its ``local_tensors``) to a
+weight decay, the step count, Keras's branches), and the optimizer's own
+``_parallel_update_step`` (an instance attribute, :func:`install`) runs the
+shard-wise update (:mod:`keras_dtensor_fix.ops.shardwise`) through a
 :class:`Grouped`: the variables split by the routed block that owns them (the
-rest in one group), and each group runs the class's own
-``_parallel_update_step`` through a ``torch.compile``'d function keyed by the
-group's shapes (:class:`~keras_dtensor_fix.compiled.steady.Steady` checks the
-rest of each tensor's metadata). That function never sees the real optimizer
-or variables: it gets a stand-in optimizer (the real one's attributes, with
-its slot lists and variable indices cut to the group) and stand-in variables
-whose ``value`` it sets to the tensors passed in, so a graph traced for one
-block serves every block alike, and its guards (the tensors' metadata, the
-stand-ins' identity) are what ``Steady`` checks.
+rest in one group), and each group runs the class's own update through a
+compiled region keyed by the group's shapes. That function never sees the
+real optimizer or variables: it gets a stand-in optimizer (the real one's
+attributes, with its slot lists and variable indices cut to the group) and
+stand-in variables whose ``value`` it sets to the tensors passed in, so a
+graph traced for one block serves every block alike, and its guards (the
+tensors' metadata, the stand-ins' identity) are what ``Steady`` checks.
+Tracing the whole ``apply`` instead made the compile grow with the depth
+(14% of the start a layer against 1-3%) for the same step time
+(``benchmarks/results/2026-11-29-update-per-block.md``).
 
-Only for Keras's own torch optimizers whose update is per variable
+Only for a model trained by Keras's own ``train_step`` and Keras's own torch
+optimizers whose update is per variable
 (:func:`keras_dtensor_fix.engine.targets.per_variable_update`: not Nadam,
 whose update also advances a shared product) and that select no branch
-(gradient accumulation, EMA overwrites): the others keep the whole-``apply``
-region. A compile failure runs the update eagerly from then on (warned).
+(gradient accumulation, EMA overwrites): the others update eagerly. A compile
+failure runs the update eagerly from then on (warned).
 """
 
 from __future__ import annotations
 
-import warnings
+import functools
 from collections.abc import Callable
 from typing import Any
 
-from keras_dtensor_fix.compiled import blocks
+from keras_dtensor_fix.compiled import refusals, region
 from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.ops import shardwise
 
-__all__ = ["Grouped", "groupable"]
+__all__ = ["Grouped", "groupable", "install", "uninstall"]
+
+#: False: the update runs eagerly in blocks mode (benchmarks compare).
+ENABLED = True
+
+
+def install(model: Any, routed: list[Any]) -> str | None:
+    """Give ``model``'s optimizer its update per block (``routed``: the blocks
+    compiled); None, or why not. Undone by :func:`uninstall`."""
+    optimizer = getattr(model, "optimizer", None)
+    if not ENABLED:
+        return "turned off"
+    if optimizer is None or not callable(getattr(optimizer, "apply", None)):
+        return "it has no optimizer"
+    if not refusals.keras_train_step(model):
+        return "its class has a train_step() of its own"
+    reason = groupable(optimizer)
+    if reason is not None or _INSTALLED in vars(optimizer):
+        return reason
+    grouped = Grouped(optimizer, list(routed))
+    update = functools.partial(_update, grouped, optimizer)
+    state.set_attribute(optimizer, "_parallel_update_step", update)
+    state.set_attribute(optimizer, _INSTALLED, True)
+    return None
+
+
+def uninstall(model: Any) -> None:
+    """Give ``model``'s optimizer its class's update back."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and vars(optimizer).pop(_INSTALLED, None):
+        vars(optimizer).pop("_parallel_update_step", None)
+
+
+#: The attribute marking an optimizer whose update this module installed.
+_INSTALLED = "_keras_dtensor_fix_grouped"
+
+
+def _update(grouped: Grouped, optimizer: Any, grads, variables, learning_rate) -> Any:
+    """The optimizer's ``_parallel_update_step``: per group where it runs
+    eagerly on DTensors under ModelParallel, else the class's (the family's)."""
+    grads, variables = list(grads), list(variables)
+    if (
+        state.compiling()
+        or state.model_parallel() is None
+        or not shardwise.sharded(grads, variables)
+    ):
+        cls_update = type(optimizer)._parallel_update_step
+        return cls_update(optimizer, grads, variables, learning_rate)
+    step = functools.partial(grouped.update, optimizer)
+    runner = functools.partial(grouped, step, optimizer)
+    return shardwise.update(
+        optimizer, step, grads, variables, learning_rate, runner=runner
+    )
 
 
 def groupable(optimizer: Any) -> str | None:
@@ -84,11 +141,14 @@ class _Entry:
             **{row: list(stands) for row, stands in self.rows.items()},
         }
         self.sync(optimizer)
-        traced = blocks.renamed(_group_step, name, "update")
         # The entry passes its own update, stand-in optimizer and stand-ins
         # at every call: the signature covers the tensors only.
-        self.compiled = blocks.compile_region(
-            traced, state.model_parallel(), interleaved=True, fixed=4
+        self.region = region.Region(
+            _group_step,
+            f"the update of {type(optimizer).__name__}",
+            qualname=name,
+            interleaved=True,
+            fixed=4,
         )
 
     def sync(self, optimizer: Any) -> None:
@@ -112,25 +172,16 @@ def _group_step(update, proxy, stands, rows, grads, values, slots, learning_rate
 class Grouped:
     """The shard-wise update of one optimizer, group by group (the module)."""
 
-    def __init__(
-        self,
-        optimizer: Any,
-        routed: list[Any],
-        failure: Callable[[BaseException], bool],
-    ) -> None:
+    def __init__(self, optimizer: Any, routed: list[Any]) -> None:
         #: The class's own update (:func:`groupable` checked it per variable).
-        self._update = _update_function(optimizer)
-        self._class = type(optimizer).__name__
+        self.update = _update_function(optimizer)
         self._name = f"{type(optimizer).__qualname__}.update"
         self._owner = {
             id(variable): index
             for index, block in enumerate(routed)
             for variable in block.trainable_variables
         }
-        self._failure = failure
         self._entries: dict[tuple, _Entry] = {}
-        #: Updates that ran every group compiled.
-        self.used = 0
         #: Whether a compile failed: every update runs eagerly from then on.
         self.failed = False
 
@@ -143,12 +194,12 @@ class Grouped:
         if self.failed or rows is None:
             bound(grads, variables, lr)
             return
-        compiled, done = True, 0
+        done = 0
         context = bound, optimizer, rows, _reader()
         for indices in self._groups(variables):
             group = [variables[i] for i in indices], [grads[i] for i in indices]
             try:
-                compiled &= self._run(context, indices, group, lr)
+                self._run(context, indices, group, lr)
             except Exception as error:
                 if not done:
                     raise
@@ -161,15 +212,14 @@ class Grouped:
                     "jit_compile=False to train as upstream Keras does."
                 ) from error
             done += 1
-        self.used += compiled
 
-    def _run(self, context: tuple, indices: list[int], group: tuple, lr: Any) -> bool:
-        """One group's update; whether it ran compiled."""
+    def _run(self, context: tuple, indices: list[int], group: tuple, lr: Any) -> None:
+        """One group's update."""
         bound, optimizer, rows, read = context
         group_vars, group_grads = group
         if self.failed:
             bound(group_grads, group_vars, lr)
-            return False
+            return
         values = [read(v) for v in group_vars]
         slots = [[read(rows[row][i]) for i in indices] for row in rows]
         # Alike blocks share an entry; the compiled call's Steady checks every
@@ -180,22 +230,16 @@ class Grouped:
             entry = _Entry(optimizer, list(rows), len(indices), self._name)
             self._entries[key] = entry
         entry.sync(optimizer)
-        fixed = (self._update, entry.proxy, entry.stands, entry.row_stands)
-        try:
-            entry.compiled(*fixed, group_grads, values, slots, lr)
-        except Exception as error:
-            if not self._failure(error):
-                raise
-            self.failed = True
-            warnings.warn(
-                "keras-dtensor-fix: torch.compile failed on the update of "
-                f"{self._class} ({blocks.failure_cause(error)}); it runs "
-                "eagerly from now on.",
-                stacklevel=2,
-            )
-            bound(group_grads, group_vars, lr)
-            return False
-        return True
+        fixed = (self.update, entry.proxy, entry.stands, entry.row_stands)
+        entry.region(
+            lambda: bound(group_grads, group_vars, lr),
+            *fixed,
+            group_grads,
+            values,
+            slots,
+            lr,
+        )
+        self.failed = entry.region.failed
 
     def _groups(self, variables: list) -> list[list[int]]:
         """Indices of ``variables`` by owning block, in order; the rest last."""

@@ -31,13 +31,6 @@ SHARDING: list[bool] = []
 #: slice must become a gather on local tensors too), though the gate is shut.
 LOCAL_CALL: list[bool] = []
 
-#: Non-empty while blocks mode's update runs. ``True``: its compiled
-#: ``apply`` traces the optimizer's elementwise math on local shards, as
-#: eagerly (the ``optimizers`` family), not through DTensor. A callable: the
-#: eager ``apply``'s shard-wise update goes to it (``runner(bound_update,
-#: optimizer, local_grads, variables, local_lr)``), which compiles it per group.
-SHARDWISE_UPDATE: list[Any] = []
-
 
 def note_sharding() -> None:
     """Open the gated wrappers: DTensors may now meet plain tensors."""
@@ -148,13 +141,6 @@ def _forget(key: int) -> None:
         entry = _set.get(key)
         if entry is not None and _target(entry[0]) is None:
             del _set[key]
-
-
-def attributes_set() -> int:
-    """How many live objects carry attributes set by :func:`set_attribute`."""
-    _flush_pending()
-    with _lock:
-        return sum(_target(ref) is not None for ref, _ in _set.values())
 
 
 def undo_attributes() -> None:

@@ -22,10 +22,11 @@ import types
 from keras_dtensor_fix.compiled import (
     blocks,
     cache_key,
+    failure,
     frames,
-    optimizer_step,
+    plan,
     refusals,
-    tail,
+    region,
     updates,
 )
 from keras_dtensor_fix.engine import config, state, targets
@@ -39,7 +40,7 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
     if model_parallel() is None or state.promotion_modes():
         return wrapped(*args, **kwargs)
     if not instance.jit_compile or instance.run_eagerly:
-        _uninstall(instance)
+        plan.uninstall(instance)
         return False
     import warnings
 
@@ -61,7 +62,7 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
             "keras-dtensor-fix: jit_compile=True is not used for this "
             f"ModelParallel model: its recurrent layers ({', '.join(recurrent)}) "
             "run Keras's generic RNN loop, which torch "
-            f"{_torch_version()} cannot compile over DTensors. The model runs "
+            f"{targets.torch_version()} cannot compile over DTensors. The model runs "
             "eagerly. LSTM and GRU with their defaults (use_cudnn='auto', no "
             "recurrent_dropout) and no mask compile.",
             stacklevel=2,
@@ -88,37 +89,24 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
         why = "the default: training goes block by block, this step has no backward"
         blocks.tell(instance, building, "step", why)
         return True
-    routed = blocks.install(instance, compile_failure) if mode == "blocks" else []
-    if routed:
-        if building in (None, "make_train_function"):
-            refused = tail.install(instance, routed, compile_failure)
-            if refused is None:
-                why += "; the layers after the last block and the loss: one region"
-            if optimizer_step.install(instance, compile_failure, routed) is None:
-                why += "; the optimizer's update: " + optimizer_step.how(instance)
+    training = building in (None, "make_train_function")
+    found = plan.install(instance, training) if mode == "blocks" else None
+    if found is not None:
+        if training and found.split is not None:
+            why += "; the layers after the last block and the loss: one region"
+        if training and found.update:
+            why += "; the optimizer's update: per block, one graph for alike blocks"
         blocks.tell(instance, building, "blocks", why)
         return False  # the step runs eagerly, its blocks compiled
-    _uninstall(instance)
+    plan.uninstall(instance)
     blocks.tell(instance, building, "step", why)
     return True
-
-
-def _uninstall(model) -> None:
-    blocks.uninstall(model)
-    tail.uninstall(model)
-    optimizer_step.uninstall(model)
 
 
 #: The ``make_*_function`` running now (innermost last).
 _BUILDING: list[str] = []
 #: Steps without a backward: compiled whole even where training goes by blocks.
 _FORWARD = ("make_test_function", "make_predict_function")
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 STEP_FUNCTIONS = {
@@ -208,23 +196,6 @@ def _cache_backend_layouts(model) -> None:
             layout.backend_layout  # noqa: B018  (a cached property)
 
 
-def compile_failure(error: BaseException) -> bool:
-    """Whether ``error`` comes from torch.compile itself, not from the step.
-
-    dynamo's and inductor's own errors (a torch bug on some DTensor graph).
-    An error in the step's own code is among them when traced; the eager
-    retry then raises it as it is.
-    """
-    import torch._dynamo.exc as exc
-
-    if isinstance(error, exc.TorchDynamoException):
-        return True
-    # An assertion inside dynamo's own checks (DTensor outputs it expected as
-    # fake tensors) is not wrapped in its exception types.
-    files = _traceback_files(error)
-    return bool(files) and "torch/_dynamo/" in files[-1]
-
-
 def _eager_if_compile_fails(function, instance, make: str):
     """``function``, or the eager step once torch.compile fails on it.
 
@@ -250,7 +221,7 @@ def _eager_if_compile_fails(function, instance, make: str):
         try:
             result = function(*args, **kwargs)
         except Exception as error:
-            graph_failed = _in_compiled_runtime(error)
+            graph_failed = failure.in_compiled_runtime(error)
             if graph_failed and ran and not updates.none_since(marks):
                 raise RuntimeError(
                     "keras-dtensor-fix: a compiled ModelParallel step failed "
@@ -259,15 +230,13 @@ def _eager_if_compile_fails(function, instance, make: str):
                     "eagerly. Compile with jit_compile=False to run it as "
                     "upstream Keras does."
                 ) from error
-            if not (compile_failure(error) or graph_failed):
+            if not (failure.compile_failure(error) or graph_failed):
                 raise
             import warnings
 
-            lines = [line for line in str(error).splitlines() if line.strip()]
-            first = (lines or [""])[0][:200]
             warnings.warn(
                 "keras-dtensor-fix: torch.compile failed on this ModelParallel "
-                f"step ({type(error).__name__}: {first}); it runs eagerly from "
+                f"step ({failure.cause(error)}); it runs eagerly from "
                 "now on, as upstream Keras runs it.",
                 stacklevel=2,
             )
@@ -326,28 +295,6 @@ def break_report(
     )
 
 
-#: Where torch runs a compiled graph: an error raised there on the first call
-#: is torch's (a DTensor output aliasing an input after a graph break: "as_strided
-#: not supported with DTensor": torch 2.13, pytorch/pytorch#184002), not the
-#: step's, which dynamo met while tracing.
-_COMPILED_RUNTIME = ("torch/_functorch/_aot_autograd/", "torch/_inductor/")
-
-
-def _in_compiled_runtime(error: BaseException) -> bool:
-    """Whether ``error`` was raised inside torch's runner of a compiled graph."""
-    return any(
-        part in name for name in _traceback_files(error) for part in _COMPILED_RUNTIME
-    )
-
-
-def _traceback_files(error: BaseException) -> list[str]:
-    """The files of ``error``'s traceback, outermost first, with ``/`` separators."""
-    import traceback
-
-    frames = traceback.extract_tb(error.__traceback__)
-    return [frame.filename.replace("\\", "/") for frame in frames]
-
-
 def _build_eagerly(instance, make: str):
     """The step function ``make`` builds with ``jit_compile`` off."""
     attribute = STEP_FUNCTIONS[make]
@@ -392,7 +339,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
     if targets.is_kind(module.__name__, "layer_base"):
         # traced: a region's trace must run it (one frame per layer call, and
         # one guard, in a whole step's trace).
-        scope, wrapper = "Layer._open_name_scope", blocks.name_scope
+        scope, wrapper = "Layer._open_name_scope", region.name_scope
         return [Patch(module.__name__, scope, wrapper, gated=True, traced=True)]
     cls = targets.trainer_class(module)
     if not targets.trainer_compiles_model_parallel(module):
@@ -403,7 +350,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
     attribute = f"{cls}._use_torch_compile"
     return [
         Patch(module.__name__, attribute, _use_torch_compile),
-        Patch(module.__name__, f"{cls}.train_step", tail.step, gated=True),
+        Patch(module.__name__, f"{cls}.train_step", plan.step, gated=True),
     ] + [
         Patch(module.__name__, f"{cls}.{name}", _static_shapes)
         for name in STEP_FUNCTIONS
@@ -434,9 +381,7 @@ def notes() -> list[str]:
 
 
 def after_revert() -> None:
-    blocks.forget()
-    tail.forget()
-    optimizer_step.forget()
+    plan.forget()
     frames.restore()
 
 

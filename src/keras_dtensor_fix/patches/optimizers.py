@@ -1,14 +1,9 @@
 """Optimizer steps on DTensor variables: aligned gradients, local-shard math.
 
 Each torch optimizer's ``_parallel_update_step`` is wrapped. When a variable is
-a DTensor, its gradient is first given the variable's placements (a ``Partial``
-gradient is reduced, a plain one promoted). In eager mode the update then runs
-on the local shards: every torch optimizer is elementwise, so shard-wise math is
-exact, and no DTensor ``_foreach_*`` op sees the fresh 0-d tensors that Keras
-builds each step (they miss PyTorch's sharding cache and leak into it). Under
-torch.compile the original runs on the aligned DTensors, except in blocks
-mode's compiled update (``state.SHARDWISE_UPDATE``), which traces the local
-math too when no branch is selected. Keras imports a torch
+a DTensor, its gradient is first given the variable's placements, and in eager
+mode the update runs on the local shards (:mod:`keras_dtensor_fix.ops.shardwise`).
+Under torch.compile the original runs on the aligned DTensors. Keras imports a torch
 optimizer's module only when one is built: the family's row declares
 ``preload``, so the engine imports them with Keras.
 
@@ -27,68 +22,28 @@ the growth counter) broke the same way: its ``_common_apply`` selects too.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
-from keras_dtensor_fix.dtensor import DTensor, planner, to_placements
+from keras_dtensor_fix.dtensor import DTensor
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
-from keras_dtensor_fix.engine.state import SHARDWISE_UPDATE, compiling
-from keras_dtensor_fix.ops.values import local_tensors
-
-
-def align_gradients(grads: Sequence[Any], values: Sequence[Any]) -> list[Any]:
-    """Give each gradient its variable's placements (or the full value)."""
-
-    aligned = []
-    for grad, value in zip(grads, values, strict=False):
-        if grad is None:
-            aligned.append(grad)
-        elif isinstance(value, DTensor):
-            aligned.append(to_placements(grad, value))
-        elif isinstance(grad, DTensor):
-            aligned.append(grad.full_tensor())
-        else:
-            aligned.append(grad)
-    return aligned
-
-
-def _local(value: Any) -> Any:
-    return value._local_tensor if isinstance(value, DTensor) else value
-
-
-def _shardwise_ok(optimizer: Any, values: Sequence[Any], grads: Sequence[Any]) -> bool:
-    """Whether :func:`planner.shardwise` lets the update run on local shards."""
-
-    states = [getattr(variable, "_value", None) for variable in optimizer.variables]
-    operands = [*values, *(g for g in grads if g is not None)]
-    return planner.shardwise(operands, states) is not None
+from keras_dtensor_fix.engine.state import compiling
+from keras_dtensor_fix.ops import shardwise
 
 
 def _parallel_update_step(wrapped, instance, args, kwargs):
     grads, variables, learning_rate = _bind(*args, **kwargs)
-    values = [v._value for v in variables]
-    if not any(isinstance(v, DTensor) for v in values) and not any(
-        isinstance(g, DTensor) for g in grads
-    ):
+    if not shardwise.sharded(grads, variables):
         return wrapped(*args, **kwargs)
-    grads = align_gradients(grads, values)
-    # Blocks mode's compiled update traces the shard-wise math too (no DTensor
-    # dispatch to trace or run), except where branches are selected: their
-    # in-place copies on the swapped values fail AOT's input mutations.
-    shardwise = SHARDWISE_UPDATE[-1] if SHARDWISE_UPDATE else None
-    traced = compiling() and not (shardwise is True and not _SELECTING)
-    if traced or not _shardwise_ok(instance, values, grads):
-        return wrapped(grads, variables, learning_rate)
-    with local_tensors(list(variables) + list(instance.variables)):
-        grads, learning_rate = [_local(g) for g in grads], _local(learning_rate)
-        if callable(shardwise) and not compiling():
-            # blocks mode's eager apply: the runner compiles it group by group
-            return shardwise(wrapped, instance, grads, variables, learning_rate)
-        return wrapped(grads, variables, learning_rate)
+    # Traced (a compiled step), the update runs on the aligned DTensors.
+    local = not compiling()
+    return shardwise.update(
+        instance, wrapped, grads, variables, learning_rate, local=local
+    )
 
 
 def _bind(grads, variables, learning_rate):
@@ -99,7 +54,8 @@ def _increment_accumulators(wrapped, instance, args, kwargs):
     """Gradient accumulation: add gradients with the accumulators' placements."""
     grads, acc_grads = args[0], args[1]
     values = [v.value for v in acc_grads]
-    return wrapped(align_gradients(grads, values), acc_grads, *args[2:], **kwargs)
+    aligned = shardwise.align_gradients(grads, values)
+    return wrapped(aligned, acc_grads, *args[2:], **kwargs)
 
 
 #: While a compiled, sharded optimizer applies gradients with accumulation or

@@ -1,0 +1,54 @@
+"""Whether an error comes from torch.compile itself, and how a warning names it.
+
+Every compiled piece (a block, the tail, the optimizer's update, the whole
+step, generation's token step) steps aside to its eager code on these errors
+and raises every other one as it is.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+#: Where torch runs a compiled graph: an error raised there on the first call
+#: is torch's (a DTensor output aliasing an input after a graph break: "as_strided
+#: not supported with DTensor": torch 2.13, pytorch/pytorch#184002), not the
+#: step's, which dynamo met while tracing.
+_COMPILED_RUNTIME = ("torch/_functorch/_aot_autograd/", "torch/_inductor/")
+
+
+def compile_failure(error: BaseException) -> bool:
+    """Whether ``error`` comes from torch.compile itself, not from the code.
+
+    dynamo's and inductor's own errors (a torch bug on some DTensor graph).
+    An error in the code itself is among them when traced; the eager retry
+    then raises it as it is.
+    """
+    import torch._dynamo.exc as exc
+
+    if isinstance(error, exc.TorchDynamoException):
+        return True
+    # An assertion inside dynamo's own checks (DTensor outputs it expected as
+    # fake tensors) is not wrapped in its exception types.
+    files = _traceback_files(error)
+    return bool(files) and "torch/_dynamo/" in files[-1]
+
+
+def in_compiled_runtime(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside torch's runner of a compiled graph."""
+    return any(
+        part in name for name in _traceback_files(error) for part in _COMPILED_RUNTIME
+    )
+
+
+def cause(error: BaseException) -> str:
+    """``Type: first line`` of a compile failure's cause, for a warning
+    (dynamo's BackendCompilerFailed holds the backend's own error)."""
+    inner = getattr(error, "inner_exception", None) or error
+    lines = [line for line in str(inner).splitlines() if line.strip()]
+    return f"{type(inner).__name__}: {(lines or [''])[0][:200]}"
+
+
+def _traceback_files(error: BaseException) -> list[str]:
+    """The files of ``error``'s traceback, outermost first, with ``/`` separators."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return [frame.filename.replace("\\", "/") for frame in frames]

@@ -1,0 +1,70 @@
+"""An optimizer's update on DTensor variables: aligned gradients, local-shard math.
+
+Each gradient first gets its variable's placements (a ``Partial`` gradient is
+reduced, a plain one promoted). The update then runs on the local shards:
+every torch optimizer is elementwise, so shard-wise math is exact, and no
+DTensor ``_foreach_*`` op sees the fresh 0-d tensors that Keras builds each
+step (they miss PyTorch's sharding cache and leak into it). The
+``optimizers`` family runs each ``_parallel_update_step`` through
+:func:`update`; blocks mode's update per block (``compiled/update_groups``)
+gives it its own runner of the local math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from keras_dtensor_fix.dtensor import DTensor, planner, to_placements
+from keras_dtensor_fix.ops.values import local_tensors
+
+
+def align_gradients(grads: Sequence[Any], values: Sequence[Any]) -> list[Any]:
+    """Give each gradient its variable's placements (or the full value)."""
+    aligned = []
+    for grad, value in zip(grads, values, strict=False):
+        if grad is None:
+            aligned.append(grad)
+        elif isinstance(value, DTensor):
+            aligned.append(to_placements(grad, value))
+        elif isinstance(grad, DTensor):
+            aligned.append(grad.full_tensor())
+        else:
+            aligned.append(grad)
+    return aligned
+
+
+def sharded(grads: Sequence[Any], variables: Sequence[Any]) -> bool:
+    """Whether a variable or a gradient of the update is a DTensor."""
+    return any(isinstance(v._value, DTensor) for v in variables) or any(
+        isinstance(g, DTensor) for g in grads
+    )
+
+
+def _local(value: Any) -> Any:
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+def update(
+    optimizer: Any,
+    step: Callable[..., Any],
+    grads: list,
+    variables: list,
+    learning_rate: Any,
+    *,
+    local: bool = True,
+    runner: Callable[..., Any] | None = None,
+) -> Any:
+    """``step(grads, variables, learning_rate)`` (the class's update, bound)
+    on aligned gradients and, with ``local`` and where :func:`planner.shardwise`
+    allows, on the local shards; there ``runner`` (same arguments) runs it
+    instead of ``step``."""
+    values = [v._value for v in variables]
+    grads = align_gradients(grads, values)
+    states = [getattr(variable, "_value", None) for variable in optimizer.variables]
+    operands = [*values, *(g for g in grads if g is not None)]
+    if not local or planner.shardwise(operands, states) is None:
+        return step(grads, variables, learning_rate)
+    with local_tensors(list(variables) + list(optimizer.variables)):
+        grads, learning_rate = [_local(g) for g in grads], _local(learning_rate)
+        return (runner or step)(grads, variables, learning_rate)
