@@ -24,7 +24,7 @@ from keras_dtensor_fix.engine.ledger import (
     STATES,
 )
 
-__all__ = ["report", "summarize"]
+__all__ = ["problems", "report", "summarize"]
 
 
 def report() -> dict[str, Any]:

@@ -25,7 +25,15 @@ from keras_dtensor_fix.compiled import cache_key, failure
 from keras_dtensor_fix.compiled.steady import Steady, code_of
 from keras_dtensor_fix.engine import state, targets
 
-__all__ = ["Region", "compile_static", "eligible", "name_scope", "renamed", "scopeless"]
+__all__ = [
+    "SCOPELESS",
+    "Region",
+    "compile_static",
+    "eligible",
+    "name_scope",
+    "renamed",
+    "scopeless",
+]
 
 #: True while a block's or the tail's region runs: its sublayers open no name scope.
 SCOPELESS: list[bool] = []
