@@ -219,3 +219,35 @@ def test_bad_arguments_say_what_to_pass(planned) -> None:
     assert "pass sample_input=" in errors["no_inputs"]
     assert errors["not_callable"].startswith("TypeError: build must be a callable")
     assert errors["not_a_mesh"].startswith("TypeError: mesh must be")
+
+
+MODEL = """
+import keras
+
+def build():
+    return keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(64, activation="relu", name="up"),
+        keras.layers.Dense(16, name="down"),
+    ])
+"""
+
+
+def test_plan_command_prints_table_totals_and_rules(run_py, tmp_path) -> None:
+    (tmp_path / "model.py").write_text(MODEL)
+    target = f"{tmp_path / 'model.py'}:build"
+    proc = run_py(module="keras_dtensor_fix", argv=["plan", target, "--mesh", "1x2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["WEIGHT", "SHAPE", "SPLIT", "PER", "RANK"] + [
+        "COLLECTIVES",
+        "PER",
+        "STEP",
+    ]
+    row = next(line for line in lines if line.startswith("sequential/up/kernel"))
+    assert "(16, 64)" in row and "(batch, model) column" in row and "2.0 KiB" in row
+    assert "all-reduce of its input's gradient" in row
+    assert any("(0.5" in line for line in lines if line.startswith("weights per rank"))
+    assert "layout_map[r\"sequential/down/kernel\"] = ('model', 'batch')" in lines
+    bad = run_py(module="keras_dtensor_fix", argv=["plan", "no_colon"])
+    assert bad.returncode != 0 and "expected MODULE:FUNCTION" in bad.stderr
