@@ -15,6 +15,7 @@ The sharded runs: ``multiprocess/test_planned.py``.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -251,3 +252,16 @@ def test_plan_command_prints_table_totals_and_rules(run_py, tmp_path) -> None:
     assert "layout_map[r\"sequential/down/kernel\"] = ('model', 'batch')" in lines
     bad = run_py(module="keras_dtensor_fix", argv=["plan", "no_colon"])
     assert bad.returncode != 0 and "expected MODULE:FUNCTION" in bad.stderr
+
+
+@pytest.mark.slow
+def test_7b_models_planned_without_their_weights(run_py) -> None:
+    """Gemma-7B's and Llama-3-8B's shapes plan on meta in under 2 GB (peak
+    resident memory; the time is the benchmark's to report)."""
+    proc = run_py(args=[str(ROOT / "benchmarks" / "plan_7b.py")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = [json.loads(line) for line in proc.stdout.splitlines() if line[:1] == "{"]
+    assert [f["model"] for f in found] == ["gemma_7b", "llama_3_8b"]
+    for model in found:
+        assert model["device"] == "meta" and model["parameters"] > 7e9, model
+        assert model["peak_rss_gb"] <= 2.0, model

@@ -12,6 +12,7 @@ if no plan had been made.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import random
@@ -31,6 +32,7 @@ _LOG = logging.getLogger("keras_dtensor_fix.planning")
 _NAMES = "object_name_uids"
 _SEEDS = "global_seed_generator"
 _DISTRIBUTION = "distribution"
+_DEVICE = "torch_device"
 #: Unknown input dims: the batch, then any other (a sequence).
 _BATCH, _OTHER = 2, 8
 
@@ -91,13 +93,45 @@ def _trace(build, sample_input, device: str) -> Traced:
             model(inputs)
         variables = list({id(v): v for v in model.weights}.values())
         weights = {id(v.value): (v.path, v.value) for v in variables}
-        flow = trace(lambda: model(inputs, training=False), weights)
+        with _real_ops(device):
+            flow = trace(lambda: model(inputs, training=False), weights)
     shapes = {v.path: tuple(v.shape) for v in variables}
     nbytes = {
         v.path: int(np.prod(v.shape, dtype=np.int64)) * v.value.element_size()
         for v in variables
     }
     return Traced(shapes, nbytes, flow, device)
+
+
+class _Meta(str):
+    """ "meta" to torch, not to Keras's ``get_device() == "meta"`` tests.
+
+    Under them Keras's torch ops make some outputs afresh, shapes only
+    (``repeat``, convolutions), which would cut the dataflow; torch's own ops
+    run on meta tensors. Used for the forward only: building draws random
+    numbers, which only Keras's meta branch does without a generator.
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return other is self
+
+    __hash__ = str.__hash__
+
+
+@contextlib.contextmanager
+def _real_ops(device: str):
+    if device != "meta":
+        yield
+        return
+    state = targets.keras_object("global_state")
+    before = state.get_global_attribute(_DEVICE)
+    state.set_global_attribute(_DEVICE, _Meta("meta"))
+    try:
+        yield
+    finally:
+        state.set_global_attribute(_DEVICE, before)
 
 
 def _inputs(model, sample_input, device: str) -> Any:
