@@ -4,6 +4,7 @@
 no ``get_layout_map`` (the ``layouts`` family installs them). ``generation``:
 what sharded generation reads of a causal LM (attention head counts, samplers,
 ``call_with_cache``'s parameters, the cache's heads axis). ``layers``: leaf
-layers that read across only some axes (the ``leaves`` family). Plain data
-and attribute reads; Keras is imported only when a layout is built.
+layers that read across only some axes (the ``leaves`` family). ``probe``: a
+tiny config of a backbone with no row, for the planner to plan its layout.
+Plain data and attribute reads; Keras is imported only when a layout is built.
 """

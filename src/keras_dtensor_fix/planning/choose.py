@@ -27,7 +27,6 @@ keras-hub's own maps do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import prod
 
 from keras_dtensor_fix.planning.dataflow import Dataflow, Product
 
@@ -172,11 +171,3 @@ def _biases(flow, shapes, roles, choices, model_axis) -> None:
         axes = [None] * len(shapes[name])
         axes[p.output.index(owner.axes.index(model_axis))] = model_axis
         choices[name] = Choice(tuple(axes), "bias", f"follows {p.weight}")
-
-
-def split_bytes(
-    shape: tuple[int, ...], axes: tuple, mesh: dict[str, int], size: int
-) -> int:
-    """Bytes one rank holds of a weight of ``size`` bytes split as ``axes``."""
-    del shape
-    return size // prod(mesh.get(a, 1) for a in axes if a is not None)
