@@ -195,6 +195,20 @@ def test_gemma_equals_keras_hubs_own_map(planned) -> None:
     assert planned["gemma"]["axes"] == planned["gemma"]["theirs"]
 
 
+def test_experts_split_by_their_ffn_axis(planned) -> None:
+    """Stacked experts (experts, hidden, ffn) and (experts, ffn, hidden): the
+    FFN axis, not the experts axis the down projection shares; the router and
+    norms whole."""
+    plan = planned["qwen_moe"]["axes"]
+    gates = [p for p in plan if p.endswith("experts/expert_feedforward_gate_dense")]
+    downs = [p for p in plan if p.endswith("experts/expert_feedforward_output_dense")]
+    assert gates and downs
+    assert all(plan[p] == [None, "batch", "model"] for p in gates)
+    assert all(plan[p] == [None, "model", "batch"] for p in downs)
+    routers = [p for p in plan if "sparse_feedforward_gate_dense" in p]
+    assert routers and all(plan[p] is None for p in routers), routers
+
+
 @pytest.mark.parametrize("kind", ["gemma", "llama", "qwen_moe"])
 def test_no_worse_than_keras_hubs_own_map(planned, kind: str) -> None:
     """Bytes per rank, collectives per step and their bytes (``cost.py``)."""

@@ -63,11 +63,8 @@ def choose(
     # weight -> {(role, weight axis): the product asking}
     asks: dict[str, dict[tuple[str, int], Product]] = {}
     for p in products:
-        role = roles.get(p.index)
-        if role == "column":
-            ask = ("column", p.output[0])
-        elif role == "row":
-            ask = ("row", p.contracted[0])
+        if p.index in roles:
+            ask = roles[p.index]
         elif p.kind == "lookup" and _large(p, nbytes, total, shapes, n):
             ask = ("vocabulary", p.contracted[0])
         elif _head(p, consumers, shapes) and _large(
@@ -106,9 +103,11 @@ _WHY = {
 }
 
 
-def _pair(flow: Dataflow, shapes: dict[str, tuple[int, ...]], n: int) -> dict[int, str]:
-    """Product index -> "column" or "row", Megatron's pairs in call order."""
-    roles: dict[int, str] = {}
+def _pair(
+    flow: Dataflow, shapes: dict[str, tuple[int, ...]], n: int
+) -> dict[int, tuple[str, int]]:
+    """Product index -> ("column" or "row", the weight axis split), in call order."""
+    roles: dict[int, tuple[str, int]] = {}
     bypass = flow.bypassing()
     products = flow.products
     for b in products:
@@ -116,19 +115,40 @@ def _pair(flow: Dataflow, shapes: dict[str, tuple[int, ...]], n: int) -> dict[in
             continue
         sources = [products[a] for a in sorted(b.inputs)]
         sources = [a for a in sources if a.kind == "matmul"]
-        if not sources or any(roles.get(a.index) == "row" for a in sources):
+        if not sources or any(roles.get(a.index, ("",))[0] == "row" for a in sources):
             continue
         if any(a.index in bypass for a in sources):
             continue
-        if shapes[b.weight][b.contracted[0]] % n:
+        shape = shapes[b.weight]
+        if shape[b.contracted[0]] % n:
             continue
-        split = [a for a in sources if a.output and _divides(a, a.output[0], shapes, n)]
+        split = {a.index: _column_axis(a, b, shapes, n) for a in sources}
+        split = {index: axis for index, axis in split.items() if axis is not None}
         if not split:
             continue
-        roles[b.index] = "row"
-        for a in split:
-            roles[a.index] = "column"
+        roles[b.index] = ("row", b.contracted[0])
+        for index, axis in split.items():
+            roles[index] = ("column", axis)
     return roles
+
+
+def _column_axis(a: Product, b: Product, shapes, n: int) -> int | None:
+    """``a``'s output axis to split for row ``b``: the one ``b`` contracts.
+
+    Its size equals ``b``'s split axis where one does (heads, the FFN);
+    never one the size of ``b``'s own batch-like axes (experts, which ``b``
+    shares with its activation); else the first that divides.
+    """
+    b_shape = shapes[b.weight]
+    shared = {
+        b_shape[i]
+        for i in range(len(b_shape))
+        if i not in b.contracted and i not in b.output
+    }
+    shape = shapes[a.weight]
+    fits = [x for x in a.output if shape[x] % n == 0 and shape[x] not in shared]
+    same = [x for x in fits if shape[x] == b_shape[b.contracted[0]]]
+    return (same or fits or [None])[0]
 
 
 def _head(p: Product, consumers, shapes) -> bool:
