@@ -1,8 +1,9 @@
 """The ``layouts`` family: keras-hub backbones without a ``get_layout_map``
 get one (``hub/layouts.py``), checked on one process against each model's
-real variables; a backbone without a row gets an error saying what to write
-and, where ``hub/layouts.NO_ROW`` knows, why (upstream has no
-``get_layout_map`` there: AttributeError);
+real variables; a backbone without a row gets the planner's layout (BERT,
+ViT, T5), or where ``hub/layouts.NO_ROW`` knows why it has none, an error
+saying what to write and why (upstream has no ``get_layout_map`` there:
+AttributeError);
 deactivation takes it away. The sharded runs are
 ``tests/multiprocess/test_layouts.py``."""
 
@@ -37,10 +38,18 @@ for kind in CAUSAL_LMS:
             bad.append(v.path)
         sharded += bool(keys)
     out["models"][kind] = {"sharded": sharded, "bad": bad}
-try:
-    keras_hub.models.BertBackbone.get_layout_map(mesh)
-except NotImplementedError as exc:
-    out["unknown"] = str(exc)
+import logging
+seen = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        seen.append(record.getMessage())
+logging.getLogger("keras_dtensor_fix").addHandler(Keep())
+logging.getLogger("keras_dtensor_fix").setLevel(logging.INFO)
+planned = {}
+for name in ("BertBackbone", "ViTBackbone", "T5Backbone"):
+    lm = getattr(keras_hub.models, name).get_layout_map(mesh)
+    planned[name] = [len(lm), type(lm).__name__]
+out["planned"], out["logged"] = planned, seen
 try:
     keras_hub.models.MistralBackbone.get_layout_map(mesh, "tensor")
 except ValueError as exc:
@@ -74,7 +83,11 @@ def test_every_row_fits_its_model(run_py) -> None:
         assert found["bad"] == [], kind
         # Q/K/V, the attention output, the MLP and the embedding at least
         assert found["sharded"] >= 7, (kind, found)
-    assert "BertBackbone" in out["unknown"] and "LayoutMap" in out["unknown"]
+    # no row, no reason: the planner's layout, one INFO line each
+    for name, (rules, kind) in out["planned"].items():
+        assert rules >= 4 and kind == "PlannedLayoutMap", name
+    assert len(out["logged"]) == 3
+    assert "BertBackbone has no layout of its own; planned" in out["logged"][0]
     # no row (hub/layouts.NO_ROW): what to write, and why it has none
     assert "LayoutMap" in out["no_row"] and "BertBackbone: a reason" in out["no_row"]
     assert sorted(out["no_rows"]) == sorted(out["no_row_names"])

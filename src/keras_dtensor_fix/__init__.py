@@ -12,7 +12,14 @@ from typing import Any
 from keras_dtensor_fix import _bootstrap
 from keras_dtensor_fix._version import __version__
 
-__all__ = ["__version__", "activate", "deactivate", "is_active", "status"]
+__all__ = [
+    "__version__",
+    "activate",
+    "auto_layout_map",
+    "deactivate",
+    "is_active",
+    "status",
+]
 
 
 def activate(*, strict: bool | None = None) -> None:
@@ -42,6 +49,29 @@ def is_active() -> bool:
     from keras_dtensor_fix.engine import patcher
 
     return patcher.is_active()
+
+
+def auto_layout_map(
+    build: Any,
+    mesh: Any,
+    sample_input: Any = None,
+    *,
+    model_axis: str = "model",
+    batch_axis: str = "batch",
+) -> Any:
+    """A ``keras.distribution.LayoutMap`` planned from the model ``build()`` returns.
+
+    Megatron's tensor parallelism read off one traced forward: projections
+    that feed one another pair column then row, attention splits by heads,
+    large tables by rows; the batch axis splits the other (hidden) weight
+    axis. Print the map for its rules; ``.plan`` holds the choices and their
+    cost. See docs/planner.md.
+    """
+    from keras_dtensor_fix.planning import auto
+
+    return auto.auto_layout_map(
+        build, mesh, sample_input, model_axis=model_axis, batch_axis=batch_axis
+    )
 
 
 def _engine_loaded() -> bool:

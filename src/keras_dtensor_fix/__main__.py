@@ -1,4 +1,5 @@
-"""``python -m keras_dtensor_fix status [--verbose|--json] [--check]``, ``demo``.
+"""``python -m keras_dtensor_fix status [--verbose|--json] [--check]``, ``demo``,
+``plan`` (:mod:`keras_dtensor_fix.planning.cli`).
 
 The report and its summary are :mod:`keras_dtensor_fix.report`'s, their text
 :mod:`keras_dtensor_fix.status_text`'s; this module loads Keras (quietly,
@@ -104,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["demo"]:
         return _demo(argv[1:])
+    if argv[:1] == ["plan"]:  # the planner's own arguments: planning/cli.py
+        from keras_dtensor_fix.planning import cli
+
+        return cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m keras_dtensor_fix")
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="report what is patched and why")
@@ -127,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser(
         "demo", help="run the 2-process demonstration (arguments go to the demo)"
     )
+    commands.add_parser("plan", help="plan a layout: plan MODULE:FUNCTION --mesh 1x2")
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -95,6 +95,7 @@ UPSTREAM = (
     "hub",
     "hub_compiled",
     "layouts",
+    "planned",
     "moe_compiled",
     "generate_compiled",
 )

@@ -66,6 +66,7 @@ import cases_generate  # noqa: E402, F401
 import cases_hub  # noqa: E402, F401
 import cases_layers  # noqa: E402, F401
 import cases_layouts  # noqa: E402, F401
+import cases_planned  # noqa: E402, F401
 import cases_training  # noqa: E402, F401
 from scenario_kit import CASES, RANK, SEED, WORLD, distribute  # noqa: E402
 

@@ -173,6 +173,7 @@ ROWS: dict[tuple[str, str], tuple[Rule, ...]] = {
 }
 
 #: Causal LM backbones known to have no row, and why: said by NoLayoutError.
+#: Any other backbone without a row gets the planner's layout (``hub/probe``).
 NO_ROW: dict[tuple[str, str], str] = {}
 
 
@@ -212,11 +213,20 @@ def get_layout_map(
                 "naming two of them"
             )
     rules = rules_for(cls)
+    why = NO_ROW.get((cls.__module__, cls.__qualname__))
+    if rules is None and why is None:
+        from keras_dtensor_fix.hub import probe
+
+        planned = probe.planned_layout_map(
+            cls, device_mesh, model_parallel_dim_name, data_parallel_dim_name
+        )
+        if planned is not None:
+            return planned
     if rules is None:
-        why = NO_ROW.get((cls.__module__, cls.__qualname__))
         raise NoLayoutError(
             f"keras-dtensor-fix knows no tensor-parallel layout for "
-            f"{cls.__qualname__}. Write a keras.distribution.LayoutMap by hand: "
+            f"{cls.__qualname__}. Plan one with keras_dtensor_fix.auto_layout_map("
+            "lambda: Backbone(...), mesh), or write a keras.distribution.LayoutMap: "
             "its keys are re.fullmatch regexes over the variable paths "
             "(print [(v.path, v.shape) for v in backbone.weights]), its "
             "values one mesh axis name or None per weight axis."

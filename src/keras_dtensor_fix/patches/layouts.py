@@ -3,8 +3,8 @@
 keras-hub's ``Backbone`` base class gets a ``get_layout_map`` classmethod
 (:func:`keras_dtensor_fix.hub.layouts.get_layout_map`): a backbone with a row
 in ``hub.layouts.ROWS`` (or a subclass of one) returns its layout, any other
-raises an error saying what to write by hand. Backbones with their own
-(Gemma, Llama, Qwen, the MoEs) keep theirs: they override the base's. An
+the planner's (``hub/probe``), or an error saying what to write. Backbones
+with their own (Gemma, Llama, Qwen, the MoEs) keep theirs. An
 ``added`` patch: deactivation deletes it, and a keras-hub whose base class
 has one keeps its own.
 """

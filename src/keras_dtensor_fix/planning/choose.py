@@ -1,0 +1,193 @@
+"""Which weight axis each mesh axis splits: Megatron's pairing, read off a dataflow.
+
+Pure decisions over :class:`~keras_dtensor_fix.planning.dataflow.Dataflow`.
+In call order, a product ``B`` whose other operand only products ``A`` reach
+(through elementwise ops, activations, norms and attention's weight-free
+products) becomes **row** parallel (its first contracted axis split) and
+those ``A`` **column** parallel (their first output-only axis split): the
+``A`` outputs stay split until ``B``'s partial sums meet in one all-reduce.
+That is Megatron's MLP pair and attention (Q/K/V by heads; an output
+projection row), fused Q/K/V and stacked experts included. A pair is refused
+when an ``A`` is already row, or *bypasses* (its output also feeds a residual
+sum downstream of ``B``), or ``B``'s axis does not divide by the model axis;
+an ``A`` whose axis does not divide (GQA's key and value) stays whole.
+
+Lookup tables split by their indexed axis (vocabulary), and a product no
+product reads that widens its input (an LM head, not a classifier) splits its
+output axis, when the weight holds at least :data:`LARGE` of the model's
+bytes; a tied head agrees with its table.
+Biases follow a column product's split; row biases, norms, routers, small
+tables, convolutions (the plugin gathers a split conv kernel) and anything
+that does not divide stay replicated. A weight whose uses disagree stays
+replicated. On a mesh with a batch axis, the batch axis splits the other
+weight axis (the hidden one) of every split weight where it divides, as
+keras-hub's own maps do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from keras_dtensor_fix.planning.dataflow import Dataflow, Product
+
+__all__ = ["LARGE", "Choice", "choose"]
+
+#: The share of the model's weight bytes that makes a lone weight worth its
+#: collective (a table's all-reduce, a head's gather).
+LARGE = 0.05
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One weight's split: ``axes`` holds a mesh axis name or None per weight axis."""
+
+    axes: tuple[str | None, ...]
+    role: str  # column, row, vocabulary, head, bias, replicated
+    why: str
+
+
+def choose(
+    flow: Dataflow,
+    shapes: dict[str, tuple[int, ...]],
+    nbytes: dict[str, int],
+    mesh: dict[str, int],
+    model_axis: str = "model",
+    batch_axis: str = "batch",
+) -> dict[str, Choice]:
+    """A :class:`Choice` for every weight of ``shapes``, by name."""
+    n = mesh[model_axis]
+    products = flow.products
+    roles = _pair(flow, shapes, n)
+    consumers = flow.consumers()
+    total = sum(nbytes.values()) or 1
+    # weight -> {(role, weight axis): the product asking}
+    asks: dict[str, dict[tuple[str, int], Product]] = {}
+    for p in products:
+        if p.index in roles:
+            ask = roles[p.index]
+        elif p.kind == "lookup" and _large(p, nbytes, total, shapes, n):
+            ask = ("vocabulary", p.contracted[0])
+        elif _head(p, consumers, shapes) and _large(
+            p, nbytes, total, shapes, n, p.output[0]
+        ):
+            ask = ("head", p.output[0])
+        else:
+            ask = ("replicated", -1)
+        asks.setdefault(p.weight, {}).setdefault(ask, p)
+    choices: dict[str, Choice] = {}
+    for name, shape in shapes.items():
+        wanted = asks.get(name, {})
+        axes_wanted = {a for _, a in wanted}
+        if len(axes_wanted) != 1 or -1 in axes_wanted:
+            why = "its uses disagree" if len(axes_wanted) > 1 else "no split pays"
+            choices[name] = Choice((None,) * len(shape), "replicated", why)
+            continue
+        # a tied head takes its table's role
+        (role, axis), p = min(wanted.items(), key=lambda item: item[0][0] == "head")
+        axes = [None] * len(shape)
+        axes[axis] = model_axis
+        other = _hidden_axis(p, role, axis)
+        b = mesh.get(batch_axis)
+        if b and other is not None and shape[other] % b == 0:
+            axes[other] = batch_axis
+        choices[name] = Choice(tuple(axes), role, _WHY[role])
+    _biases(flow, shapes, roles, choices, model_axis)
+    return choices
+
+
+_WHY = {
+    "column": "its output feeds a row-parallel product",
+    "row": "it reads only column-parallel outputs",
+    "vocabulary": "a large table, split by rows",
+    "head": "a large product no product reads",
+}
+
+
+def _pair(
+    flow: Dataflow, shapes: dict[str, tuple[int, ...]], n: int
+) -> dict[int, tuple[str, int]]:
+    """Product index -> ("column" or "row", the weight axis split), in call order."""
+    roles: dict[int, tuple[str, int]] = {}
+    bypass = flow.bypassing()
+    products = flow.products
+    for b in products:
+        if b.kind != "matmul" or not b.contracted:
+            continue
+        sources = [products[a] for a in sorted(b.inputs)]
+        sources = [a for a in sources if a.kind == "matmul"]
+        if not sources or any(roles.get(a.index, ("",))[0] == "row" for a in sources):
+            continue
+        if any(a.index in bypass for a in sources):
+            continue
+        shape = shapes[b.weight]
+        if shape[b.contracted[0]] % n:
+            continue
+        split = {a.index: _column_axis(a, b, shapes, n) for a in sources}
+        split = {index: axis for index, axis in split.items() if axis is not None}
+        if not split:
+            continue
+        roles[b.index] = ("row", b.contracted[0])
+        for index, axis in split.items():
+            roles[index] = ("column", axis)
+    return roles
+
+
+def _column_axis(a: Product, b: Product, shapes, n: int) -> int | None:
+    """``a``'s output axis to split for row ``b``: the one ``b`` contracts.
+
+    Its size equals ``b``'s split axis where one does (heads, the FFN);
+    never one the size of ``b``'s own batch-like axes (experts, which ``b``
+    shares with its activation); else the first that divides.
+    """
+    b_shape = shapes[b.weight]
+    shared = {
+        b_shape[i]
+        for i in range(len(b_shape))
+        if i not in b.contracted and i not in b.output
+    }
+    shape = shapes[a.weight]
+    fits = [x for x in a.output if shape[x] % n == 0 and shape[x] not in shared]
+    same = [x for x in fits if shape[x] == b_shape[b.contracted[0]]]
+    return (same or fits or [None])[0]
+
+
+def _head(p: Product, consumers, shapes) -> bool:
+    """A vocabulary projection: no product reads it, it widens its input."""
+    if p.kind != "matmul" or consumers[p.index] or not p.output or not p.contracted:
+        return False
+    shape = shapes[p.weight]
+    return shape[p.output[0]] > shape[p.contracted[0]]
+
+
+def _divides(p: Product, axis: int, shapes: dict[str, tuple[int, ...]], n: int) -> bool:
+    return shapes[p.weight][axis] % n == 0
+
+
+def _large(p, nbytes, total, shapes, n, axis=None) -> bool:
+    axis = p.contracted[0] if axis is None else axis
+    return nbytes[p.weight] >= LARGE * total and _divides(p, axis, shapes, n)
+
+
+def _hidden_axis(p: Product, role: str, axis: int) -> int | None:
+    """The weight axis keras-hub's maps give the batch axis: the hidden one."""
+    if role in ("column", "head"):
+        side = p.contracted
+    else:  # row, or a table's other axis
+        side = p.output
+    return next((a for a in side if a != axis), None)
+
+
+def _biases(flow, shapes, roles, choices, model_axis) -> None:
+    """A column product's bias splits along with its output axis."""
+    by_index = {p.index: p for p in flow.products}
+    for name, index in flow.biases.items():
+        p = by_index[index]
+        owner = choices.get(p.weight)
+        if name not in shapes or owner is None or owner.role not in ("column", "head"):
+            continue
+        kernel = shapes[p.weight]
+        if tuple(shapes[name]) != tuple(kernel[a] for a in p.output):
+            continue  # a bias that is not laid out as the output axes
+        axes = [None] * len(shapes[name])
+        axes[p.output.index(owner.axes.index(model_axis))] = model_axis
+        choices[name] = Choice(tuple(axes), "bias", f"follows {p.weight}")

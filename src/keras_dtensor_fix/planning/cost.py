@@ -1,0 +1,137 @@
+"""What a layout costs a train step: bytes per rank and collectives, estimated.
+
+Pure arithmetic over a :class:`~keras_dtensor_fix.planning.dataflow.Dataflow`
+and an assignment (weight -> mesh axis or None per weight axis), the planner's
+or any hand-written one, so that two layouts compare on one scale:
+
+- **bytes per rank**: each weight's bytes over the product of the sizes of
+  the mesh axes that split it (the optimizer's slots follow the weight's);
+- **collectives per step** (count and the bytes of the tensor each moves, on
+  the traced batch), on the model axis (size > 1):
+
+  =========================  =====================================================
+  a product whose weight is  costs
+  =========================  =====================================================
+  row (contracted axis)      a forward all-reduce of its output; a backward
+                             all-gather of its input's gradient unless only
+                             column products feed it
+  column (output axis)       a backward all-reduce of its input's gradient (one
+                             per distinct input); a forward all-gather of its
+                             output unless only row products read it
+  a table (indexed axis)     a forward all-reduce of the rows looked up
+  a convolution, split       an all-gather of the kernel (the plugin gathers it)
+  =========================  =====================================================
+
+- and on the batch axis (size > 1): a weight split on it is gathered forward
+  and its gradient reduce-scattered (2 collectives of its model-split bytes);
+  any other weight's gradient is all-reduced over the batch axis (1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+
+from keras_dtensor_fix.planning.dataflow import Dataflow
+
+__all__ = ["Cost", "evaluate"]
+
+Assignment = dict[str, tuple[str | None, ...]]
+
+
+@dataclass
+class Cost:
+    """A layout's bytes per rank and its collectives per train step."""
+
+    bytes_per_rank: int = 0
+    bytes_one_process: int = 0
+    # weight -> [(collective, bytes)]
+    collectives: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+
+    @property
+    def count(self) -> int:
+        return sum(len(c) for c in self.collectives.values())
+
+    @property
+    def moved(self) -> int:
+        return sum(b for c in self.collectives.values() for _, b in c)
+
+    def add(self, weight: str, what: str, nbytes: int) -> None:
+        self.collectives.setdefault(weight, []).append((what, nbytes))
+
+
+def evaluate(
+    flow: Dataflow,
+    nbytes: dict[str, int],
+    assignment: Assignment,
+    mesh: dict[str, int],
+    model_axis: str = "model",
+    batch_axis: str = "batch",
+    itemsize: int = 4,
+) -> Cost:
+    """The :class:`Cost` of ``assignment`` (weights it leaves out: replicated)."""
+    cost = Cost()
+    for name, size in nbytes.items():
+        axes = assignment.get(name, ())
+        cost.bytes_one_process += size
+        per_rank = size // prod(mesh.get(a, 1) for a in axes if a is not None)
+        cost.bytes_per_rank += per_rank
+        if mesh.get(batch_axis, 1) > 1:
+            if batch_axis in axes:
+                cost.add(name, f"all-gather over {batch_axis}", per_rank)
+                cost.add(name, f"reduce-scatter over {batch_axis}", per_rank)
+            else:
+                cost.add(name, f"gradient all-reduce over {batch_axis}", per_rank)
+    if mesh.get(model_axis, 1) > 1:
+        _model_axis(flow, assignment, model_axis, itemsize, cost)
+    return cost
+
+
+def _role(product, axes: tuple, model_axis: str) -> str | None:
+    """How a product reads its weight split on the model axis (None: whole)."""
+    if model_axis not in axes:
+        return None
+    axis = axes.index(model_axis)
+    if product.kind == "conv":
+        return "conv"
+    if axis in product.contracted:
+        return "indexed" if product.kind == "lookup" else "row"
+    return "column" if axis in product.output else None
+
+
+def _model_axis(flow, assignment, model_axis, itemsize, cost) -> None:
+    roles = {
+        p.index: _role(p, assignment.get(p.weight, ()), model_axis)
+        for p in flow.products
+    }
+    consumers = flow.consumers()
+    seen_inputs: set[tuple] = set()
+    for p in flow.products:
+        role = roles[p.index]
+        feeders = {roles[a] for a in p.inputs}
+        readers = {roles[c] for c in consumers[p.index]}
+        if role == "row":
+            cost.add(p.weight, "all-reduce of its output", p.out_numel * itemsize)
+            if feeders != {"column"}:
+                cost.add(
+                    p.weight,
+                    "all-gather of its input's gradient",
+                    p.in_numel * itemsize,
+                )
+        elif role == "column":
+            key = (p.inputs, p.in_numel)
+            if feeders != {"column"} and key not in seen_inputs:
+                seen_inputs.add(key)
+                cost.add(
+                    p.weight,
+                    "all-reduce of its input's gradient",
+                    p.in_numel * itemsize,
+                )
+            if readers != {"row"}:
+                cost.add(p.weight, "all-gather of its output", p.out_numel * itemsize)
+        elif role == "indexed":
+            cost.add(
+                p.weight, "all-reduce of the rows looked up", p.out_numel * itemsize
+            )
+        elif role == "conv":
+            cost.add(p.weight, "all-gather of the kernel", 0)

@@ -1,0 +1,199 @@
+"""A model built and run once for planning, and nothing of it left behind.
+
+The Keras side of :mod:`~keras_dtensor_fix.planning.dataflow`: ``build()``
+runs under no distribution on torch's ``meta`` device (weights have shapes,
+no memory), then one forward runs on inputs of ``model.inputs``' shapes (or
+on ``sample_input``) under the dataflow's watch. A model that cannot run on
+``meta`` (a value read on the host) is built and run again on the CPU. Keras's
+automatic layer names, its global seed generator and the random states are
+put back as they were, so the model built next is named and initialized as
+if no plan had been made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.planning.dataflow import Dataflow, trace
+
+__all__ = ["Traced", "trace_model"]
+
+_LOG = logging.getLogger("keras_dtensor_fix.planning")
+_NAMES = "object_name_uids"
+_SEEDS = "global_seed_generator"
+_DISTRIBUTION = "distribution"
+_DEVICE = "torch_device"
+#: Unknown input dims: the batch, then any other (a sequence).
+_BATCH, _OTHER = 2, 8
+
+
+@dataclass
+class Traced:
+    """The weights (path -> shape, bytes) and the dataflow of one forward."""
+
+    shapes: dict[str, tuple[int, ...]]
+    nbytes: dict[str, int]
+    flow: Dataflow
+    device: str
+
+
+def trace_model(build: Callable[[], Any], sample_input: Any = None) -> Traced:
+    """Build with ``build()`` and trace one forward, on ``meta`` where it runs."""
+    layer = targets.keras_object("Layer")
+    if not callable(build) or isinstance(build, layer):
+        raise TypeError(
+            f"build must be a callable that builds and returns the model, got "
+            f"{type(build).__name__}; pass e.g. `lambda: make_model()`"
+        )
+    saved = _save()
+    state = targets.keras_object("global_state")
+    try:
+        state.set_global_attribute(_DISTRIBUTION, None)  # plan unsharded
+        try:
+            return _trace(build, sample_input, "meta")
+        except _NoInputs:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a host read on meta: rerun on cpu
+            _LOG.debug(
+                "planning on meta failed (%s: %s); on cpu", type(exc).__name__, exc
+            )
+            _restore(saved)
+            state.set_global_attribute(_DISTRIBUTION, None)
+            return _trace(build, sample_input, "cpu")
+    finally:
+        _restore(saved)
+
+
+class _NoInputs(ValueError):
+    pass
+
+
+def _trace(build, sample_input, device: str) -> Traced:
+    import keras
+
+    with keras.device(device):
+        model = build()
+        if not isinstance(model, keras.Model | keras.layers.Layer):
+            raise TypeError(
+                f"build() returned {type(model).__name__}, not a Keras model; it "
+                "must build the model and return it"
+            )
+        inputs = _inputs(model, sample_input, device)
+        if not model.weights:  # built lazily: its first call builds it
+            model(inputs)
+        variables = list({id(v): v for v in model.weights}.values())
+        weights = {id(v.value): (v.path, v.value) for v in variables}
+        with _real_ops(device):
+            flow = trace(lambda: model(inputs, training=False), weights)
+    shapes = {v.path: tuple(v.shape) for v in variables}
+    nbytes = {
+        v.path: int(np.prod(v.shape, dtype=np.int64)) * v.value.element_size()
+        for v in variables
+    }
+    return Traced(shapes, nbytes, flow, device)
+
+
+class _Meta(str):
+    """ "meta" to torch, not to Keras's ``get_device() == "meta"`` tests.
+
+    Under them Keras's torch ops make some outputs afresh, shapes only
+    (``repeat``, convolutions), which would cut the dataflow; torch's own ops
+    run on meta tensors. Used for the forward only: building draws random
+    numbers, which only Keras's meta branch does without a generator.
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return other is self
+
+    __hash__ = str.__hash__
+
+
+@contextlib.contextmanager
+def _real_ops(device: str):
+    if device != "meta":
+        yield
+        return
+    state = targets.keras_object("global_state")
+    before = state.get_global_attribute(_DEVICE)
+    state.set_global_attribute(_DEVICE, _Meta("meta"))
+    try:
+        yield
+    finally:
+        state.set_global_attribute(_DEVICE, before)
+
+
+def _inputs(model, sample_input, device: str) -> Any:
+    tree = targets.keras_object("tree")
+    if sample_input is not None:
+        return tree.map_structure(lambda x: _tensor(x, device), sample_input)
+    specs = getattr(model, "inputs", None) if model.built else None
+    if not specs:
+        raise _NoInputs(
+            f"{type(model).__name__} has no Input shapes to plan from: pass "
+            "sample_input= (one batch, as model(x) takes it)"
+        )
+    inputs = [_ones(spec, device) for spec in specs]
+    names = [getattr(spec, "name", None) for spec in specs]
+    structure = getattr(model, "_inputs_struct", None)
+    if isinstance(structure, dict) and len(structure) == len(specs):
+        by_name = dict(zip(names, inputs, strict=True))
+        return {
+            k: by_name.get(getattr(v, "name", k), by_name.get(k))
+            for k, v in structure.items()
+        }
+    return inputs[0] if len(inputs) == 1 else inputs
+
+
+def _ones(spec, device: str) -> torch.Tensor:
+    shape = [
+        (_BATCH if i == 0 else _OTHER) if d is None else d
+        for i, d in enumerate(spec.shape)
+    ]
+    dtype = getattr(torch, str(spec.dtype))
+    return torch.ones(shape, dtype=dtype, device=device)
+
+
+def _tensor(x, device: str) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, np.ndarray | np.generic | list | int | float):
+        return torch.as_tensor(np.asarray(x), device=device)
+    return x
+
+
+def _save() -> dict[str, Any]:
+    state = targets.keras_object("global_state")
+    seeds = state.get_global_attribute(_SEEDS)
+    return {
+        "names": copy.deepcopy(state.get_global_attribute(_NAMES)),
+        "seeds": seeds,
+        "seed_state": None if seeds is None else seeds.state.value.detach().clone(),
+        "distribution": state.get_global_attribute(_DISTRIBUTION),
+        "torch": torch.random.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def _restore(saved: dict[str, Any]) -> None:
+    state = targets.keras_object("global_state")
+    state.set_global_attribute(_NAMES, copy.deepcopy(saved["names"]))
+    state.set_global_attribute(_SEEDS, saved["seeds"])
+    if saved["seeds"] is not None:
+        saved["seeds"].state.assign(saved["seed_state"])
+    state.set_global_attribute(_DISTRIBUTION, saved["distribution"])
+    torch.random.set_rng_state(saved["torch"])
+    np.random.set_state(saved["numpy"])
+    random.setstate(saved["python"])
