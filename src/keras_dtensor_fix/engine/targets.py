@@ -355,11 +355,8 @@ def installed_keras() -> list[tuple[str, str]]:
 
 
 def keras_version() -> tuple[str | None, str | None]:
-    """``(version, distribution name)`` of the Keras whose files are in use.
-
-    With both installed, the one whose version ``keras/src/version.py`` holds
-    (the last installed overwrote the other's files); else the nightly.
-    """
+    """``(version, distribution name)`` of the Keras whose files are in use: with
+    both installed, the last one installed (it overwrote the other's files)."""
     found = installed_keras()
     if not found:
         return None, None
