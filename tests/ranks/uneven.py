@@ -1,16 +1,19 @@
 """Processes that feed uneven data under ModelParallel, for ``test_uneven_data.py``.
 
 Run as ``torch.distributed.run --nproc_per_node=N uneven.py OUT_DIR CASE...``.
-Each case sets a ModelParallel distribution on its mesh (none on one
-process), trains a Megatron MLP on this process's data and records the
-outcome: the error's type and message, or the losses and predictions. The
-cases run one after another in the same processes: a case that raised did so
-at the same point on every process, so the next starts together. Each rank
-writes ``OUT_DIR/rank<R>.json``.
+A case is ``NAME@MESH`` (``fewer_batches@2,1``): it sets a ModelParallel
+distribution on that mesh (none on one process), trains a Megatron MLP on
+this process's data and records the outcome: the error's type and message,
+or the losses. The cases run one after another in the same processes: a case
+that raised did so at the same point on every process, so the next starts
+together. Each rank writes ``OUT_DIR/rank<R>.json``. A watchdog ends a
+process still running after ``UNEVEN_WATCHDOG`` seconds (default 240), its
+threads' stacks dumped: a hang fails the test instead of holding CI.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import torch
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -40,6 +44,8 @@ def distribute(mesh: tuple[int, int]) -> None:
 
 
 def model(jit_compile: bool = False) -> keras.Model:
+    """The MLP, compiled by ``aot_eager`` where ``jit_compile`` (the step's
+    path is the point here, not inductor's code)."""
     keras.utils.set_random_seed(0)
     net = keras.Sequential(
         [
@@ -105,9 +111,13 @@ def other_batch_size():
     return model().fit(x, y, batch_size=size, epochs=1, verbose=0).history
 
 
-def generator_fewer_batches():
+def generator_fewer_batches(jit: bool = False):
     x, y = data(rows(80, 48))
-    return model().fit(generator(x, y, BATCH), epochs=1, verbose=0).history
+    return model(jit).fit(generator(x, y, BATCH), epochs=1, verbose=0).history
+
+
+def generator_fewer_batches_compiled():
+    return generator_fewer_batches(jit=True)
 
 
 def uneven_validation():
@@ -136,21 +146,27 @@ def steps_per_epoch_second_epoch():
 # Even: the same batches on every process (each its share of the batch).
 
 
-def _even(mesh: tuple[int, int], feed: str):
+def _even(mesh: tuple[int, int], feed: str, jit: bool = False):
     batch_ranks = mesh[0]
     x, y = data(48)
     x, y = mine(x, batch_ranks), mine(y, batch_ranks)
     size = BATCH // batch_ranks if WORLD > 1 else BATCH
-    net = model()
+    net = model(jit)
     if feed == "generator":
         history = net.fit(generator(x, y, size), epochs=2, verbose=0).history
     elif feed == "steps":
         history = net.fit(
-            x, y, batch_size=size, epochs=2, steps_per_epoch=3, verbose=0
+            x, y, batch_size=size, epochs=2, steps_per_epoch=3, shuffle=False, verbose=0
         ).history
     else:
         history = net.fit(
-            x, y, batch_size=size, epochs=2, validation_data=(x, y), verbose=0
+            x,
+            y,
+            batch_size=size,
+            epochs=2,
+            validation_data=(x, y),
+            shuffle=False,
+            verbose=0,
         ).history
     return {key: [float(v) for v in values] for key, values in history.items()}
 
@@ -161,6 +177,10 @@ def even_arrays():
 
 def even_generator():
     return _even(MESH, "generator")
+
+
+def even_generator_compiled():
+    return _even(MESH, "generator", jit=True)
 
 
 def even_steps_per_epoch():
@@ -183,11 +203,19 @@ def outcome(fn) -> dict:
     return {"type": "no error", "result": result}
 
 
-def main(out: Path, mesh: str, names: list[str]) -> int:
+def main(out: Path, cases: list[str]) -> int:
     global MESH
-    MESH = tuple(int(n) for n in mesh.split(","))
-    distribute(MESH)
-    results = {name: outcome(globals()[name]) for name in names}
+    faulthandler.dump_traceback_later(
+        float(os.environ.get("UNEVEN_WATCHDOG", "240")), exit=True
+    )
+    original = torch.compile
+    torch.compile = lambda *a, **k: original(*a, **{"backend": "aot_eager", **k})
+    results = {}
+    for case in cases:
+        name, _, mesh = case.partition("@")
+        MESH = tuple(int(n) for n in mesh.split(","))
+        distribute(MESH)
+        results[case] = outcome(globals()[name])
     (out / f"rank{RANK}.json").write_text(json.dumps(results))
     return 0
 
@@ -196,4 +224,4 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from support import leave  # skips a teardown that can abort: see leave()
 
-    leave(main(Path(sys.argv[1]), sys.argv[2], sys.argv[3:]))
+    leave(main(Path(sys.argv[1]), sys.argv[2:]))
