@@ -1,5 +1,5 @@
 """Processes that feed uneven data under ModelParallel raise, on every
-process, before the step that would hang (``feeding/agreement.py``).
+process, before the step that would hang (``checks/feeds.py``).
 
 Upstream (``KERAS_DTENSOR_FIX=0``) and the plugin before this check hang in
 ``fit()`` when one process feeds fewer batches (the others wait in the step's
