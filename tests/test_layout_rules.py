@@ -78,3 +78,32 @@ def test_nearest_paths() -> None:
     paths = ["model/dense_1/kernel", "model/dense_2/kernel", "model/norm/gamma"]
     assert sorted(nearest(".*dense_3/kernel", paths, 2)) == paths[:2]
     assert nearest(r"model/norm/gama", paths, 1) == ["model/norm/gamma"]
+
+
+def test_keras_hub_rules_for_weights_a_model_lacks_say_nothing(mesh1) -> None:
+    """Qwen3's rules (the layouts family's row) name biases it does not have
+    and an untied output embedding: only a rule added to them warns."""
+    pytest.importorskip("keras_hub")
+    import keras
+    import keras_hub
+
+    from keras_dtensor_fix.checks.layout_rules import warn_unmatched
+
+    backbone = keras_hub.models.Qwen3Backbone(
+        vocabulary_size=64,
+        num_layers=2,
+        hidden_dim=32,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        intermediate_dim=64,
+        head_dim=8,
+    )
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((1, 1), ["batch", "model"], devices)
+    layout_map = type(backbone).get_layout_map(mesh)
+    layout_map[".*token_embeding/embeddings"] = (None, "model")
+    dist = keras.distribution.ModelParallel(layout_map=layout_map)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert warn_unmatched(backbone, dist) == [".*token_embeding/embeddings"]
+    assert len(caught) == 1 and "token_embedding/embeddings" in str(caught[0].message)

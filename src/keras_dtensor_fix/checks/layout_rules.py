@@ -8,6 +8,9 @@ per-model event), every variable it holds exists; a rule that none of the
 variables seen so far under that map matches warns, naming the rule and the
 nearest paths. A map shared by several models is judged on all the models
 that have built a step: a rule for a model not built yet may warn early.
+keras-hub's ``get_layout_map`` covers a family of models, with rules for
+weights some lack (biases, untied output embeddings): the rules it gives the
+model's backbone are never warned of, the rules added to them are.
 """
 
 from __future__ import annotations
@@ -55,6 +58,28 @@ def nearest(rule: str, paths: list[str], count: int = 3) -> list[str]:
     return difflib.get_close_matches(plain, paths, n=count, cutoff=0.0)
 
 
+def _library_rules(model: Any, distribution: Any) -> set[str] | None:
+    """The rules ``get_layout_map`` gives ``model``'s keras-hub backbone (empty
+    for a model without one; None where it cannot be asked)."""
+    backbone = getattr(model, "backbone", model)
+    get = getattr(type(backbone), "get_layout_map", None)
+    if get is None:
+        return set()
+    mesh = distribution.device_mesh
+    names = list(mesh.axis_names)
+    batch = getattr(distribution, "batch_dim_name", names[0])
+    others = [name for name in names if name != batch] or [batch]
+    for axes in (
+        {},
+        {"model_parallel_dim_name": others[0], "data_parallel_dim_name": batch},
+    ):
+        try:
+            return {rule for rule in get(mesh, **axes) if isinstance(rule, str)}
+        except Exception:  # noqa: BLE001, S112 - not asked then: nothing is judged
+            continue
+    return None
+
+
 def warn_unmatched(model: Any, distribution: Any | None) -> list[str]:
     """Warn of each rule of ``distribution``'s LayoutMap that no variable seen
     so far matches (once per rule and map); returns the rules warned of now.
@@ -71,7 +96,10 @@ def warn_unmatched(model: Any, distribution: Any | None) -> list[str]:
     if seen is None:
         seen = _SEEN[id(layout_map)] = _Seen()
         weakref.finalize(layout_map, _SEEN.pop, id(layout_map), None)
-    rules = [rule for rule in layout_map if isinstance(rule, str)]
+    library = _library_rules(model, distribution)
+    if library is None:
+        return []
+    rules = [r for r in layout_map if isinstance(r, str) and r not in library]
     for rule in rules:
         if rule not in seen.matched and any(_matches(rule, p) for p in paths):
             seen.matched.add(rule)
