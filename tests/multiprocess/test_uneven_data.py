@@ -137,7 +137,6 @@ def test_even_data_equals_one_process(two, one, name, mesh) -> None:
             assert result["result"][key] == pytest.approx(losses, rel=1e-5), key
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not FOUR, reason="4 processes: KERAS_DTENSOR_FIX_FOUR_RANKS=1")
 def test_four_ranks_2x2(tmp_path, one) -> None:
     """On (2, 2) the first two processes feed one half of each batch, the
