@@ -119,6 +119,7 @@ def tests4(session: nox.Session) -> None:
         "tests/multiprocess/test_parity.py",
         "tests/multiprocess/test_saving.py",
         "tests/multiprocess/test_resume.py",
+        "tests/multiprocess/test_uneven_data.py",
         "-k",
         "four",
         *session.posargs,

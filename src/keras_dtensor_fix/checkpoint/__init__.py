@@ -22,6 +22,7 @@ from typing import Any
 
 __all__ = [
     "Checkpoint",
+    "CheckpointDirectoryError",
     "CheckpointError",
     "CheckpointMismatchError",
     "PendingSave",
@@ -31,6 +32,7 @@ __all__ = [
 
 _HOME = {
     "Checkpoint": "callback",
+    "CheckpointDirectoryError": "files",
     "CheckpointError": "files",
     "CheckpointMismatchError": "sharded",
     "PendingSave": "sharded",

@@ -22,9 +22,13 @@ import numpy as np
 import torch.distributed as dist
 
 from keras_dtensor_fix.checkpoint import position
-from keras_dtensor_fix.checkpoint.files import CheckpointError, resolve
+from keras_dtensor_fix.checkpoint.files import (
+    CheckpointError,
+    check_writable,
+    resolve,
+)
 from keras_dtensor_fix.checkpoint.preemption import DEFAULT_TIMEOUT, Watcher
-from keras_dtensor_fix.checkpoint.processes import on_first
+from keras_dtensor_fix.checkpoint.processes import every_process, on_first
 from keras_dtensor_fix.checkpoint.sharded import PendingSave, load, save, snapshot
 from keras_dtensor_fix.dtensor.world import distributed, rank
 from keras_dtensor_fix.engine import targets
@@ -112,6 +116,11 @@ class Checkpoint(MonitorCallback):
     # ------------------------------------------------------------ fit's events
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        # Every process writes its shards: an unwritable directory fails
+        # here, on all of them, not at the first save (save_freq steps in).
+        every_process(
+            "checking its directory", lambda: check_writable(self.directory, rank())
+        )
         if self.restore and not self._restored:
             self._restored = True  # once: a second fit() goes on from where it is
             if on_first(_complete, self.directory):

@@ -23,6 +23,29 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded."""
 
 
+class CheckpointDirectoryError(CheckpointError):
+    """A process cannot write the checkpoint directory."""
+
+
+def check_writable(directory: str, rank: int) -> None:
+    """Make ``directory`` and write and remove a file in it, or raise
+    :class:`CheckpointDirectoryError` naming it, process ``rank`` and the OS
+    error: found when training starts, not at the first save."""
+    probe = os.path.join(directory, f".write-check-{rank}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "w") as handle:
+            handle.write("")
+        os.remove(probe)
+    except OSError as error:
+        raise CheckpointDirectoryError(
+            f"keras-dtensor-fix: Checkpoint cannot write its directory "
+            f"{directory!r} on process {rank}: {type(error).__name__}: {error}. "
+            "What to do: pass a directory every process can create and write "
+            "(on several machines, one on a file system they share)."
+        ) from error
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -9,8 +9,8 @@ setting from the package):
 
 - :mod:`.spec`: the DTensorSpec cache; ``forget_meshes`` empties it and
   torch's sharding caches when a new mesh is made.
-- :mod:`.collectives`: the one all-reduce path (and generation's all-gather),
-  polled on CPU.
+- :mod:`.collectives`: the one all-reduce path (and generation's all-gather,
+  ``all_gather_ints``), polled on CPU.
 - :mod:`.placement`: mesh and placement checks, ``redistributed``, ``placed``,
   reducing Partial values.
 - :mod:`.planner`: the one rule for running on local tensors: may a layer,
@@ -43,6 +43,7 @@ from __future__ import annotations
 from torch.distributed.tensor import DTensor
 
 from keras_dtensor_fix.dtensor.collectives import (
+    all_gather_ints,
     all_gather_last,
     all_reduce_sum,
     all_reduce_sums,
@@ -100,6 +101,7 @@ __all__ = [
     "DTensor",
     "POLL_SECONDS",
     "PromotionError",
+    "all_gather_ints",
     "all_gather_last",
     "all_reduce_sum",
     "all_reduce_sums",

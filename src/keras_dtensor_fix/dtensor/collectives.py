@@ -2,7 +2,8 @@
 
 Also the one all-gather of generation's vocabulary-split logits
 (``all_gather_last``), polled alike eagerly, a functional all-gather in a
-compiled token step.
+compiled token step, and every process's few integers (``all_gather_ints``:
+what each feeds an epoch), polled alike.
 
 ``all_reduce_sum`` (Megatron's "g") and ``all_reduce_sums`` (one all-reduce
 per dtype) go through ``_reduce_in_place``, as do the plugin's reductions of
@@ -84,6 +85,18 @@ def all_gather_last(value: torch.Tensor, mesh: Any, axis: int) -> torch.Tensor:
         poll_work(work)
     work.wait()
     return torch.cat(parts, dim=-1)
+
+
+def all_gather_ints(values: Sequence[int], device: Any) -> list[list[int]]:
+    """Every process's ``values`` (as many on each), indexed by rank, over the
+    default group; ``device`` is where the group's backend takes tensors."""
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+    work = torch.distributed.all_gather(parts, mine, async_op=True)
+    if mine.device.type == "cpu":
+        poll_work(work)
+    work.wait()
+    return [part.tolist() for part in parts]
 
 
 def _reduce_in_place(value: torch.Tensor, group: Any) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import types
 
+from keras_dtensor_fix.checks import layout_rules
 from keras_dtensor_fix.compiled import (
     blocks,
     cache_key,
@@ -122,7 +123,9 @@ def _static_shapes(wrapped, instance, args, kwargs):
     Each graph break (a seeded dropout's generator, say) starts a new frame,
     and dynamo's "automatic dynamic" then makes the batch size symbolic; DTensor
     fails on symbolic shard sizes (torch 2.13; pytorch/pytorch#152963).
+    Every variable exists here: unmatched LayoutMap rules warn (``checks``).
     """
+    layout_rules.warn_unmatched(instance, model_parallel())
     _BUILDING.append(wrapped.__name__)
     try:
         result = wrapped(*args, **kwargs)
@@ -315,6 +318,7 @@ def _eager_on_early_nightly(wrapped, instance, args, kwargs):
     cannot inline; the step fails. Keras is told ``jit_compile=False`` while
     it builds the step function.
     """
+    layout_rules.warn_unmatched(instance, model_parallel())
     if not (instance.jit_compile and model_parallel() is not None):
         return wrapped(*args, **kwargs)
     import warnings

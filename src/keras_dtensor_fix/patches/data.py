@@ -6,6 +6,9 @@
 * A ModelParallel epoch iterates the ``DataLoader`` one process iterates
   (:func:`_one_process_batches`): one process's batch order under
   ``shuffle=True``, and its seed draws, which unseeded dropout's masks follow.
+  Before it, the processes agree on what each feeds the epoch
+  (:mod:`keras_dtensor_fix.checks.feeds`): uneven data raises on all of
+  them instead of hanging a step.
 * On nightlies whose trainer never distributes the batch (up to ~2026-09), the
   train/test/predict steps distribute plain batches as per-process shards, and
   ``predict`` returns each process's rows with the model axes gathered.
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from keras_dtensor_fix.checks import feeds
 from keras_dtensor_fix.dtensor import gather_non_batch_axes, same_mesh, wrap_local
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
@@ -147,11 +151,15 @@ def _one_process_batches(wrapped, instance, args, kwargs):
     dist = model_parallel()
     if dist is None:
         return wrapped(*args, **kwargs)
+    steps = getattr(instance, "steps_per_epoch", None)
+    each = feeds.before_epoch(instance.data_adapter, steps)
     try:
         loader = instance.data_adapter.get_torch_dataloader()
     except NotImplementedError:  # an adapter without one: Keras's numpy batches
-        return wrapped(*args, **kwargs)
-    return _distributed(iter(loader), dist)
+        batches = wrapped(*args, **kwargs)
+        return feeds.per_batch(iter(batches)) if each else batches
+    batches = iter(loader)
+    return _distributed(feeds.per_batch(batches) if each else batches, dist)
 
 
 def _distributed(batches: Any, dist: Any) -> Any:

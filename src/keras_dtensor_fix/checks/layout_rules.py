@@ -1,0 +1,121 @@
+"""A LayoutMap rule that matches no variable warns, once per rule and map.
+
+Keras looks each variable's path up in the LayoutMap (an exact key, else a
+key that ``re.fullmatch``-es it) and replicates a variable that no key
+matches: a rule with a typo shards nothing, with no word. When a model
+builds a step (the ``compile`` family's step-building wrappers, the one
+per-model event), every variable it holds exists; a rule that none of the
+variables seen so far under that map matches warns, naming the rule and the
+nearest paths. A map shared by several models is judged on all the models
+that have built a step: a rule for a model not built yet may warn early.
+keras-hub's ``get_layout_map`` covers a family of models, with rules for
+weights some lack (biases, untied output embeddings): the rules it gives the
+model's backbone are never warned of, the rules added to them are.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import warnings
+import weakref
+from typing import Any
+
+
+class _Seen:
+    """One LayoutMap's rules that matched a variable, and those warned of."""
+
+    def __init__(self) -> None:
+        self.matched: set[str] = set()
+        self.warned: set[str] = set()
+
+
+#: By the LayoutMap's id (a mapping: unhashable), dropped when it dies.
+_SEEN: dict[int, _Seen] = {}
+
+
+def _paths(model: Any) -> list[str]:
+    variables = list(getattr(model, "variables", None) or [])
+    variables += list(getattr(model, "metrics_variables", None) or [])
+    optimizer = getattr(model, "optimizer", None)
+    variables += list(getattr(optimizer, "variables", None) or [])
+    return [path for path in (getattr(v, "path", None) for v in variables) if path]
+
+
+def _matches(rule: str, path: str) -> bool:
+    """Keras's own test: the exact key, else a full regex match."""
+    if rule == path:
+        return True
+    try:
+        return re.fullmatch(rule, path) is not None
+    except re.error:
+        return False
+
+
+def nearest(rule: str, paths: list[str], count: int = 3) -> list[str]:
+    """The variable paths most like ``rule`` (its regex syntax set aside)."""
+    plain = re.sub(r"\.\*|\.\+|[\\^$()\[\]?*+|]", "", rule)
+    return difflib.get_close_matches(plain, paths, n=count, cutoff=0.0)
+
+
+def _library_rules(model: Any, distribution: Any) -> set[str] | None:
+    """The rules ``get_layout_map`` gives ``model``'s keras-hub backbone (empty
+    for a model without one; None where it cannot be asked)."""
+    backbone = getattr(model, "backbone", model)
+    get = getattr(type(backbone), "get_layout_map", None)
+    if get is None:
+        return set()
+    mesh = distribution.device_mesh
+    names = list(mesh.axis_names)
+    batch = getattr(distribution, "batch_dim_name", names[0])
+    others = [name for name in names if name != batch] or [batch]
+    for axes in (
+        {},
+        {"model_parallel_dim_name": others[0], "data_parallel_dim_name": batch},
+    ):
+        try:
+            return {rule for rule in get(mesh, **axes) if isinstance(rule, str)}
+        except Exception:  # noqa: BLE001, S112 - not asked then: nothing is judged
+            continue
+    return None
+
+
+def warn_unmatched(model: Any, distribution: Any | None) -> list[str]:
+    """Warn of each rule of ``distribution``'s LayoutMap that no variable seen
+    so far matches (once per rule and map); returns the rules warned of now.
+
+    Nothing without a distribution (``None``) or one without a LayoutMap
+    (``DataParallel``); a model without variables yet (a subclassed model
+    before its first call) is not judged.
+    """
+    layout_map = getattr(distribution, "_layout_map", None)
+    paths = _paths(model)
+    if layout_map is None or not paths or not getattr(model, "built", True):
+        return []
+    seen = _SEEN.get(id(layout_map))
+    if seen is None:
+        seen = _SEEN[id(layout_map)] = _Seen()
+        weakref.finalize(layout_map, _SEEN.pop, id(layout_map), None)
+    library = _library_rules(model, distribution)
+    if library is None:
+        return []
+    rules = [r for r in layout_map if isinstance(r, str) and r not in library]
+    for rule in rules:
+        if rule not in seen.matched and any(_matches(rule, p) for p in paths):
+            seen.matched.add(rule)
+    unmatched = [r for r in rules if r not in seen.matched and r not in seen.warned]
+    for rule in unmatched:
+        seen.warned.add(rule)
+        close = nearest(rule, paths)
+        example = ".*" + "/".join(close[0].split("/")[-2:])
+        warnings.warn(
+            f"keras-dtensor-fix: the LayoutMap rule {rule!r} matches none of "
+            f"the {len(paths)} variables of model {getattr(model, 'name', '?')!r} "
+            "(nor of any model built before it under this LayoutMap): the "
+            "variables it was meant for are replicated, not sharded. Nearest "
+            f"variable paths: {', '.join(map(repr, close))}. What to do: write "
+            f"the rule as a regex that fully matches a path ({example!r} "
+            f"matches {close[0]!r}), or remove it.",
+            stacklevel=3,
+        )
+    return unmatched
