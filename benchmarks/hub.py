@@ -23,6 +23,10 @@ own processes, interleaved over ``--rounds``:
               eager-ab: 2 ranks switching the leaves family's local path on
               and off in alternating blocks of steps (as single-ab does)
   eager4, upstream4   4 ranks on a (2, 2) mesh (``--four``; slow on 2 cores)
+  planned, planned-compiled   eager and compiled on 2 ranks with the layout
+              ``keras_dtensor_fix.auto_layout_map(build, mesh)`` plans
+              instead of the case's own map (``--planned``); the report lists
+              each weight whose resolved layout differs between the two maps
 
 Every process uses one thread (torch.set_num_threads(1)), so a 2-rank step
 compares with one process's one-thread step on the same global batch. Step
@@ -63,6 +67,7 @@ from hub_worker import (  # noqa: E402
     CONFIGS,
     FOUR_CONFIGS,
     LAYERS,
+    PLANNED_CONFIGS,
     SEQ,
     TITLES,
     VOCAB,
@@ -141,6 +146,11 @@ PAIRS = (  # (numerator, denominator, label): the issue's goals
     ("single", "single-off", "plugin on/off, 1 process (goal <= 1.01)"),
     ("eager4", "upstream4", "4 ranks: eager/upstream"),
     ("eager4", "single", "4 ranks/1 process"),
+    ("planned", "eager", "planned/own map, eager (goal <= 1.05)"),
+    ("planned-compiled", "compiled", "planned/own map, compiled (goal <= 1.05)"),
+    ("planned", "upstream", "planned eager/upstream"),
+    ("planned", "single", "planned eager 2 ranks/1 process"),
+    ("planned-compiled", "single", "planned compiled 2 ranks/1 process"),
 )
 
 
@@ -154,14 +164,14 @@ def report(results: dict, args, log) -> None:
         tokens = args.batch * args.seq
         say(f"{kind} hidden {hidden}: batch {args.batch} x seq {args.seq}")
         say(
-            f"  {'config':11s} {'ms/step':>8s} {'tok/s':>7s} {'rounds':>22s} "
+            f"  {'config':16s} {'ms/step':>8s} {'tok/s':>7s} {'rounds':>22s} "
             f"{'coll':>5s} {'dt-ops':>6s} {'graphs':>6s} {'breaks':>6s} "
             f"{'peak MB/rank':>14s}  notes"
         )
         for config, row in configs.items():
             if "error" in row:
                 error = re.sub(r"\x1b\[[0-9;]*m|\s+", " ", row["error"])
-                say(f"  {config:11s} ERROR {error[:240]}")
+                say(f"  {config:16s} ERROR {error[:240]}")
                 continue
             rounds = ", ".join(f"{r:.0f}" for r in row["rounds"])
             peaks = row.get("peak_mb_ranks") or [row["peak_mb"]]
@@ -180,10 +190,11 @@ def report(results: dict, args, log) -> None:
                 else f"{row.get('dtensor_ops', 0):.0f}"
             )
             say(
-                f"  {config:11s} {row['ms']:8.1f} {1e3 * tokens / row['ms']:7.0f} "
+                f"  {config:16s} {row['ms']:8.1f} {1e3 * tokens / row['ms']:7.0f} "
                 f"{rounds:>22s} {coll:>5s} {ops:>6s} {row['graphs']:6d} "
                 f"{row['breaks']:6d} {peak:>14s}  {note}"
             )
+        _say_layouts(configs, say)
         for num, den, label in PAIRS:
             a, b = configs.get(num), configs.get(den)
             if not a or not b or "error" in a or "error" in b:
@@ -196,6 +207,21 @@ def report(results: dict, args, log) -> None:
                 + ", ".join(f"{r:.2f}" for r in per_round)
             )
         say()
+
+
+def _say_layouts(configs: dict, say) -> None:
+    """The planned map against the case's own, weight by weight."""
+    row = next((r for r in configs.values() if "layout_diff" in r), None)
+    if row is None:
+        return
+    diff, total = row["layout_diff"], row["layout_weights"]
+    say(f"  plan: {row['plan']}")
+    say(
+        f"  planned map against own map: {total - len(diff)} of {total} weights "
+        + ("laid out the same (equal steps by construction)" if not diff else "same")
+    )
+    for line in diff:
+        say(f"    differs: {line}")
 
 
 def plot(results: dict, path: Path, args) -> None:
@@ -275,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--four", action="store_true", help="also 4 ranks, (2, 2)")
     parser.add_argument("--four-cases", default="", help="cases for --four")
     parser.add_argument(
+        "--planned", action="store_true", help="also the auto_layout_map configs"
+    )
+    parser.add_argument(
         "--ab", action="store_true", help="plugin on/off A/B in one process"
     )
     parser.add_argument("--rounds", type=int, default=2)
@@ -334,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c for c in args.configs.split(",") if c]
     if args.four:
         configs += FOUR_CONFIGS
+    if args.planned:
+        configs += PLANNED_CONFIGS
     four_cases = args.four_cases.split(",") if args.four_cases else cases
     ab_cases = [c for c in cases if int(c.split(":")[1]) <= 256]
     if args.ab:
@@ -363,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             start = time.time()
             rows = run_config(config, run, args)
             took, load = time.time() - start, os.getloadavg()[0]
-            line = f"round {round_ + 1} {config:10s} ({took:.0f} s, load {load:.1f}):"
+            line = f"round {round_ + 1} {config:16s} ({took:.0f} s, load {load:.1f}):"
             for case, row in rows.items():
                 line += f" {case} " + (
                     "ERROR" if "error" in row else f"{row['ms']:.0f}"

@@ -19,6 +19,7 @@ import bench  # noqa: E402  benchmarks/bench.py: _pin(), _reason(), leave()
 
 CONFIGS = ("upstream", "eager", "compiled", "single", "single-off")
 FOUR_CONFIGS = ("upstream4", "eager4")
+PLANNED_CONFIGS = ("planned", "planned-compiled")  # --planned: auto_layout_map
 AB_CONFIG = "single-ab"  # --ab: the cases with hidden <= 256
 TWO_D_MESH = (2, 2)
 VOCAB, SEQ, LAYERS, HEAD = 2048, 128, 4, 64
@@ -84,10 +85,16 @@ def build(kind: str, hidden: int, layers: int, seq: int):
     return model
 
 
-def layout_map(kind: str, mesh):
+def layout_map(kind: str, mesh, planned: tuple | None = None):
+    """The case's own map, or with ``planned=(hidden, layers, seq)`` the one
+    ``keras_dtensor_fix.auto_layout_map`` plans from the model users fit."""
     import keras
     import keras_hub
 
+    if planned:
+        import keras_dtensor_fix
+
+        return keras_dtensor_fix.auto_layout_map(lambda: build(kind, *planned), mesh)
     if kind == "gemma":
         return keras_hub.models.GemmaBackbone.get_layout_map(mesh)
     if kind == "llama":
@@ -130,19 +137,34 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def distribute(kind: str, mesh_shape: tuple[int, int]) -> None:
+def distribute(kind: str, mesh_shape: tuple[int, int], planned: tuple | None = None):
+    """Set the case's ModelParallel (none on one process); its layout map."""
     import keras
 
     keras.distribution.set_distribution(None)
     if WORLD == 1:
-        return
+        return None
     devices = keras.distribution.list_devices()
     mesh = keras.distribution.DeviceMesh(mesh_shape, ["batch", "model"], devices)
-    dist = keras.distribution.ModelParallel(
-        layout_map=layout_map(kind, mesh), batch_dim_name="batch"
-    )
+    layouts = layout_map(kind, mesh, planned)
+    dist = keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
     dist.auto_shard_dataset = False  # numpy input: every rank feeds its rows
     keras.distribution.set_distribution(dist)
+    return layouts
+
+
+def layout_diff(model, own, planned) -> list[str]:
+    """Each weight whose resolved layout differs between the two maps."""
+
+    def axes(layouts, variable) -> tuple:
+        layout = layouts[variable.path]  # as ModelParallel resolves it
+        return tuple(layout.axes) if layout else (None,) * len(variable.shape)
+
+    return [
+        f"{v.path} {tuple(v.shape)}: own {axes(own, v)}, planned {axes(planned, v)}"
+        for v in model.weights
+        if axes(own, v) != axes(planned, v)
+    ]
 
 
 def case_data(batch: int, steps: int, seq: int, batch_ranks: int):
@@ -176,12 +198,23 @@ def run_case(case: str, config: str, args) -> dict:
     mesh_shape = TWO_D_MESH if WORLD == 4 else (1, WORLD)
     gc.collect()
     _peak_reset()
-    distribute(kind, mesh_shape)
+    planned = config.startswith("planned")
+    compiled = config in ("compiled", "planned-compiled")
+    shape = (int(hidden), args.layers, args.seq) if planned else None
+    layouts = distribute(kind, mesh_shape, shape)
     keras.utils.set_random_seed(0)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = build(kind, int(hidden), args.layers, args.seq)
-    if config == "compiled":
+    compared = {}
+    if planned and layouts is not None:  # same kernels split the same way?
+        own = layout_map(kind, layouts.device_mesh)
+        compared = {
+            "layout_diff": layout_diff(model, own, layouts),
+            "layout_weights": len(model.weights),
+            "plan": layouts.plan.summary() if hasattr(layouts, "plan") else "",
+        }
+    if compiled:
         model.jit_compile = True  # as compile(jit_compile=True) sets it
     profile_steps = 2 if WORLD > 1 else 0
     total = args.warmup + args.steps + profile_steps
@@ -232,7 +265,7 @@ def run_case(case: str, config: str, args) -> dict:
     times = times[args.warmup - 1 :]
     counters = torch._dynamo.utils.counters
     messages = [str(w.message) for w in caught]
-    ran_eager = config == "compiled" and (
+    ran_eager = compiled and (
         any("eager" in m or "Running without" in m for m in messages)
         or counters["stats"].get("unique_graphs", 0) == 0
     )
@@ -247,6 +280,7 @@ def run_case(case: str, config: str, args) -> dict:
         "warnings": sorted({m[:160] for m in messages if "eager" in m})[:3],
         "peak_mb": _peak_mb(),
         "params": model.count_params(),
+        **compared,
     }
     del model
     keras.distribution.set_distribution(None)
