@@ -23,11 +23,17 @@ from typing import Any
 
 
 class _Seen:
-    """One LayoutMap's rules that matched a variable, and those warned of."""
+    """One LayoutMap's rules: those that matched a variable, those warned of,
+    and keras-hub's own (never judged)."""
 
     def __init__(self) -> None:
         self.matched: set[str] = set()
         self.warned: set[str] = set()
+        self.library: set[str] = set()
+
+    def done(self, layout_map: Any) -> bool:
+        judged = self.matched | self.warned | self.library
+        return all(rule in judged for rule in layout_map if isinstance(rule, str))
 
 
 #: By the LayoutMap's id (a mapping: unhashable), dropped when it dies.
@@ -89,16 +95,21 @@ def warn_unmatched(model: Any, distribution: Any | None) -> list[str]:
     before its first call) is not judged.
     """
     layout_map = getattr(distribution, "_layout_map", None)
-    paths = _paths(model)
-    if layout_map is None or not paths or not getattr(model, "built", True):
-        return []
+    if layout_map is None:
+        return []  # first: train_on_batch asks at every step, mostly without one
     seen = _SEEN.get(id(layout_map))
+    if seen is not None and seen.done(layout_map):
+        return []  # every rule judged: later steps pay one lookup
+    paths = _paths(model)
+    if not paths or not getattr(model, "built", True):
+        return []
     if seen is None:
         seen = _SEEN[id(layout_map)] = _Seen()
         weakref.finalize(layout_map, _SEEN.pop, id(layout_map), None)
     library = _library_rules(model, distribution)
     if library is None:
         return []
+    seen.library |= library
     rules = [r for r in layout_map if isinstance(r, str) and r not in library]
     for rule in rules:
         if rule not in seen.matched and any(_matches(rule, p) for p in paths):

@@ -117,15 +117,21 @@ STEP_FUNCTIONS = {
 }
 
 
+def _check_layout_rules(model) -> None:
+    """Every variable exists when a step is built: unmatched rules warn. Only
+    once a sharded distribution was set (``train_on_batch`` builds each step)."""
+    if state.sharding():
+        layout_rules.warn_unmatched(model, model_parallel())
+
+
 def _static_shapes(wrapped, instance, args, kwargs):
     """Compiled ModelParallel steps trace with static shapes.
 
     Each graph break (a seeded dropout's generator, say) starts a new frame,
     and dynamo's "automatic dynamic" then makes the batch size symbolic; DTensor
     fails on symbolic shard sizes (torch 2.13; pytorch/pytorch#152963).
-    Every variable exists here: unmatched LayoutMap rules warn (``checks``).
     """
-    layout_rules.warn_unmatched(instance, model_parallel())
+    _check_layout_rules(instance)
     _BUILDING.append(wrapped.__name__)
     try:
         result = wrapped(*args, **kwargs)
@@ -318,7 +324,7 @@ def _eager_on_early_nightly(wrapped, instance, args, kwargs):
     cannot inline; the step fails. Keras is told ``jit_compile=False`` while
     it builds the step function.
     """
-    layout_rules.warn_unmatched(instance, model_parallel())
+    _check_layout_rules(instance)
     if not (instance.jit_compile and model_parallel() is not None):
         return wrapped(*args, **kwargs)
     import warnings
