@@ -2,10 +2,12 @@
 
 A Sequential MLP, keras.io's transformer classifier (MultiHeadAttention), a
 subclassed model of custom layers, a conv net with a dense head, an
-MLP-Mixer block and keras-hub's BERT classifier train two epochs, evaluate
-and predict on 2 ranks equal to one process, the layout planned inside the
-case after its seed is set (``cases_planned.py``). The default run takes one
-eager and one compiled case per mesh; the slow tier the rest.
+MLP-Mixer block, keras-hub's BERT and ViT classifiers, its BART (a seq2seq
+LM) and Gemma (a causal LM) train two epochs, evaluate and predict on 2 ranks
+equal to one process, the layout planned inside the case after its seed is
+set (``cases_planned.py``). Gemma trains on keras-hub's own map too, and the
+two runs are equal. The default run takes one eager and one compiled case per
+mesh; the slow tier the rest and the keras-hub models but BERT.
 On (1, 2) each rank holds at most 0.65x one process's weight bytes.
 
 Upstream Keras (``KERAS_DTENSOR_FIX=0``) given the same planned layouts
