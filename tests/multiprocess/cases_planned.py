@@ -129,6 +129,9 @@ def vit():
         num_heads=4,
         hidden_dim=32,
         mlp_dim=64,
+        # An attention key bias has no true gradient (softmax cancels it):
+        # Adam would scale its rounding noise up to full steps.
+        use_mha_bias=False,
     )
     return keras_hub.models.ViTImageClassifier(
         backbone, num_classes=4, preprocessor=None
