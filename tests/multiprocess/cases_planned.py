@@ -310,6 +310,7 @@ for _kind, _mesh, _compiled in (
     ("bart", (1, 2), True),
     ("bart", (2, 1), False),
     ("gemma", (1, 2), False),
+    ("gemma", (1, 2), True),
     ("gemma", (2, 1), False),
 ):
     _planned_case(_kind, _mesh, jit_compile=_compiled, slow=True)

@@ -72,7 +72,7 @@ def assert_upstream(runs, pinned: dict[str, str | None]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["1x2", "2x1"])
+@pytest.mark.parametrize("mesh", ["1x2", "1x2_compiled", "2x1"])
 def test_planned_as_own_map(runs, mesh: str) -> None:
     """Gemma on the planner's layout trains as on keras-hub's own map."""
     ranks = runs.get(GROUP, world=2)
@@ -81,7 +81,7 @@ def test_planned_as_own_map(runs, mesh: str) -> None:
 
 
 #: Upstream on the slow tier's keras-hub cases, as :data:`UPSTREAM`: ViT and
-#: Gemma train as one process (ViT's compiled case eagerly), BART's (1, 2) cases
+#: Gemma train as one process (their compiled cases eagerly), BART's (1, 2) cases
 #: fail in their first step as BERT's does; on (2, 1) BART trains.
 UPSTREAM_HUB: dict[str, str | None] = {
     "planned_vit_1x2": None,
@@ -92,6 +92,8 @@ UPSTREAM_HUB: dict[str, str | None] = {
     "planned_bart_2x1": None,
     "planned_gemma_1x2": None,
     "planned_gemma_own_map_1x2": None,
+    "planned_gemma_1x2_compiled": None,
+    "planned_gemma_own_map_1x2_compiled": None,
     "planned_gemma_2x1": None,
     "planned_gemma_own_map_2x1": None,
 }
