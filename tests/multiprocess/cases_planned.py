@@ -98,21 +98,59 @@ def mixer():
     return keras.Model(inputs, layers.Dense(4, name="head")(x))
 
 
+#: The tiny config of keras-hub's BERT and BART.
+TEXT = {
+    "vocabulary_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "hidden_dim": 32,
+    "intermediate_dim": 64,
+    "max_sequence_length": 16,
+    "dropout": 0.0,
+}
+
+
 def bert():
     import keras_hub
 
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=64,
-        num_layers=2,
-        num_heads=4,
-        hidden_dim=32,
-        intermediate_dim=64,
-        max_sequence_length=16,
-        dropout=0.0,
-    )
+    backbone = keras_hub.models.BertBackbone(**TEXT)
     return keras_hub.models.BertTextClassifier(
         backbone, num_classes=4, preprocessor=None, dropout=0.0
     )
+
+
+def vit():
+    import keras_hub
+
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(8, 8, 3),
+        patch_size=4,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        mlp_dim=64,
+        # An attention key bias has no true gradient (softmax cancels it):
+        # Adam would scale its rounding noise up to full steps.
+        use_mha_bias=False,
+    )
+    return keras_hub.models.ViTImageClassifier(
+        backbone, num_classes=4, preprocessor=None
+    )
+
+
+def bart():
+    """keras-hub's BART, the seq2seq backbone that trains fastest on CPU
+    (T5 takes minutes to compile one step), as its Seq2SeqLM."""
+    import keras_hub
+
+    backbone = keras_hub.models.BartBackbone(**TEXT)
+    return keras_hub.models.BartSeq2SeqLM(backbone, preprocessor=None)
+
+
+def gemma():
+    from cases_hub import tiny_causal_lm
+
+    return tiny_causal_lm("gemma")
 
 
 def _features(shape):
@@ -130,6 +168,17 @@ def _tokens():
     }
 
 
+def _next_tokens(prefixes=("",)):
+    """Token ids under each of ``prefixes``, with next-token labels."""
+    rng = np.random.default_rng(0)
+    x = {}
+    for prefix in prefixes:
+        ids = rng.integers(1, 64, size=(32, 12)).astype("int32")
+        x[f"{prefix}token_ids"] = ids
+        x[f"{prefix}padding_mask"] = np.ones_like(ids)
+    return x, np.roll(ids, -1, axis=1)
+
+
 def shard_bytes(model) -> dict:
     """This process's bytes of the weights (its shards) and the full bytes."""
     from torch.distributed.tensor import DTensor
@@ -143,16 +192,23 @@ def shard_bytes(model) -> dict:
     return {"rank_bytes": mine, "full_bytes": full}
 
 
-def train_evaluate_predict(build, x, batch_ranks: int, jit_compile: bool) -> dict:
-    """fit() two epochs, evaluate(), predict() on the first batch's rows."""
-    rng = np.random.default_rng(1)
-    first = x if not isinstance(x, dict) else x["token_ids"]
-    y = rng.normal(size=(len(first), 4)).astype("float32")
+def train_evaluate_predict(
+    build, x, batch_ranks: int, jit_compile: bool, y=None
+) -> dict:
+    """fit() two epochs, evaluate(), predict() on the first batch's rows;
+    regression on 4 outputs, or next tokens where ``y`` holds their ids."""
+    loss = "mse"
+    if y is None:
+        first = keras.tree.flatten(x)[0]
+        y = np.random.default_rng(1).normal(size=(len(first), 4)).astype("float32")
+    else:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model = build()
     model.compile(
         optimizer=keras.optimizers.Adam(1e-2),
-        loss="mse",
-        metrics=[],  # keras-hub's classifiers add accuracy on labels
+        loss=loss,
+        metrics=[],  # keras-hub's classifiers add accuracy on labels,
+        weighted_metrics=[],  # its language models weighted accuracy
         jit_compile=jit_compile,
     )
 
@@ -182,7 +238,8 @@ def train_evaluate_predict(build, x, batch_ranks: int, jit_compile: bool) -> dic
     }
 
 
-#: name -> (build, inputs, sample_input for the planner)
+#: name -> (build, inputs, sample_input for the planner); inputs returns
+#: features, or (features, next-token labels) for a language model.
 MODELS = {
     "mlp": (lambda: mlp(), lambda: _features((16,)), None),
     "transformer": (transformer, lambda: _features((8, 16)), None),
@@ -191,20 +248,39 @@ MODELS = {
     "convnet": (convnet, lambda: _features((8, 8, 3)), None),
     "mixer": (mixer, lambda: _features((8, 16)), None),
 }
+#: keras-hub models of the slow tier (out of MODELS: test_auto_layout plans
+#: each of MODELS on three meshes).
+HUB = {
+    "vit": (vit, lambda: _features((8, 8, 3)), None),
+    "bart": (bart, lambda: _next_tokens(("encoder_", "decoder_")), None),
+    "gemma": (gemma, _next_tokens, None),
+}
 
 
-def _planned_case(kind: str, mesh, jit_compile: bool, slow: bool) -> None:
-    build, inputs, sample = MODELS[kind]
+def _planned_case(
+    kind: str, mesh, jit_compile: bool, slow: bool, own_map: bool = False
+) -> None:
+    """Register ``kind`` on ``mesh``: on the planner's layout, or (``own_map``)
+    on its backbone's ``get_layout_map``, the case named ``..._own_map``."""
+    build, inputs, sample = {**MODELS, **HUB}[kind]
 
     def run():
         ranks = mesh[0] if WORLD > 1 else 1
-        return train_evaluate_predict(build, inputs(), ranks, jit_compile)
+        data = inputs()
+        x, y = data if isinstance(data, tuple) else (data, None)
+        return train_evaluate_predict(build, x, ranks, jit_compile, y)
 
-    run.__name__ = f"planned_{kind}_{mesh[0]}x{mesh[1]}" + (
-        "_compiled" if jit_compile else ""
+    run.__name__ = (
+        f"planned_{kind}{'_own_map' if own_map else ''}_{mesh[0]}x{mesh[1]}"
+        + ("_compiled" if jit_compile else "")
     )
+    layout = planned(build, sample)
+    if own_map:
+        from cases_hub import hub_layout
+
+        layout = hub_layout(kind)
     options = {"per_rank": mesh[0] > 1, "slow": slow}
-    case("planned", mesh=mesh, layout=planned(build, sample), **options)(run)
+    case("planned", mesh=mesh, layout=layout, **options)(run)
 
 
 # The default run: one eager and one compiled case per mesh.
@@ -224,3 +300,19 @@ for _kind in ("subclassed", "convnet", "mixer"):
     _planned_case(_kind, (1, 2), jit_compile=False, slow=True)
     _planned_case(_kind, (1, 2), jit_compile=True, slow=True)
     _planned_case(_kind, (2, 1), jit_compile=False, slow=True)
+# keras-hub's ViT classifier, BART (a seq2seq LM) and Gemma (a causal LM),
+# Gemma on its own map too: the slow tier's.
+for _kind, _mesh, _compiled in (
+    ("vit", (1, 2), False),
+    ("vit", (1, 2), True),
+    ("vit", (2, 1), False),
+    ("bart", (1, 2), False),
+    ("bart", (1, 2), True),
+    ("bart", (2, 1), False),
+    ("gemma", (1, 2), False),
+    ("gemma", (1, 2), True),
+    ("gemma", (2, 1), False),
+):
+    _planned_case(_kind, _mesh, jit_compile=_compiled, slow=True)
+    if _kind == "gemma":
+        _planned_case(_kind, _mesh, jit_compile=_compiled, slow=True, own_map=True)
