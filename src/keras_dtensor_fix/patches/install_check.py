@@ -40,6 +40,8 @@ def _entry(wrapped, instance, args, kwargs):
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
+    if targets.backend() not in (None, "torch"):
+        return []  # another backend's ModelParallel is not ours to judge
     name = module.__name__
     also = targets.aliases("distribution_api")
     return [
