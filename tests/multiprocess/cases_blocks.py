@@ -148,7 +148,9 @@ def gpt_blocks_adamw():
     return _blocks(lambda: fit_gpt(True, optimizer=optimizer), mode=None)
 
 
-@case("blocks", layout=GPT_LAYOUT)
+# The slow tier's: its regions are gpt_4_layers_blocks's, its whole-step
+# evaluation the compiled parity cases'.
+@case("blocks", layout=GPT_LAYOUT, slow=True)
 def gpt_blocks_evaluate():
     """The default mode's evaluation and prediction: two TransformerDecoder
     blocks train block by block, validation, ``evaluate()`` and ``predict()``

@@ -231,7 +231,7 @@ def lstm_compiled():
     return with_plugin_warnings(_recurrent, layers.LSTM, jit_compile=True)
 
 
-@case("dropin_compiled", layout=KERNELS)
+@case("dropin_compiled", layout=KERNELS, slow=True)  # the LSTM's path
 def gru_compiled():
     return with_plugin_warnings(_recurrent, layers.GRU, jit_compile=True)
 
@@ -261,7 +261,7 @@ def _compiled_twin(eager, slow: bool = True) -> None:
 
 
 # Every conv runs eagerly in the default run; compiled, the kernel-axis Conv1D
-# and the input-channel Conv2D (below) stand for them, the rest are slow.
+# stands for them, the rest (the input-channel Conv2D below too) are slow.
 _compiled_twin(conv1d_kernel_axis, slow=False)
 for _eager in (
     conv1d_output_channels,
@@ -273,12 +273,13 @@ for _eager in (
     _compiled_twin(_eager)
 
 
-@case("dropin_compiled", layout={".*c1/kernel": (None, None, "model", None)})
+@case("dropin_compiled", layout={".*c1/kernel": (None, None, "model", None)}, slow=True)
 def conv2d_input_channels_compiled():
     return _conv_fit((6, 6, 4), layers.Conv2D(4, 3, name="c1"), jit_compile=True)
 
 
-@case("dropin_compiled", layout=TRANSFORMER)
+# The slow tier's: the compiled transformer of the parity group takes its path.
+@case("dropin_compiled", layout=TRANSFORMER, slow=True)
 def mha_causal_mask_compiled():
     return _causal_attention(jit_compile=True)
 
@@ -328,7 +329,9 @@ def _branching_case(name: str, factory) -> None:
         return result
 
     run.__name__ = name
-    case("dropin_compiled", layout=COLUMNS, slow="_ema_overwrite3" in name)(run)
+    # One accumulation case stands for both (the slow tier's: SGD's, both conds).
+    slow = "_ema_overwrite3" in name or name.startswith("accumulate3")
+    case("dropin_compiled", layout=COLUMNS, slow=slow)(run)
 
 
 for _name, _factory in BRANCHING.items():

@@ -125,6 +125,7 @@ EAGER_F = {"gpt_4_layers_blocks": 0}
 STEPS = 4
 
 
+@pytest.mark.slow
 def test_blocks_evaluate_compiles_whole(runs) -> None:
     """By default a model with repeated blocks trains block by block, and its
     validation, ``evaluate()`` and ``predict()`` steps compile whole (grad-free
@@ -163,6 +164,7 @@ UPSTREAM = {
 }
 
 
+@pytest.mark.slow  # upstream (KERAS_DTENSOR_FIX=0): the slow tier's launch
 def test_upstream_blocks(runs) -> None:
     assert_upstream_fails(runs, "blocks", UPSTREAM)
 

@@ -29,9 +29,9 @@ Upstream runs 105 on Gemma and cannot build Llama.
 
 Compiled, the same models run the eager count plus the metric all-reduce
 (above), counted by the ``hub_compiled`` scenario cases during ``fit()``'s last
-epoch (``cases_hub.CountCollectives``): the suite compiles each model once,
-with one decoder block (``cases_hub.COMPILED_LAYERS``), so the per-layer
-counts above are taken once: Gemma 4 + 3, Llama 8 + 1, GPT 4 + 2.
+epoch (``cases_hub.CountCollectives``; Llama's and GPT's in the slow tier):
+the suite compiles each model once, with one decoder block
+(``cases_hub.COMPILED_LAYERS``), so the per-layer counts above are taken once: Gemma 4 + 3, Llama 8 + 1, GPT 4 + 2.
 Before the optimizer's wrapper ran in the trace (``traced=True``) and the
 traced "f" (``reducing_gradient`` as ``redistribute`` to the same placements),
 Gemma's compiled step ran 28 and Llama's 30: Adam reduced each Partial norm-
@@ -99,8 +99,11 @@ def test_collectives_per_step(runs, name: str) -> None:
     hub = importlib.util.find_spec("keras_hub") is not None
     compiled = runs.get("hub_compiled", world=2)[0] if hub else {}
     for key, case in HUB_COMPILED.items():
-        assert "error" not in compiled.get(case, {}), compiled[case].get("traceback")
-        counts[key] = compiled[case]["collectives"] if hub else None
+        if not (hub and runs.ran(case)):  # Llama's and GPT's: the slow tier's
+            counts[key] = None
+            continue
+        assert "error" not in compiled[case], compiled[case].get("traceback")
+        counts[key] = compiled[case]["collectives"]
     extras = dict(EXTRA)
     if counts["compiles"]:
         assert counts["dynamo_graphs"] > 0, "the compiled steps fell back to eager"

@@ -358,10 +358,12 @@ UPSTREAM_GENERATE = {
 }
 
 
+@pytest.mark.slow  # upstream (KERAS_DTENSOR_FIX=0): the slow tier's launch
 def test_upstream_generate(runs) -> None:
     assert_upstream_fails(runs, "generate_compiled", UPSTREAM_GENERATE)
 
 
+@pytest.mark.slow  # upstream (KERAS_DTENSOR_FIX=0): the slow tier's launch
 def test_upstream_hub(runs) -> None:
     """What upstream does with the (1, 2) cases: the plugin goes further."""
     upstream = runs.get("hub", world=2, KERAS_DTENSOR_FIX="0")[0]
@@ -400,6 +402,7 @@ UPSTREAM_COMPILED = {
 }
 
 
+@pytest.mark.slow  # upstream (KERAS_DTENSOR_FIX=0): the slow tier's launch
 def test_upstream_compiled(runs) -> None:
     """Upstream on the compiled cases this session runs (the slow ones in
     ``nox -s full``): none compiles (Keras runs them eagerly), and all but

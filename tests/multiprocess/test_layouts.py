@@ -144,6 +144,7 @@ UPSTREAM_ERRORS = {
 }
 
 
+@pytest.mark.slow  # upstream (KERAS_DTENSOR_FIX=0): the slow tier's launch
 def test_upstream_fails_the_same_layouts(runs) -> None:
     _upstream_fails(runs, slow=False)
 

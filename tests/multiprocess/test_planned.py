@@ -52,6 +52,7 @@ UPSTREAM: dict[str, str | None] = {
 }
 
 
+@pytest.mark.slow  # upstream (KERAS_DTENSOR_FIX=0): the slow tier's launch
 def test_upstream_planned(runs) -> None:
     assert_upstream(runs, UPSTREAM)
 

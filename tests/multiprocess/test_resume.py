@@ -172,6 +172,7 @@ def test_restart_resumes_at_the_step(tmp_path, references, case: str) -> None:
         check(references[data], read(tmp_path, r, 0, restarts), first)
 
 
+@pytest.mark.slow  # test_preemption signals the agent by default
 def test_sigterm_to_the_agent_then_a_new_launch(tmp_path, references) -> None:
     """A scheduler's SIGTERM: torchrun forwards it to both; the next launch resumes."""
     env = {"RESUME_FAULT": "agent", "RESUME_KILL_RANK": "0", "RESUME_DATA": "loader"}
@@ -218,7 +219,9 @@ def test_four_processes(tmp_path, references, fault: str) -> None:
         check(references["numpy"], read(tmp_path, r, 0, 1), first)
 
 
-@pytest.mark.parametrize("fault", ["kill", "term"])
+@pytest.mark.parametrize(
+    "fault", ["kill", pytest.param("term", marks=pytest.mark.slow)]
+)
 def test_one_process_then_a_new_launch(tmp_path, references, fault: str) -> None:
     """No process group: killed, or SIGTERM (saved at once, exit 143); the
     next launch resumes at the step, bit for bit."""
@@ -240,6 +243,7 @@ def test_one_process_then_a_new_launch(tmp_path, references, fault: str) -> None
     assert final["weights"] == references["numpy"]["weights"]
 
 
+@pytest.mark.slow  # test_elastic_a_machine_lost runs two agents by default
 def test_two_agents(tmp_path, references) -> None:
     """Two torchrun agents (c10d rendezvous), one process each, as on two
     machines; one process is killed and both agents restart theirs. Each
@@ -287,6 +291,7 @@ def test_elastic_a_machine_lost(tmp_path, references) -> None:
     check(references["numpy"], final)
 
 
+@pytest.mark.slow
 def test_upstream_refuses_to_resume_inside_an_epoch(tmp_path) -> None:
     """With the plugin off nothing skips the saved batches: a clear error, not
     a silent second training of them. (Two launches, not a restart: upstream's

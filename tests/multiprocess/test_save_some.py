@@ -35,6 +35,7 @@ def test_save_on_one_process_is_an_error(tmp_path) -> None:
         assert json.loads((tmp_path / f"rank{rank}.json").read_text())["second"]
 
 
+@pytest.mark.slow
 def test_upstream_waits(tmp_path) -> None:
     """Upstream: process 0 is still in its save 10 s after entering it (the
     plugin raises after its handshake's 5 s, set by the script)."""

@@ -133,11 +133,11 @@ def test_same_path_four_processes(tmp_path, single, mesh: str) -> None:
 
 @pytest.mark.parametrize(
     ("optimizer", "kill_at", "kill_rank", "callback"),
-    [  # each fault and callback once by default; the other two kills: slow
+    [  # a kill mid-write by default (test_resume kills mid-step); the rest slow
         pytest.param("adam", "batch", "1", "backup", marks=pytest.mark.slow),
         pytest.param("sgd", "batch", "0", "backup", marks=pytest.mark.slow),
         ("adam", "write", "0", "backup"),
-        ("adam", "batch", "1", "checkpoint"),
+        pytest.param("adam", "batch", "1", "checkpoint", marks=pytest.mark.slow),
     ],
 )
 def test_killed_process_resumes(
@@ -199,7 +199,9 @@ def test_bad_directory_and_full_disk(tmp_path) -> None:
         assert result["disk_kept"]  # the earlier file, not a broken one
 
 
-@pytest.mark.parametrize("distribution", ["model", "data"])
+@pytest.mark.parametrize(
+    "distribution", ["model", pytest.param("data", marks=pytest.mark.slow)]
+)
 def test_upstream_fails(tmp_path, distribution: str) -> None:
     """Upstream: one shared path crashes the job at the first save.
 

@@ -146,7 +146,10 @@ def _one_process_batches(wrapped, instance, args, kwargs):
     dropout reads. Keras's ModelParallel epochs walk numpy batches instead,
     permuted by numpy and drawing nothing: other batches and other masks than
     one process's. The loader is iterated here, not at the first batch, so its
-    draw comes where one process's does.
+    draw comes where one process's does; the processes agree on the epoch's
+    data here too, where Keras makes the iterator: Keras ends an epoch under
+    ``steps_per_epoch`` without a fetch when a process's data runs out, and
+    the iterator it makes then meets the others' next exchange (both raise).
     """
     dist = model_parallel()
     if dist is None:
