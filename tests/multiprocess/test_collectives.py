@@ -31,7 +31,8 @@ Compiled, the same models run the eager count plus the metric all-reduce
 (above), counted by the ``hub_compiled`` scenario cases during ``fit()``'s last
 epoch (``cases_hub.CountCollectives``; Llama's and GPT's in the slow tier):
 the suite compiles each model once, with one decoder block
-(``cases_hub.COMPILED_LAYERS``), so the per-layer counts above are taken once: Gemma 4 + 3, Llama 8 + 1, GPT 4 + 2.
+(``cases_hub.COMPILED_LAYERS``), so the per-layer counts above are taken
+once: Gemma 4 + 3, Llama 8 + 1, GPT 4 + 2.
 Before the optimizer's wrapper ran in the trace (``traced=True``) and the
 traced "f" (``reducing_gradient`` as ``redistribute`` to the same placements),
 Gemma's compiled step ran 28 and Llama's 30: Adam reduced each Partial norm-
