@@ -47,11 +47,10 @@ def install(
     hub: bool = False,
     torch: str = TORCH,
 ) -> None:
-    """Install CPU torch, the pinned keras-nightly, then this package (editable)."""
-    session.install(torch)
-    session.install(f"keras-nightly=={keras}")
+    """Install CPU torch, the pinned keras-nightly and this package (editable)
+    in one pip call, then keras-hub without its dependencies."""
     target = f".[{extras}]" if extras else "."
-    session.install("-e", target)
+    session.install(torch, f"keras-nightly=={keras}", "-e", target)
     if hub:
         session.install("--no-deps", KERAS_HUB)
         session.install(*KERAS_HUB_NEEDS)
