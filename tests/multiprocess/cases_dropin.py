@@ -329,8 +329,9 @@ def _branching_case(name: str, factory) -> None:
         return result
 
     run.__name__ = name
-    # One accumulation case stands for both (the slow tier's: SGD's, both conds).
-    slow = "_ema_overwrite3" in name or name.startswith("accumulate3")
+    # Adam's accumulation stands for every cond on the step count (the slow
+    # tier's: SGD's accumulation, EMA overwrites, both conds at once).
+    slow = name != "accumulate2_clipnorm_compiled"
     case("dropin_compiled", layout=COLUMNS, slow=slow)(run)
 
 

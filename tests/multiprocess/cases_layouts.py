@@ -409,9 +409,19 @@ def _layout_case(kind: str, mesh: tuple[int, int], slow: bool = False) -> None:
 
 
 #: On (1, 2) the default run leaves out the models whose path a sibling takes
-#: at less cost (Qwen3.5-MoE: Qwen3.5's and Mixtral's; PaliGemma, Gemma4:
-#: Gemma3's; BLIP2, PARSeq: an encoder's attention, as GPT-2's): the slow tier's.
-SLOW_1X2 = ("qwen3_5_moe", "pali_gemma", "gemma4", "blip2", "parseq")
+#: (Qwen3.5-MoE: Qwen3.5's and Mixtral's; PaliGemma, Gemma4: Gemma3's; BLIP2,
+#: PARSeq: an encoder's attention, as GPT-2's; Phi3, Qwen3, SmolLM3: Llama's
+#: rules, as Mistral's): the slow tier's.
+SLOW_1X2 = (
+    "qwen3_5_moe",
+    "pali_gemma",
+    "gemma4",
+    "blip2",
+    "parseq",
+    "phi3",
+    "qwen3",
+    "smollm3",
+)
 #: On (2, 1) the default run takes Gemma3 (a KV cache split by rows) and GPT-2
 #: (fused QKV); every other model shares one of their paths (the slow tier's).
 FAST_2X1 = ("gemma3", "gpt2")
