@@ -145,7 +145,7 @@ def test_status_verbose_groups_by_family(run_py) -> None:
         ({"KERAS_DTENSOR_FIX": "maybe", "KERAS_DTENSOR_FIX_DISABLE": "bogus,*"}, None),
     ],
 )
-@pytest.mark.parametrize("as_json", [True, False])
+@pytest.mark.parametrize("as_json", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_status_exits_zero(run_py, env, state, as_json) -> None:
     """Off or everything disabled: a choice, not a problem."""
     argv = ["--json", "--check"] if as_json else ["--check"]

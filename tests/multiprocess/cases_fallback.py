@@ -273,7 +273,7 @@ def _blocks_case(
 
     run.__name__ = name
     BLOCK_FALLBACKS[name] = expected
-    case("blocks", layout=GPT_LAYOUT)(run)
+    case("blocks", layout=GPT_LAYOUT, slow="backward" in name)(run)
 
 
 # the block's compilation fails: that class runs its own call (blocks.py);
@@ -290,7 +290,7 @@ _blocks_case(
     ),
 )
 # the compiled block's backward fails in the first step: the step runs again
-# eagerly (the compile family's fallback), as upstream runs it
+# eagerly (the compile family's fallback), as upstream runs it (the slow tier's)
 _blocks_case(
     "gpt_blocks_backward_raises",
     _backward_raises,

@@ -169,7 +169,13 @@ def test_upstream_blocks(runs) -> None:
     assert_upstream_fails(runs, "blocks", UPSTREAM)
 
 
-@pytest.mark.parametrize("name", sorted(BLOCK_FALLBACKS))
+@pytest.mark.parametrize(
+    "name",
+    [  # a backward failing at run time: the slow tier's
+        pytest.param(n, marks=pytest.mark.slow) if "backward" in n else n
+        for n in sorted(BLOCK_FALLBACKS)
+    ],
+)
 def test_blocks_fall_back(runs, name: str) -> None:
     """A compiled block that fails (``cases_fallback.py``, two GPT decoder
     blocks): its compilation raising sends its class to its own ``call``

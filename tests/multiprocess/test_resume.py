@@ -112,7 +112,8 @@ def check(reference: dict, final: dict, first: list[int] | None = None) -> None:
 CASES = {
     # id: (group started by, data, fault, process, torchrun's restarts). The
     # slow tier (nox -s full) has the three that vary only how the group
-    # starts and what feeds it: the default run keeps each fault once.
+    # starts and what feeds it: the default run keeps each fault once (a kill
+    # mid-step, mid-write and mid-restore, SIGTERM to one process mid-step).
     "kill-keras-numpy": ("keras", "numpy", "kill", "1", 1),
     "kill-torch-shuffle": ("torch", "shuffle", "kill", "1", 1),
     "kill-torch-gloo-pydataset": ("torch_gloo", "pydataset", "kill", "0", 1),
@@ -243,7 +244,7 @@ def test_one_process_then_a_new_launch(tmp_path, references, fault: str) -> None
     assert final["weights"] == references["numpy"]["weights"]
 
 
-@pytest.mark.slow  # test_elastic_a_machine_lost runs two agents by default
+@pytest.mark.slow  # test_saving runs two agents by default
 def test_two_agents(tmp_path, references) -> None:
     """Two torchrun agents (c10d rendezvous), one process each, as on two
     machines; one process is killed and both agents restart theirs. Each
@@ -262,6 +263,7 @@ def test_two_agents(tmp_path, references) -> None:
         check(references["numpy"], json.loads(final.read_text()))
 
 
+@pytest.mark.slow  # test_saving runs two agents by default
 def test_elastic_a_machine_lost(tmp_path, references) -> None:
     """``--nnodes=1:2``: the second machine is lost (its agent and process
     SIGKILLed as batch 13 begins). The first agent's next rendezvous round
