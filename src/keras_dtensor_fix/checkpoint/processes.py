@@ -45,7 +45,7 @@ def _learn(what: str, acting: bool, act: Callable[[], Any]) -> list[Any]:
     )
     if outcomes.error is not None:
         raise outcomes.error
-    failed = outcomes.failed()
+    failed = outcomes.failed
     if failed:
         raise CheckpointError(
             f"{what} failed on "

@@ -1,27 +1,11 @@
 """Which weight axis each mesh axis splits: Megatron's pairing, read off a dataflow.
 
-Pure decisions over :class:`~keras_dtensor_fix.planning.dataflow.Dataflow`.
 In call order, a product ``B`` whose other operand only products ``A`` reach
-(through elementwise ops, activations, norms and attention's weight-free
-products) becomes **row** parallel (its first contracted axis split) and
-those ``A`` **column** parallel (their first output-only axis split): the
-``A`` outputs stay split until ``B``'s partial sums meet in one all-reduce.
-That is Megatron's MLP pair and attention (Q/K/V by heads; an output
-projection row), fused Q/K/V and stacked experts included. A pair is refused
-when an ``A`` is already row, or *bypasses* (its output also feeds a residual
-sum downstream of ``B``), or ``B``'s axis does not divide by the model axis;
-an ``A`` whose axis does not divide (GQA's key and value) stays whole.
-
-Lookup tables split by their indexed axis (vocabulary), and a product no
-product reads that widens its input (an LM head, not a classifier) splits its
-output axis, when the weight holds at least :data:`LARGE` of the model's
-bytes; a tied head agrees with its table.
-Biases follow a column product's split; row biases, norms, routers, small
-tables, convolutions (the plugin gathers a split conv kernel) and anything
-that does not divide stay replicated. A weight whose uses disagree stays
-replicated. On a mesh with a batch axis, the batch axis splits the other
-weight axis (the hidden one) of every split weight where it divides, as
-keras-hub's own maps do.
+becomes **row** parallel and those ``A`` **column** parallel, unless an ``A``
+is already row, bypasses ``B`` (a residual) or an axis does not divide. Large
+tables split by vocabulary and a large widening head by its output; column
+biases follow; the rest stays replicated. A batch axis splits the other
+(hidden) axis of every split weight. docs/planner.md has the rules in full.
 """
 
 from __future__ import annotations
@@ -32,8 +16,7 @@ from keras_dtensor_fix.planning.dataflow import Dataflow, Product
 
 __all__ = ["LARGE", "Choice", "choose"]
 
-#: The share of the model's weight bytes that makes a lone weight worth its
-#: collective (a table's all-reduce, a head's gather).
+#: The share of the model's bytes that makes a lone weight worth a collective.
 LARGE = 0.05
 
 
@@ -133,12 +116,9 @@ def _pair(
 
 
 def _column_axis(a: Product, b: Product, shapes, n: int) -> int | None:
-    """``a``'s output axis to split for row ``b``: the one ``b`` contracts.
-
-    Its size equals ``b``'s split axis where one does (heads, the FFN);
-    never one the size of ``b``'s own batch-like axes (experts, which ``b``
-    shares with its activation); else the first that divides.
-    """
+    """``a``'s output axis to split for row ``b``: of ``b``'s split size where
+    one is (heads, the FFN), never of ``b``'s batch-like axes (experts), else
+    the first that divides."""
     b_shape = shapes[b.weight]
     shared = {
         b_shape[i]

@@ -1,20 +1,12 @@
 """Which weight feeds which: one traced forward, read as a graph of products.
 
-Pure torch. A :class:`torch.overrides.TorchFunctionMode` watches every torch
-call of one forward and keeps, for each tensor, where it comes from:
-
-- a tensor *derived from a weight* (a cast, a transpose, a reshape of it)
-  knows the weight's name and which weight axis each of its dims is;
-- any other tensor knows the *products* whose outputs reach it through
-  elementwise ops, norms, reshapes, activations and weight-free products
-  (attention's ``q @ k`` and ``p @ v``).
-
-A *product* is a matmul, einsum or linear with one weight operand (its axes
-split into contracted and output-only ones), an embedding lookup on a weight,
-or a convolution. Its ``inputs`` are the products that reach its other
-operand. A weight added to a product's very output is that product's bias.
-A product *bypasses* when its output is still around, unconsumed, next to the
-output of a product downstream of it: a residual connection.
+Pure torch. A ``TorchFunctionMode`` watches one forward: a tensor derived
+from a weight (cast, transpose, reshape) knows the weight and which weight
+axis each dim is; any other tensor knows the *products* (a matmul, einsum or
+linear with one weight operand, an embedding lookup, a convolution) whose
+outputs reach it. A weight added to a product's output is its bias; a
+product *bypasses* when its output meets a downstream product's, unconsumed
+(a residual).
 """
 
 from __future__ import annotations
