@@ -1,8 +1,8 @@
 """keras-dtensor-fix: make ``keras.distribution.ModelParallel`` work on torch.
 
-Importing the package activates the fix unless ``KERAS_DTENSOR_FIX`` says
-off; installing it activates it in every interpreter through a ``.pth`` file.
-Patches land when Keras's torch backend modules are imported.
+Importing the package (or, once installed, starting Python: a ``.pth`` file)
+activates the fix unless ``KERAS_DTENSOR_FIX`` says off; patches land when
+Keras's torch backend modules are imported.
 """
 
 from __future__ import annotations
@@ -23,11 +23,9 @@ __all__ = [
 
 
 def activate(*, strict: bool | None = None) -> None:
-    """Patch Keras's torch backend now and on every later import.
-
-    Works even when ``KERAS_DTENSOR_FIX`` is off; ``KERAS_DTENSOR_FIX_DISABLE``
-    still applies. ``strict=True`` (or ``KERAS_DTENSOR_FIX_STRICT=1``) makes a
-    patch that cannot apply raise instead of warn. Idempotent.
+    """Patch Keras's torch backend now and on every later import (also when
+    ``KERAS_DTENSOR_FIX`` is off). ``strict=True`` (or
+    ``KERAS_DTENSOR_FIX_STRICT=1``): a patch that cannot apply raises. Idempotent.
     """
     from keras_dtensor_fix.engine import patcher
 
@@ -61,11 +59,11 @@ def auto_layout_map(
 ) -> Any:
     """A ``keras.distribution.LayoutMap`` planned from the model ``build()`` returns.
 
-    Megatron's tensor parallelism read off one traced forward: projections
-    that feed one another pair column then row, attention splits by heads,
-    large tables by rows; the batch axis splits the other (hidden) weight
-    axis. Print the map for its rules; ``.plan`` holds the choices and their
-    cost. See docs/planner.md.
+    Megatron's tensor parallelism read off one forward traced on ``meta``
+    (column then row, heads, large tables by rows; the batch axis splits the
+    hidden axis). ``sample_input``: one batch, for a model without ``Input``
+    shapes. Print the map for its rules; ``.plan`` holds the choices and cost.
+    See docs/planner.md.
     """
     from keras_dtensor_fix.planning import auto
 
@@ -81,13 +79,10 @@ def _engine_loaded() -> bool:
 
 
 def status() -> dict[str, Any]:
-    """A structured report: versions, backend, layout, gate, and every target.
-
-    Keys: ``version``, ``keras`` (``version``, ``distribution``), ``torch``
-    (``version``), ``backend``, ``layout``, ``enabled``, ``why``, ``gate``
-    (``ok``, ``reason``), ``disabled_families``, ``targets`` (rows with
-    ``family``, ``module``, ``attribute``, ``state``, ``cause``, ``reason``),
-    ``warnings`` and ``notes``. Reading it imports neither keras nor torch.
+    """A structured report: versions, backend, layout, ``enabled`` and
+    ``why``, ``gate``, ``disabled_families``, ``targets`` (a row per patch:
+    family, module, attribute, state, cause, reason), ``warnings``, ``notes``.
+    Imports neither keras nor torch.
     """
     from keras_dtensor_fix import report
 

@@ -63,7 +63,6 @@ class Checkpoint(MonitorCallback):
         optimizer: bool = True,
         metrics: bool = True,
         restore: bool = True,
-        keep: int | None = None,
         signals: Iterable[int] = (signal.SIGTERM,),
         preemption_timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
@@ -72,7 +71,6 @@ class Checkpoint(MonitorCallback):
             raise ValueError(
                 f"save_freq must be 'epoch' or a positive int, got {save_freq!r}"
             )
-        max_to_keep = max_to_keep if keep is None else keep
         if not isinstance(max_to_keep, int) or max_to_keep < 1:
             raise ValueError(f"max_to_keep must be a positive int, got {max_to_keep!r}")
         if not preemption_timeout > 0:
@@ -116,29 +114,25 @@ class Checkpoint(MonitorCallback):
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         with self._watcher.held():  # a stop's save reads what changes here
-            self._begin_epoch(epoch)
-
-    def _begin_epoch(self, epoch: int) -> None:
-        self._epoch, self._batch, self._after = epoch, 0, None
-        resume, self._resume = self._resume, None
-        if resume is not None and resume["epoch"] == epoch:
-            if resume.get("random") is not None:
-                position.restore_random(resume["random"])
-            position.plan(
-                resume["batch"], resume.get("adapter_epoch"), resume.get("random_now")
-            )
-            if resume["batch"]:  # inside the epoch: its running metrics so far
-                for variable, value in zip(
-                    self.model.metrics_variables, resume["metrics"], strict=False
-                ):
-                    variable.assign(value)
-                self._resumed_epoch = epoch
-                # The epoch's logs if no batch is left (validation resets them).
-                self._resumed_logs = {
-                    k: float(v) for k, v in self.model.get_metrics_result().items()
-                }
-        self._begin = {"random": position.random_state()}
-        position.capture()
+            self._epoch, self._batch, self._after = epoch, 0, None
+            resume, self._resume = self._resume, None
+            if resume is not None and resume["epoch"] == epoch:
+                if resume.get("random") is not None:
+                    position.restore_random(resume["random"])
+                skip = resume["batch"]
+                position.plan(
+                    skip, resume.get("adapter_epoch"), resume.get("random_now")
+                )
+                if skip:  # inside the epoch: its running metrics so far
+                    variables, saved = self.model.metrics_variables, resume["metrics"]
+                    for variable, value in zip(variables, saved, strict=False):
+                        variable.assign(value)
+                    self._resumed_epoch = epoch
+                    # The epoch's logs if no batch is left (validation resets them).
+                    results = self.model.get_metrics_result()
+                    self._resumed_logs = {k: float(v) for k, v in results.items()}
+            self._begin = {"random": position.random_state()}
+            position.capture()
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if not position.consumed():
