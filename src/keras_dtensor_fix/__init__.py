@@ -49,27 +49,13 @@ def is_active() -> bool:
     return patcher.is_active()
 
 
-def auto_layout_map(
-    build: Any,
-    mesh: Any,
-    sample_input: Any = None,
-    *,
-    model_axis: str = "model",
-    batch_axis: str = "batch",
-) -> Any:
-    """A ``keras.distribution.LayoutMap`` planned from the model ``build()`` returns.
+def __getattr__(name: str) -> Any:
+    """``auto_layout_map``, loaded on first use (the planner imports torch)."""
+    if name != "auto_layout_map":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from keras_dtensor_fix.planning.auto import auto_layout_map
 
-    Megatron's tensor parallelism read off one forward traced on ``meta``
-    (column then row, heads, large tables by rows; the batch axis splits the
-    hidden axis). ``sample_input``: one batch, for a model without ``Input``
-    shapes. Print the map for its rules; ``.plan`` holds the choices and cost.
-    See docs/planner.md.
-    """
-    from keras_dtensor_fix.planning import auto
-
-    return auto.auto_layout_map(
-        build, mesh, sample_input, model_axis=model_axis, batch_axis=batch_axis
-    )
+    return auto_layout_map
 
 
 def _engine_loaded() -> bool:

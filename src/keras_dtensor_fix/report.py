@@ -70,16 +70,6 @@ def problems(import_error: str | None = None) -> list[str]:
     return [problem for problem in (keras, backend) if problem]
 
 
-def _count(
-    families: dict[str, dict[str, Any]], name: str, state: str
-) -> dict[str, Any]:
-    family = families.setdefault(
-        name, {**dict.fromkeys(STATES, 0), "skipped_because": {}, "modules": set()}
-    )
-    family[state] = family.get(state, 0) + 1
-    return family
-
-
 def _judge(
     families: dict[str, dict[str, Any]],
     unexpected: list[str],
@@ -130,7 +120,9 @@ def summarize(
     unexpected: list[str] = []
     for row in report["targets"]:
         state, module, reason = row["state"], row["module"], row["reason"]
-        family = _count(families, row["family"], state)
+        fresh = {**dict.fromkeys(STATES, 0), "skipped_because": {}, "modules": set()}
+        family = families.setdefault(row["family"], fresh)
+        family[state] = family.get(state, 0) + 1
         if not module.startswith("keras_dtensor_fix."):
             family["modules"].add(module)
         target = module if row["attribute"] == ANY else f"{module}.{row['attribute']}"

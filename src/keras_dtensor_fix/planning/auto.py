@@ -43,7 +43,14 @@ def auto_layout_map(
     model_axis: str = "model",
     batch_axis: str = "batch",
 ) -> Any:
-    """``keras_dtensor_fix.auto_layout_map``: see its docstring."""
+    """A ``keras.distribution.LayoutMap`` planned from the model ``build()`` returns.
+
+    Megatron's tensor parallelism read off one forward traced on ``meta``
+    (column then row, heads, large tables by rows; the batch axis splits the
+    hidden axis). ``sample_input``: one batch, for a model without ``Input``
+    shapes. Print the map for its rules; ``.plan`` holds the choices and cost.
+    See docs/planner.md.
+    """
     import keras
 
     if not isinstance(mesh, keras.distribution.DeviceMesh):

@@ -43,16 +43,18 @@ def choose(
     roles = _pair(flow, shapes, n)
     consumers = flow.consumers()
     total = sum(nbytes.values()) or 1
+
+    def large(p: Product, axis: int) -> bool:  # worth its collective, and divides
+        return nbytes[p.weight] >= LARGE * total and shapes[p.weight][axis] % n == 0
+
     # weight -> {(role, weight axis): the product asking}
     asks: dict[str, dict[tuple[str, int], Product]] = {}
     for p in products:
         if p.index in roles:
             ask = roles[p.index]
-        elif p.kind == "lookup" and _large(p, nbytes, total, shapes, n):
+        elif p.kind == "lookup" and large(p, p.contracted[0]):
             ask = ("vocabulary", p.contracted[0])
-        elif _head(p, consumers, shapes) and _large(
-            p, nbytes, total, shapes, n, p.output[0]
-        ):
+        elif _head(p, consumers, shapes) and large(p, p.output[0]):
             ask = ("head", p.output[0])
         else:
             ask = ("replicated", -1)
@@ -98,12 +100,11 @@ def _pair(
             continue
         sources = [products[a] for a in sorted(b.inputs)]
         sources = [a for a in sources if a.kind == "matmul"]
-        if not sources or any(roles.get(a.index, ("",))[0] == "row" for a in sources):
+        if not sources or any(
+            roles.get(a.index, ("",))[0] == "row" or a.index in bypass for a in sources
+        ):
             continue
-        if any(a.index in bypass for a in sources):
-            continue
-        shape = shapes[b.weight]
-        if shape[b.contracted[0]] % n:
+        if shapes[b.weight][b.contracted[0]] % n:
             continue
         split = {a.index: _column_axis(a, b, shapes, n) for a in sources}
         split = {index: axis for index, axis in split.items() if axis is not None}
@@ -139,21 +140,9 @@ def _head(p: Product, consumers, shapes) -> bool:
     return shape[p.output[0]] > shape[p.contracted[0]]
 
 
-def _divides(p: Product, axis: int, shapes: dict[str, tuple[int, ...]], n: int) -> bool:
-    return shapes[p.weight][axis] % n == 0
-
-
-def _large(p, nbytes, total, shapes, n, axis=None) -> bool:
-    axis = p.contracted[0] if axis is None else axis
-    return nbytes[p.weight] >= LARGE * total and _divides(p, axis, shapes, n)
-
-
 def _hidden_axis(p: Product, role: str, axis: int) -> int | None:
     """The weight axis keras-hub's maps give the batch axis: the hidden one."""
-    if role in ("column", "head"):
-        side = p.contracted
-    else:  # row, or a table's other axis
-        side = p.output
+    side = p.contracted if role in ("column", "head") else p.output
     return next((a for a in side if a != axis), None)
 
 
