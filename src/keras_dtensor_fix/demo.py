@@ -175,13 +175,9 @@ def _worker(out: Path, runs: Sequence[str]) -> None:
             print(PROGRESS + line, flush=True)
 
     if world > 1:
-        set_model_parallel(LAYOUT)
-    report: dict[str, Any] = {
-        "world": world,
-        "plugin_active": keras_dtensor_fix.is_active(),
-        "torch": torch.__version__,
-        "runs": {},
-    }
+        set_model_parallel(LAYOUT)  # imports Keras: the plugin's patches land
+    report: dict[str, Any] = {"plugin_active": keras_dtensor_fix.is_active()}
+    report["runs"] = {}
     if world > 1:
         try:
             report["jit_probe"] = _jit_probe()

@@ -224,8 +224,7 @@ class Watcher:
             if signum is not None:
                 break
         self._signum = signum
-        if self._timer is None:
-            self._arm()
+        self._arm()
         with self._cond:
             mine = (self._done + self._busy, self._saves)
         stop = self._offer(mine)
@@ -287,11 +286,13 @@ class Watcher:
         if self.received is not None:
             return
         self.received = signum
-        if self._timer is None:
-            self._arm()
+        self._arm()
         self._wake.set()
 
     def _arm(self) -> None:
+        """Start the deadline, once."""
+        if self._timer is not None:
+            return
         self._timer = threading.Timer(self.timeout, self._expire)
         self._timer.daemon = True
         self._timer.start()

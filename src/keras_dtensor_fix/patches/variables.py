@@ -110,27 +110,20 @@ def placements_of(layout: Any, tensor: Any) -> tuple:
     """The placements ``layout`` gives, rebuilt so that dynamo can trace them
     (read from a cached backend layout, they come through as ``None``)."""
     spec = getattr(layout, SPEC, None)
-    if (
-        spec is None
-        and hasattr(layout, "axes")
-        and hasattr(getattr(layout, "device_mesh", None), "axis_names")
-    ):
-        names = layout.device_mesh.axis_names
-        spec = tuple(
-            next(
-                (
-                    ("S", i)
-                    for i, axis in enumerate(layout.axes)
-                    if axis == name
-                    or (isinstance(axis, (list, tuple)) and name in axis)
-                ),
-                ("R",),
-            )
-            for name in names
-        )
+    names = getattr(getattr(layout, "device_mesh", None), "axis_names", None)
+    if spec is None and names is not None and hasattr(layout, "axes"):
+        spec = tuple(_split(layout.axes, name) for name in names)
     if spec is None:  # a layout made before activation: keep the value's own
         spec = _spec(tensor.placements)
     return _placements(spec)
+
+
+def _split(axes: Any, name: str) -> tuple:
+    """``("S", dim)`` for the dim mesh axis ``name`` splits, else ``("R",)``."""
+    for i, axis in enumerate(axes):
+        if axis == name or (isinstance(axis, (list, tuple)) and name in axis):
+            return ("S", i)
+    return ("R",)
 
 
 def _to_backend_layout(wrapped, instance, args, kwargs):

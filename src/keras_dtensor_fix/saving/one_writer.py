@@ -11,13 +11,12 @@ everywhere.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from keras_dtensor_fix.engine import config
@@ -74,15 +73,6 @@ def _gather(values: Iterable[Any], keep: bool) -> dict[int, Any]:
             cache[id(value)] = full.cpu()
         del full
     return cache
-
-
-@contextlib.contextmanager
-def _using(cache: dict[int, Any]) -> Iterator[None]:
-    _local.cache = cache
-    try:
-        yield
-    finally:
-        _local.cache = None
 
 
 def write_atomically(path: str, write: Callable[[str], None]) -> None:
@@ -153,7 +143,10 @@ def save(what: str, path: str, write: Callable[[str], None], values: Iterable) -
     cache = _gather(values, keep=mine)
 
     def act() -> None:
-        with _using(cache):
+        _local.cache = cache  # what gathered() hands the conversions
+        try:
             write_atomically(path, write)
+        finally:
+            _local.cache = None
 
     _act_report(what, path, mine, act)
