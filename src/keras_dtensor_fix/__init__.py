@@ -7,6 +7,7 @@ Keras's torch backend modules are imported.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from keras_dtensor_fix import _bootstrap
@@ -34,19 +35,15 @@ def activate(*, strict: bool | None = None) -> None:
 
 def deactivate() -> None:
     """Restore every patched object (the very same objects) and stop patching."""
-    if _engine_loaded():
-        from keras_dtensor_fix.engine import patcher
-
+    patcher = _patcher()
+    if patcher is not None:
         patcher.deactivate()
 
 
 def is_active() -> bool:
     """Whether the fix is active in this process."""
-    if not _engine_loaded():
-        return False
-    from keras_dtensor_fix.engine import patcher
-
-    return patcher.is_active()
+    patcher = _patcher()
+    return patcher is not None and patcher.is_active()
 
 
 def __getattr__(name: str) -> Any:
@@ -58,10 +55,9 @@ def __getattr__(name: str) -> Any:
     return auto_layout_map
 
 
-def _engine_loaded() -> bool:
-    import sys
-
-    return f"{__name__}.engine.patcher" in sys.modules
+def _patcher() -> Any:
+    """The engine's patcher where loaded (not loaded: nothing was patched)."""
+    return sys.modules.get(f"{__name__}.engine.patcher")
 
 
 def status() -> dict[str, Any]:

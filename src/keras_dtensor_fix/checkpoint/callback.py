@@ -102,7 +102,7 @@ class Checkpoint(MonitorCallback):
         )
         if self.restore and not self._restored:
             self._restored = True  # once: a second fit() goes on from where it is
-            saved = on_first(_saved, self.directory)
+            saved = on_first(_saved_info, self.directory)
             if saved is not None:
                 self._load(self.metrics and saved.get("metrics", False))
         if self.save_on_background and distributed() and self._group is None:
@@ -179,20 +179,14 @@ class Checkpoint(MonitorCallback):
 
     def _position(self, at_epoch_end: bool) -> dict[str, Any]:
         """Where fit is: batches done in the epoch, what orders its data."""
-        if at_epoch_end:
-            return {
-                "batch": 0,
-                "batches": self._batches,
-                "adapter_epoch": position.adapter_epoch(at_epoch_begin=False),
-                "random": position.random_state(),
-            }
-        return {
-            "batch": self._batch,
+        where = {
+            "batch": 0 if at_epoch_end else self._batch,
             "batches": self._batches,
-            "adapter_epoch": position.adapter_epoch(at_epoch_begin=True),
-            **self._begin,
-            "random_now": position.random_state(),
+            "adapter_epoch": position.adapter_epoch(at_epoch_begin=not at_epoch_end),
         }
+        if at_epoch_end:  # the next epoch starts from here
+            return {**where, "random": position.random_state()}
+        return {**where, **self._begin, "random_now": position.random_state()}
 
     def _maybe_save(self, logs: dict | None, at_epoch_end: bool) -> None:
         if self.save_best_only:
@@ -209,16 +203,13 @@ class Checkpoint(MonitorCallback):
             if not self._is_improvement(current, self.best):
                 return
             self.best = current
-        self._save(at_epoch_end, background=self.save_on_background)
-
-    def _save(self, at_epoch_end: bool, background: bool) -> str | None:
         self._watcher.begin_save()  # every process makes it, or none does
         try:
             self._finish()
             saved = self._write(
                 self._epoch + at_epoch_end,  # epochs completed
                 self._position(at_epoch_end),
-                background=background,
+                background=self.save_on_background,
                 group=self._group,
             )
             self._saved_at = self._batches
@@ -226,11 +217,13 @@ class Checkpoint(MonitorCallback):
             self._watcher.end_save()
         if isinstance(saved, PendingSave):
             self._pending = saved
-            return None
-        self._watcher.where = saved
+        else:
+            self._note_saved(saved)
+
+    def _note_saved(self, path: str) -> None:
+        self._watcher.where = path
         if self.verbose:
-            print(f"Checkpoint: saved {saved}")
-        return saved
+            print(f"Checkpoint: saved {path}")
 
     def _write(self, epoch: int, where: dict[str, Any], **extra: Any) -> Any:
         return save(
@@ -250,9 +243,7 @@ class Checkpoint(MonitorCallback):
         if pending is not None:
             path = pending.wait()
             self._pending = None  # only now: a stop's save waits for it too
-            self._watcher.where = path
-            if self.verbose:
-                print(f"Checkpoint: saved {path}")
+            self._note_saved(path)
 
     def _stop_save(self, signum: int) -> str:
         """The watcher thread's save at the agreed stop; the line to exit with."""
@@ -267,12 +258,9 @@ class Checkpoint(MonitorCallback):
                 self._position(at_epoch_end=False),
                 None,
             )
+            group = self._watcher.group
             path = self._write(
-                epoch,
-                where,
-                group=self._watcher.group,
-                values=values,
-                scope="preemption",
+                epoch, where, group=group, values=values, scope="preemption"
             )
             self._watcher.where = path
         return (
@@ -319,7 +307,7 @@ def _fit_code(model: Any) -> CodeType | None:
     return None
 
 
-def _saved(directory: str) -> dict[str, Any] | None:
+def _saved_info(directory: str) -> dict[str, Any] | None:
     """What the complete checkpoint in ``directory`` recorded, if there is one."""
     try:
         return read_info(directory)

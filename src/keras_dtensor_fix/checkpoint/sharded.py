@@ -228,21 +228,20 @@ class PendingSave:
         self._error: BaseException | None = None
         self._future = getattr(future, "upload_completion", future)
         self._committed = threading.Event()
-        if rank() == 0:
-            self._future.add_done_callback(
-                lambda done: self._commit(done, directory, name, info, keep)
-            )
-        else:
+        if rank() != 0:
             self._committed.set()
+            return
 
-    def _commit(self, done: Any, directory: str, name: str, info: dict, keep: int):
-        try:
-            if done.exception() is None:
-                commit(directory, name, info, keep)
-        except Exception as exc:  # noqa: BLE001 - raised by wait()
-            self._error = exc
-        finally:
-            self._committed.set()
+        def done(finished: Any) -> None:
+            try:
+                if finished.exception() is None:
+                    commit(directory, name, info, keep)
+            except Exception as exc:  # noqa: BLE001 - raised by wait()
+                self._error = exc
+            finally:
+                self._committed.set()
+
+        self._future.add_done_callback(done)
 
     def wait(self) -> str:
         """Block until written and committed on every process; the folder."""

@@ -21,18 +21,13 @@ ENTRY_POINTS: tuple[str, ...] = ("initialize", "list_devices", "set_distribution
 _checked = False
 
 
-def _check_once() -> None:
-    global _checked
-    if _checked:
-        return
-    _checked = True
-    problem = install.keras_problem() if targets.backend() == "torch" else None
-    if problem:
-        warnings.warn(f"keras-dtensor-fix: {problem}", stacklevel=3)
-
-
 def _entry(wrapped, instance, args, kwargs):
-    _check_once()
+    global _checked
+    if not _checked:
+        _checked = True
+        problem = install.keras_problem() if targets.backend() == "torch" else None
+        if problem:
+            warnings.warn(f"keras-dtensor-fix: {problem}", stacklevel=2)
     return wrapped(*args, **kwargs)
 
 
