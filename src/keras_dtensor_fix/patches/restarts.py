@@ -44,27 +44,21 @@ UNSHARED_ROUND = (
 )
 
 
-def _unshared_round() -> bool:
-    """Several agents, and no round from theirs: nothing names the attempt."""
-    return (
-        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        and os.environ.get("GROUP_WORLD_SIZE", "1") != "1"
-        and ROUND not in os.environ
-    )
-
-
 def _create_store(wrapped, instance, args, kwargs):
     store = wrapped(*args, **kwargs)
     prefix = attempt_prefix()
-    if prefix is None:
-        if _unshared_round():
-            import warnings
+    if prefix is not None:
+        import torch.distributed as dist
 
-            warnings.warn(UNSHARED_ROUND, stacklevel=3)
-        return store
-    import torch.distributed as dist
+        return dist.PrefixStore(prefix, store)
+    if (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("GROUP_WORLD_SIZE", "1") != "1"
+    ):  # several agents, no round from theirs: nothing names the attempt
+        import warnings
 
-    return dist.PrefixStore(prefix, store)
+        warnings.warn(UNSHARED_ROUND, stacklevel=3)
+    return store
 
 
 def rendezvous_round(worker_group: object) -> int | None:
