@@ -245,9 +245,7 @@ def _einsum_roles(equation: str, operands: list, weight) -> tuple | None:
     terms = [
         _expand(term, t.ndim, fill) for term, t in zip(terms, operands, strict=True)
     ]
-    output = _expand(output, len(fill), fill) if "..." in output else output
-    if "..." in output:
-        return None
+    output = _expand(output, len(fill), fill)
     position = next(i for i, t in enumerate(operands) if t is weight)
     mine = terms[position]
     elsewhere = set("".join(t for i, t in enumerate(terms) if i != position))
@@ -260,6 +258,4 @@ def _einsum_roles(equation: str, operands: list, weight) -> tuple | None:
 
 def _expand(term: str, width: int, fill: str) -> str:
     """``term``'s ellipsis as ``width`` last letters of ``fill`` (broadcast right)."""
-    if "..." not in term:
-        return term
     return term.replace("...", fill[len(fill) - width :] if width else "")
