@@ -110,9 +110,10 @@ def placements_of(layout: Any, tensor: Any) -> tuple:
     """The placements ``layout`` gives, rebuilt so that dynamo can trace them
     (read from a cached backend layout, they come through as ``None``)."""
     spec = getattr(layout, SPEC, None)
-    names = getattr(getattr(layout, "device_mesh", None), "axis_names", None)
-    if spec is None and names is not None and hasattr(layout, "axes"):
-        spec = tuple(_split(layout.axes, name) for name in names)
+    # A Keras layout has axes; a backend one's torch mesh is opaque to dynamo.
+    if spec is None and hasattr(layout, "axes"):
+        names = getattr(getattr(layout, "device_mesh", None), "axis_names", None)
+        spec = None if names is None else tuple(_split(layout.axes, n) for n in names)
     if spec is None:  # a layout made before activation: keep the value's own
         spec = _spec(tensor.placements)
     return _placements(spec)
