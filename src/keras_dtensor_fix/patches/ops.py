@@ -36,9 +36,11 @@ def _static(value: Any) -> bool:
 
 def _slice_wrapper(convert_to_tensor: Any) -> Any:
     """The wrapper of the core module's ``slice`` (its ``convert_to_tensor``)."""
-    return lambda wrapped, _, args, kwargs: _slice(
-        convert_to_tensor, wrapped, args, kwargs
-    )
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        return _slice(convert_to_tensor, wrapped, args, kwargs)
+
+    return wrapper
 
 
 def _slice(convert_to_tensor: Any, wrapped: Any, args: tuple, kwargs: dict) -> Any:
