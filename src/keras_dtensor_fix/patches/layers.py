@@ -25,32 +25,10 @@ from keras_dtensor_fix.ops.values import resolve
 
 #: Keras activations (``keras.activations.<name>``) by how far they reach.
 #: Any other callable runs locally only where the output is whole everywhere.
-ELEMENTWISE = (
-    "celu",
-    "elu",
-    "exponential",
-    "gelu",
-    "hard_shrink",
-    "hard_sigmoid",
-    "hard_silu",
-    "hard_tanh",
-    "leaky_relu",
-    "linear",
-    "log_sigmoid",
-    "mish",
-    "relu",
-    "relu6",
-    "selu",
-    "sigmoid",
-    "silu",
-    "soft_shrink",
-    "softplus",
-    "softsign",
-    "sparse_plus",
-    "sparse_sigmoid",
-    "squareplus",
-    "tanh",
-    "tanh_shrink",
+ELEMENTWISE = tuple(
+    "celu elu exponential gelu hard_shrink hard_sigmoid hard_silu hard_tanh "
+    "leaky_relu linear log_sigmoid mish relu relu6 selu sigmoid silu soft_shrink "
+    "softplus softsign sparse_plus sparse_sigmoid squareplus tanh tanh_shrink".split()
 )
 LAST_AXIS = ("glu", "log_softmax", "softmax", "sparsemax")
 
