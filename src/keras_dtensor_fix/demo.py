@@ -47,11 +47,8 @@ LAYOUT = {
 def set_model_parallel(
     layout: dict[str, tuple], devices: list[str] | None = None
 ) -> None:
-    """Initialize the process group and set a (1, world) ModelParallel.
-
-    ``layout`` maps LayoutMap regexes to axes over ``("batch", "model")``;
-    ``devices`` defaults to ``list_devices()``. Every process feeds whole batches.
-    """
+    """Initialize the process group and set a (1, world) ModelParallel of
+    ``layout`` (regex -> axes over batch, model); each process feeds whole batches."""
     import keras
 
     keras.distribution.initialize()
@@ -144,8 +141,7 @@ def _train(jit_compile: bool, say: Any) -> dict[str, Any]:
 
 
 def _jit_probe() -> str:
-    """Why this Keras refuses jit_compile=True here, or ``""`` (also where the
-    trainer cannot say)."""
+    """Why this Keras refuses jit_compile=True here, or ``""``."""
     import keras
 
     model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])

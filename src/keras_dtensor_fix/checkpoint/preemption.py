@@ -1,15 +1,13 @@
 """Preemption: a signal, then every process stops at the same step and saves it.
 
 The handler only notes the signal and wakes a watcher thread. The threads
-agree through a clone of the process group's store (no collective, so the
-main threads may be anywhere): the first signal is written under one key
-(``compare_set``: a finished ``fit`` writes ``end`` there, so both cannot
-win); then each offers the steps and saves its main thread will reach
-without starting anything new, and the stop is the largest of each. Main
-threads go on to it and park (:meth:`Watcher.begin_step`,
-:meth:`Watcher.begin_save`); each thread then saves and ends its process. A
-deadline exits without the save. A signal once ``fit`` has left the stack
-goes to the handler that was there before.
+agree through a clone of the group's store (no collective: the main threads
+may be anywhere): the first signal is written under one key (``compare_set``;
+a finished ``fit`` writes ``end`` there), then each offers the steps and
+saves its main thread will reach without starting anything new; the stop is
+the largest of each. Main threads go on to it and park; each thread saves
+and ends its process, or a deadline ends it. A signal once ``fit`` has left
+the stack goes to the handler that was there before.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Leaf layers on local tensors: norms, rotary embeddings, softmax.
 
 Between row-parallel sums and column-parallel products activations are
-replicated, and a layer with no sublayers and replicated weights computes the
-same full value on every rank, each small op paying DTensor's dispatch. Such
-a layer runs as one process runs it: inputs and weights local, the output
-wrapped once. Layers reading across only some axes
-(``targets.MIXING_LAYERS``: softmax, rotary) also run on shards split on the
-others (attention heads); ``dtensor.planner.region`` decides.
-
-Anything else calls the original: sublayers, sharded weights, a seed
-generator, a mask, an activity regularizer, a laid-out output, an unbuilt
-layer, a stateless scope, a nested call, compiled steps. Each layer's first
+replicated, and a leaf layer with replicated weights computes the same full
+value on every rank, each small op paying DTensor's dispatch: it runs as one
+process runs it, inputs and weights local, the output wrapped once. Layers
+reading across some axes only (``targets.MIXING_LAYERS``) also run on shards
+split on the others (attention heads); ``dtensor.planner.region`` decides.
+Anything else (sublayers, sharded weights, a seed generator, a mask, a
+laid-out output, compiled steps, ...) calls the original. Each layer's first
 local call is checked (``ops.first_call``). Gated.
 """
 
