@@ -1,12 +1,13 @@
 """keras-dtensor-fix: make ``keras.distribution.ModelParallel`` work on torch.
 
-Importing the package activates the fix unless ``KERAS_DTENSOR_FIX`` says
-off; installing it activates it in every interpreter through a ``.pth`` file.
-Patches land when Keras's torch backend modules are imported.
+Importing the package (or, once installed, starting Python: a ``.pth`` file)
+activates the fix unless ``KERAS_DTENSOR_FIX`` says off; patches land when
+Keras's torch backend modules are imported.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from keras_dtensor_fix import _bootstrap
@@ -23,11 +24,9 @@ __all__ = [
 
 
 def activate(*, strict: bool | None = None) -> None:
-    """Patch Keras's torch backend now and on every later import.
-
-    Works even when ``KERAS_DTENSOR_FIX`` is off; ``KERAS_DTENSOR_FIX_DISABLE``
-    still applies. ``strict=True`` (or ``KERAS_DTENSOR_FIX_STRICT=1``) makes a
-    patch that cannot apply raise instead of warn. Idempotent.
+    """Patch Keras's torch backend now and on every later import (also when
+    ``KERAS_DTENSOR_FIX`` is off). ``strict=True`` (or
+    ``KERAS_DTENSOR_FIX_STRICT=1``): a patch that cannot apply raises. Idempotent.
     """
     from keras_dtensor_fix.engine import patcher
 
@@ -36,58 +35,36 @@ def activate(*, strict: bool | None = None) -> None:
 
 def deactivate() -> None:
     """Restore every patched object (the very same objects) and stop patching."""
-    if _engine_loaded():
-        from keras_dtensor_fix.engine import patcher
-
+    patcher = _patcher()
+    if patcher is not None:
         patcher.deactivate()
 
 
 def is_active() -> bool:
     """Whether the fix is active in this process."""
-    if not _engine_loaded():
-        return False
-    from keras_dtensor_fix.engine import patcher
-
-    return patcher.is_active()
+    patcher = _patcher()
+    return patcher is not None and patcher.is_active()
 
 
-def auto_layout_map(
-    build: Any,
-    mesh: Any,
-    sample_input: Any = None,
-    *,
-    model_axis: str = "model",
-    batch_axis: str = "batch",
-) -> Any:
-    """A ``keras.distribution.LayoutMap`` planned from the model ``build()`` returns.
+def __getattr__(name: str) -> Any:
+    """``auto_layout_map``, loaded on first use (the planner imports torch)."""
+    if name != "auto_layout_map":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from keras_dtensor_fix.planning.auto import auto_layout_map
 
-    Megatron's tensor parallelism read off one traced forward: projections
-    that feed one another pair column then row, attention splits by heads,
-    large tables by rows; the batch axis splits the other (hidden) weight
-    axis. Print the map for its rules; ``.plan`` holds the choices and their
-    cost. See docs/planner.md.
-    """
-    from keras_dtensor_fix.planning import auto
-
-    return auto.auto_layout_map(
-        build, mesh, sample_input, model_axis=model_axis, batch_axis=batch_axis
-    )
+    return auto_layout_map
 
 
-def _engine_loaded() -> bool:
-    import sys
-
-    return f"{__name__}.engine.patcher" in sys.modules
+def _patcher() -> Any:
+    """The engine's patcher where loaded (not loaded: nothing was patched)."""
+    return sys.modules.get(f"{__name__}.engine.patcher")
 
 
 def status() -> dict[str, Any]:
-    """A structured report: versions, backend, layout, gate, and every target.
-
-    Keys: ``version``, ``keras`` (``version``, ``distribution``), ``torch``
-    (``version``), ``backend``, ``layout``, ``enabled``, ``why``, ``gate``
-    (``ok``, ``reason``), ``disabled_families``, ``targets`` (rows with
-    ``family``, ``module``, ``attribute``, ``state``, ``cause``, ``reason``),
-    ``warnings`` and ``notes``. Reading it imports neither keras nor torch.
+    """A structured report: versions, backend, layout, ``enabled`` and
+    ``why``, ``gate``, ``disabled_families``, ``targets`` (a row per patch:
+    family, module, attribute, state, cause, reason), ``warnings``, ``notes``.
+    Imports neither keras nor torch.
     """
     from keras_dtensor_fix import report
 

@@ -1,9 +1,6 @@
 """``python -m keras_dtensor_fix status [--verbose|--json] [--check]``, ``demo``,
-``plan`` (:mod:`keras_dtensor_fix.planning.cli`).
-
-The report and its summary are :mod:`keras_dtensor_fix.report`'s, their text
-:mod:`keras_dtensor_fix.status_text`'s; this module loads Keras (quietly,
-and only where asked), prints them and parses arguments.
+``plan``: parses arguments, loads Keras where asked, prints
+:mod:`keras_dtensor_fix.report`'s report as :mod:`.status_text` writes it.
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ __all__ = ["main", "summarize"]
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Keep third-party warnings (absl's jax profiler, ...) out of the output;
-    the plugin's own reach the report."""
+    """Third-party warnings out of the output (the plugin's reach the report)."""
     previous = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
     try:
@@ -41,9 +37,8 @@ def _quiet() -> Iterator[None]:
 
 
 def _load_keras(all_targets: bool) -> tuple[list[str], str | None]:
-    """Import Keras as the environment selects it (and, with ``all_targets``,
-    every module the plugin patches): notes on failures, and how importing
-    Keras itself failed."""
+    """Import Keras (with ``all_targets``, every module the plugin patches):
+    notes on failures, and how importing Keras itself failed."""
     notes: list[str] = []
     with _quiet():
         try:
@@ -67,8 +62,7 @@ def _load_keras(all_targets: bool) -> tuple[list[str], str | None]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    # The default answer imports no Keras (seconds saved); the others need
-    # every patch in place.
+    # The default answer imports no Keras (seconds saved).
     deep = args.check or args.verbose or args.json or args.keras_only
     notes, import_error = _load_keras(not args.keras_only) if deep else ([], None)
     report = keras_dtensor_fix.status()
@@ -88,24 +82,14 @@ def _status(args: argparse.Namespace) -> int:
     return 1 if args.check and not report["summary"]["ok"] else 0
 
 
-def _demo(argv: list[str]) -> int:
-    try:
-        demo = importlib.import_module("keras_dtensor_fix.demo")
-    except ModuleNotFoundError as exc:
-        if exc.name != "keras_dtensor_fix.demo":
-            raise
-        print("keras_dtensor_fix.demo is not available in this build", file=sys.stderr)
-        return 2
-    result = demo.main(argv)
-    return int(result or 0)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["demo"]:
-        return _demo(argv[1:])
-    if argv[:1] == ["plan"]:  # the planner's own arguments: planning/cli.py
+        from keras_dtensor_fix import demo
+
+        return demo.main(argv[1:])
+    if argv[:1] == ["plan"]:
         from keras_dtensor_fix.planning import cli
 
         return cli.main(argv[1:])

@@ -1,13 +1,10 @@
 """``python -m keras_dtensor_fix demo``: why install the plugin, measured here.
 
-Runs one training script (an MLP with Megatron-style column/row sharded
-kernels under ``keras.distribution.ModelParallel``, ``model.fit`` on 2 CPU
-processes over gloo) twice: with the plugin off (``KERAS_DTENSOR_FIX=0``,
-upstream Keras as installed) and with it on (eager, then
-``jit_compile=True``). Then the same model on one process gives the reference
-losses. It prints each phase as it runs, the time per step of each run
-(after a warm-up epoch), the losses side by side, and a verdict. Exit status
-0 when the plugin's runs match the one-process losses.
+One training script (an MLP with column/row sharded kernels, ``model.fit``
+under ``ModelParallel`` on 2 CPU processes over gloo) runs with the plugin
+off (upstream Keras), then on (eager, then ``jit_compile=True``), then on one
+process for the reference losses. Prints each phase, the time per step, the
+losses side by side and a verdict; exit status 0 when the plugin's runs match.
 """
 
 from __future__ import annotations
@@ -33,27 +30,25 @@ EPOCHS = 5
 SAMPLES, BATCH = 1024, 32
 STEPS = SAMPLES // BATCH  # per epoch
 FEATURES, HIDDEN, OUTPUTS = 64, 512, 8
-#: Losses of the plugin's runs must match the one-process run to this.
-RTOL = 1e-5
-#: A run that takes longer than this is stopped (a rank stuck in a collective).
-TIMEOUT_S = 240
-#: Lines a worker prints for the parent to relay start with this.
-PROGRESS = "[demo] "
-#: What a worker can run: the training eagerly, or with jit_compile=True.
+RTOL = 1e-5  # the plugin's losses against one process's
+TIMEOUT_S = 240  # a run stuck in a collective is stopped
+PROGRESS = "[demo] "  # a worker's lines for the parent to relay
 RUNS = ("eager", "jit")
-#: The plugin's switch: off gives upstream Keras as installed.
-ENV_ENABLE = "KERAS_DTENSOR_FIX"
+ENV_ENABLE = "KERAS_DTENSOR_FIX"  # off: upstream Keras as installed
+COMPILES = "its first epoch compiles: 80 s on 2 CPU cores, less with a warm torch "
+COMPILES += "compile cache"
+LAYOUT = {
+    ".*hidden/kernel": (None, "model"),  # column parallel
+    ".*hidden/bias": ("model",),
+    ".*hidden2/kernel": ("model", None),  # row parallel
+}
 
 
 def set_model_parallel(
     layout: dict[str, tuple], devices: list[str] | None = None
 ) -> None:
-    """Initialize the process group and set a (1, world) ModelParallel.
-
-    ``layout`` maps LayoutMap regexes to axes over ``("batch", "model")``;
-    ``devices`` (one per rank, default ``list_devices()``) names the mesh's.
-    Every process feeds whole batches (``auto_shard_dataset = False``).
-    """
+    """Initialize the process group and set a (1, world) ModelParallel of
+    ``layout`` (regex -> axes over batch, model); each process feeds whole batches."""
     import keras
 
     keras.distribution.initialize()
@@ -74,6 +69,16 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _jit_warning(caught: Sequence[warnings.WarningMessage]) -> str:
+    return next((str(w.message) for w in caught if "jit_compile" in str(w.message)), "")
+
+
 def _train(jit_compile: bool, say: Any) -> dict[str, Any]:
     """Build, compile and fit the demo model; losses and epoch times."""
     import keras
@@ -84,12 +89,13 @@ def _train(jit_compile: bool, say: Any) -> dict[str, Any]:
     x = rng.normal(size=(SAMPLES, FEATURES)).astype("float32")
     w = rng.normal(size=(FEATURES, OUTPUTS)) / np.sqrt(FEATURES)
     y = (x @ w + 0.1 * rng.normal(size=(SAMPLES, OUTPUTS))).astype("float32")
+    dense = keras.layers.Dense
     model = keras.Sequential(
         [
             keras.layers.Input((FEATURES,)),
-            keras.layers.Dense(HIDDEN, activation="relu", name="hidden"),
-            keras.layers.Dense(HIDDEN, activation="relu", name="hidden2"),
-            keras.layers.Dense(OUTPUTS, name="output"),
+            dense(HIDDEN, activation="relu", name="hidden"),
+            dense(HIDDEN, activation="relu", name="hidden2"),
+            dense(OUTPUTS, name="output"),
         ]
     )
     model.compile(
@@ -126,39 +132,22 @@ def _train(jit_compile: bool, say: Any) -> dict[str, Any]:
     return {
         "losses": [float(v) for v in history.history["loss"]],
         "epoch_s": times,
-        # The median of the timed epochs: other jobs on the machine add noise.
+        # The median: other jobs on the machine add noise.
         "ms_per_step": 1000 * statistics.median(times[1:]) / STEPS,
-        # Measured, not assumed: graphs dynamo made during fit.
-        "compiled": _dynamo_graphs() > graphs,
+        "compiled": _dynamo_graphs() > graphs,  # measured, not assumed
         "jit_refused": _jit_warning(caught),
         "kernel": f"{type(kernel).__name__} {getattr(kernel, 'placements', '')}",
     }
 
 
-def _dynamo_graphs() -> int:
-    """How many graphs torch.compile has made in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-def _jit_warning(caught: Sequence[warnings.WarningMessage]) -> str:
-    """The first warning about ``jit_compile`` (why a step was not compiled)."""
-    return next((str(w.message) for w in caught if "jit_compile" in str(w.message)), "")
-
-
 def _jit_probe() -> str:
-    """Why this Keras (plugin on or off) refuses jit_compile=True, or ``""``.
-
-    Asks the trainer about a small model under the current distribution
-    without training it; ``""`` too where the trainer has no such question.
-    """
+    """Why this Keras refuses jit_compile=True here, or ``""``."""
     import keras
 
     model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
     model.compile(optimizer="adam", loss="mse", jit_compile=True)
     use = getattr(model, "_use_torch_compile", None)
-    if use is None:  # an older trainer, which does not say
+    if use is None:
         return ""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -182,19 +171,9 @@ def _worker(out: Path, runs: Sequence[str]) -> None:
             print(PROGRESS + line, flush=True)
 
     if world > 1:
-        set_model_parallel(
-            {
-                ".*hidden/kernel": (None, "model"),  # column parallel
-                ".*hidden/bias": ("model",),
-                ".*hidden2/kernel": ("model", None),  # row parallel
-            }
-        )
-    report: dict[str, Any] = {
-        "world": world,
-        "plugin_active": keras_dtensor_fix.is_active(),
-        "torch": torch.__version__,
-        "runs": {},
-    }
+        set_model_parallel(LAYOUT)  # imports Keras: the plugin's patches land
+    report: dict[str, Any] = {"plugin_active": keras_dtensor_fix.is_active()}
+    report["runs"] = {}
     if world > 1:
         try:
             report["jit_probe"] = _jit_probe()
@@ -228,14 +207,9 @@ def _launch(
         worker = [*launcher, f"--nproc_per_node={ranks}", *worker]
     # A demo started inside a launcher must not inherit its rank.
     launcher_env = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {
-        **{k: v for k, v in os.environ.items() if k not in launcher_env},
-        "KERAS_BACKEND": "torch",
-        # One thread per process: the ranks share the cores.
-        "OMP_NUM_THREADS": "1",
-        ENV_ENABLE: "1" if plugin else "0",
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = {k: v for k, v in os.environ.items() if k not in launcher_env}
+    env.update(KERAS_BACKEND="torch", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env[ENV_ENABLE] = "1" if plugin else "0"
     print(f"\n{title}", flush=True)
     start = time.perf_counter()
     proc = subprocess.Popen(
@@ -267,15 +241,11 @@ def _launch(
     elapsed = time.perf_counter() - start
     if out.exists():
         report = json.loads(out.read_text())
-    else:
-        # A crash (or a hang) before rank 0 wrote its report: its last words.
+    else:  # a crash or a hang before rank 0 wrote its report: its last words
         lines = [line.strip() for line in tail if line.strip()]
         why = f"no result after {TIMEOUT_S} s" if code is None else f"exit {code}"
-        error = next(
-            (line for line in reversed(lines) if "Error" in line),
-            lines[-1] if lines else "",
-        )
-        report = {"runs": {run: {"error": f"{why}: {error}"} for run in runs}}
+        errors = [line for line in lines if "Error" in line] or lines[-1:] or [""]
+        report = {"runs": {run: {"error": f"{why}: {errors[-1]}"} for run in runs}}
         sys.stderr.write("".join(tail))
     print(f"  done in {elapsed:.0f} s", flush=True)
     return report
@@ -288,13 +258,6 @@ def _speed(run: dict[str, Any]) -> str:
     if run.get("jit") and not run["compiled"]:
         text += f" (not compiled: {run['jit_refused'] or 'runs eagerly'})"
     return text
-
-
-def _worst(losses: Sequence[float], reference: Sequence[float]) -> float:
-    """The largest relative difference, epoch by epoch."""
-    return max(
-        abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference, strict=True)
-    )
 
 
 def _ratio(slow: float, fast: float) -> str:
@@ -317,15 +280,13 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown runs {unknown}; known: {', '.join(RUNS)}")
         _worker(args.worker, args.runs or ["eager"])
-        # Skip the interpreter's teardown: a gloo thread still releasing the
-        # last collective's tensors needs the GIL, and during finalization it
-        # aborts the process (SIGABRT) after the report is written.
+        # No interpreter teardown: a gloo thread still releasing tensors
+        # aborts the process (SIGABRT) during finalization.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
     if args.runs:
         parser.error(f"unrecognized arguments: {' '.join(args.runs)}")
-
     print(
         "Why install keras-dtensor-fix: one training script, with the plugin off "
         "and on.\n"
@@ -338,31 +299,23 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     started = time.perf_counter()
+    phases = [  # title, processes, plugin on (eager, then jit)
+        (f"plugin OFF ({ENV_ENABLE}=0: upstream Keras), 2 processes, eager", 2, False),
+        (f"plugin ON, 2 processes, eager, then jit_compile=True ({COMPILES})", 2, True),
+        ("reference: 1 process, no distribution, plugin off", 1, False),
+    ]
     with tempfile.TemporaryDirectory() as tmp:
-        upstream = _launch(
-            f"[1/3] plugin OFF ({ENV_ENABLE}=0: upstream Keras), 2 processes, eager",
-            Path(tmp, "upstream.json"),
-            ["eager"],
-            ranks=2,
-            plugin=False,
-        )
-        plugin = _launch(
-            "[2/3] plugin ON, 2 processes, eager, then jit_compile=True "
-            "(its first epoch compiles: 80 s on 2 CPU cores, less with a "
-            "warm torch compile cache)",
-            Path(tmp, "plugin.json"),
-            ["eager", "jit"],
-            ranks=2,
-            plugin=True,
-        )
-        single = _launch(
-            "[3/3] reference: 1 process, no distribution, plugin off",
-            Path(tmp, "single.json"),
-            ["eager"],
-            ranks=1,
-            plugin=False,
-        )
-    return report(upstream, plugin, single, time.perf_counter() - started)
+        reports = [
+            _launch(
+                f"[{i}/3] {title}",
+                Path(tmp, f"{i}.json"),
+                ["eager", "jit"] if plugin else ["eager"],
+                ranks=ranks,
+                plugin=plugin,
+            )
+            for i, (title, ranks, plugin) in enumerate(phases, 1)
+        ]
+    return report(*reports, time.perf_counter() - started)
 
 
 def report(
@@ -374,8 +327,8 @@ def report(
     """Print the comparison of the three launches' reports; the exit status.
 
     FAIL (1) when a plugin run did not finish, its losses differ from one
-    process's by more than :data:`RTOL`, or a dispatch mode was active with the
-    plugin. Upstream's speed or failure is reported, never a failure.
+    process's by more than :data:`RTOL`, or a dispatch mode was active with
+    the plugin. Upstream's speed or failure is reported, never a failure.
     """
     up = upstream["runs"]["eager"]
     eager = plugin["runs"]["eager"]
@@ -397,7 +350,6 @@ def report(
     modes = plugin.get("dispatch_modes")
     listed = ", ".join(modes or ()) or "none"
     print(f"dispatch modes active during training with the plugin: {listed}")
-
     finished = [(short, run) for short, _, run in rows if "losses" in run]
     if len(finished) > 1:
         print("\n" + "epoch" + "".join(f"  {short:>12}" for short, _ in finished))
@@ -405,13 +357,13 @@ def report(
             cells = "".join(f"  {run['losses'][epoch]:>12.6f}" for _, run in finished)
             print(f"{epoch + 1:>5}{cells}")
 
-    problems = []
-    worst = 0.0
+    problems, worst = [], 0.0
     for name, run in (("eager", eager), ("jit_compile=True", jit)):
         if "losses" not in run or "losses" not in ref:
             problems.append(f"plugin {name} did not finish ({run.get('error')})")
-        else:
-            worst = max(worst, _worst(run["losses"], ref["losses"]))
+            continue
+        for a, b in zip(run["losses"], ref["losses"], strict=True):
+            worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
     if worst > RTOL:
         problems.append(f"plugin losses differ from one process by {worst:.1e}")
     if modes:

@@ -1,8 +1,6 @@
-"""The status report: ``keras_dtensor_fix.status()`` and its summary.
-
-:func:`report` gathers versions, the gate, the engine's ledger rows and
-notes; :func:`summarize` judges them by cause for ``python -m
-keras_dtensor_fix status``. It reads the engine; the engine never reads it.
+"""The status report: ``keras_dtensor_fix.status()`` (:func:`report`) and
+:func:`summarize`, which judges it by cause. It reads the engine, never the
+other way.
 """
 
 from __future__ import annotations
@@ -62,29 +60,14 @@ def problems(import_error: str | None = None) -> list[str]:
     """Why a ModelParallel script started now would not get the fix, each
     with what to do; ``import_error``: how importing Keras failed, if it did."""
     backend = install.backend_problem()
-    # Another backend fails to import when it is not installed: its line says
-    # what to do. Else a Keras that fails to import fails every check.
+    # Another backend's line says what to do; else a failed import says it.
     keras = install.keras_problem()
     if import_error and not backend:
         keras = (
             f"Keras cannot be imported ({import_error}): reinstall it, "
             f"`{install.INSTALL_NIGHTLY}`"
         )
-    found = [keras, backend]
-    return [problem for problem in found if problem]
-
-
-# -- the summary ------------------------------------------------------------------
-
-
-def _count(
-    families: dict[str, dict[str, Any]], name: str, state: str
-) -> dict[str, Any]:
-    family = families.setdefault(
-        name, {**dict.fromkeys(STATES, 0), "skipped_because": {}, "modules": set()}
-    )
-    family[state] = family.get(state, 0) + 1
-    return family
+    return [problem for problem in (keras, backend) if problem]
 
 
 def _judge(
@@ -122,14 +105,11 @@ def summarize(
 ) -> dict[str, Any]:
     """What a person needs from ``report``: state, family counts, the unexpected.
 
-    ``exists`` tells whether this Keras has a module (default:
-    :func:`keras_dtensor_fix.engine.targets.find_spec`); ``all_targets`` says whether
-    every existing target module was imported, so that one still pending is
-    news. Keys: ``state`` (``active``, ``off``, ``not ready``, ``idle`` or
-    ``waiting``),
-    ``headline``, ``python``, ``families`` (name -> ``state`` and a count per
-    row state, plus ``skipped_because``: a word of :data:`EXPECTED`, or
-    ``unexpected``), ``unexpected`` (lines) and ``ok`` (no unexpected line).
+    ``exists``: whether this Keras has a module; ``all_targets``: every
+    existing target module was imported (one still pending is news). Keys:
+    ``state`` (active, off, not ready, idle, waiting), ``headline``,
+    ``python``, ``families`` (state, a count per row state,
+    ``skipped_because``), ``unexpected`` (lines) and ``ok``.
     """
     import platform
 
@@ -140,7 +120,9 @@ def summarize(
     unexpected: list[str] = []
     for row in report["targets"]:
         state, module, reason = row["state"], row["module"], row["reason"]
-        family = _count(families, row["family"], state)
+        fresh = {**dict.fromkeys(STATES, 0), "skipped_because": {}, "modules": set()}
+        family = families.setdefault(row["family"], fresh)
+        family[state] = family.get(state, 0) + 1
         if not module.startswith("keras_dtensor_fix."):
             family["modules"].add(module)
         target = module if row["attribute"] == ANY else f"{module}.{row['attribute']}"
@@ -157,14 +139,11 @@ def summarize(
     _judge(families, unexpected, disabled, working, exists)
     problems = report.get("problems") or []
     if report["enabled"]:
-        # Keras missing or broken, another backend, a build without torch
-        # distribution: ModelParallel would run unpatched or not at all.
         unexpected.extend(problems)
         if report["backend"] == "torch" and gate["ok"] is False and not problems:
             unexpected.append(f"gate: {gate['reason']}")
     applied = sum(f[APPLIED] for f in families.values())
     patched = sum(1 for f in families.values() if f[APPLIED])
-    # The headline says what holds; the lines under it say why.
     if not report["enabled"]:
         state, headline = "off", "OFF: upstream Keras runs unpatched"
     elif problems:

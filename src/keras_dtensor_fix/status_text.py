@@ -1,10 +1,6 @@
-"""``python -m keras_dtensor_fix status`` as text for a person.
-
-Three views of :mod:`keras_dtensor_fix.report`'s report: :func:`quick` (the
-default, made without importing Keras), :func:`checked` (``--check``: after
-importing Keras and every module the plugin patches) and :func:`by_family`
-(``--verbose``: every patched function, grouped). Plain words; the terms
-that stay are in docs/status.md.
+"""``python -m keras_dtensor_fix status`` as text for a person: :func:`quick`
+(the default, without importing Keras), :func:`checked` (``--check``) and
+:func:`by_family` (``--verbose``). The terms are docs/status.md's.
 """
 
 from __future__ import annotations

@@ -1,34 +1,17 @@
 """Sharded checkpoints of Keras models with ``torch.distributed.checkpoint``.
 
-Every process writes only its own shards of each variable (a DTensor's local
-tensor; DCP writes a replicated value once), and :func:`load` reads into the
-model's current placements, whatever mesh and number of processes saved it.
-One process with no process group can save and load too. The ``Checkpoint``
-callback saves during ``fit`` and resumes it at the step it saved, also when
-the job is preempted.
-
-The modules: ``files`` (the directory on disk, atomic commits), ``processes``
-(which process acts), ``sharded`` (:func:`save`, :func:`load`), ``position``
-(where ``fit`` is in its data), ``preemption`` (signals, and every process
-stopping at one step), ``callback`` (``Checkpoint``). Names are loaded on
-first use, so the ``resume`` family can import ``position`` without torch's
-checkpointing.
+Each process writes only its own shards; :func:`load` reads into the model's
+current placements, whatever mesh saved it. Modules: ``files`` (the directory,
+atomic commits), ``processes`` (which process acts), ``sharded`` (:func:`save`,
+:func:`load`), ``position`` (where ``fit`` is in its data), ``preemption``
+(every process stopping at one step), ``callback`` (``Checkpoint``). Names load
+on first use, so the ``resume`` family imports ``position`` without DCP.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
-
-__all__ = [
-    "Checkpoint",
-    "CheckpointDirectoryError",
-    "CheckpointError",
-    "CheckpointMismatchError",
-    "PendingSave",
-    "load",
-    "save",
-]
 
 _HOME = {
     "Checkpoint": "callback",
@@ -39,13 +22,21 @@ _HOME = {
     "load": "sharded",
     "save": "sharded",
 }
+__all__ = [
+    "Checkpoint",
+    "CheckpointDirectoryError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "PendingSave",
+    "load",
+    "save",
+]
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
+    if name not in _HOME:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
     globals()[name] = value
     return value
 

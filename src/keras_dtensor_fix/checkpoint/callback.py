@@ -1,10 +1,7 @@
 """``Checkpoint``: sharded checkpoints during ``fit``, resumed at the step.
 
-The arguments and their meaning are those of Keras's own
-``keras.callbacks.OrbaxCheckpoint`` (sharded, asynchronous, multi-host, JAX
-only; on torch it gathers everything), so a script moves between them by
-name. Beyond it: ``fit`` resumes by itself at the batch after the newest
-checkpoint, and a preempted job saves the step it reached before it exits.
+Its arguments are those of ``keras.callbacks.OrbaxCheckpoint`` (JAX only), so
+a script moves between them by name.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from keras_dtensor_fix.checkpoint import position
 from keras_dtensor_fix.checkpoint.files import (
     CheckpointError,
     check_writable,
-    resolve,
+    read_info,
 )
 from keras_dtensor_fix.checkpoint.preemption import DEFAULT_TIMEOUT, Watcher
 from keras_dtensor_fix.checkpoint.processes import every_process, on_first
@@ -39,28 +36,15 @@ MonitorCallback = targets.keras_object("MonitorCallback")
 class Checkpoint(MonitorCallback):
     """Save a sharded checkpoint during ``fit``; resume from it when it exists.
 
-    As ``keras.callbacks.OrbaxCheckpoint``: ``directory``, ``monitor``,
-    ``verbose``, ``save_best_only`` (with ``mode`` and
-    ``initial_value_threshold``), ``save_freq`` ("epoch" or every N
-    batches), ``max_to_keep``, ``save_on_background`` (each process's shards
-    are copied at the step and written by a thread while training goes on;
-    the save is committed when done, or at the next save or the end of
-    training).
+    The arguments as ``keras.callbacks.OrbaxCheckpoint``'s;
+    ``save_on_background`` copies the shards at the step and writes them on a
+    thread. With ``restore``, ``fit`` starts from the newest checkpoint:
+    weights, optimizer, the epoch's running metrics and the batch after the
+    one saved (earlier batches drawn in the same order and skipped).
 
-    With ``restore`` (default), ``fit`` starts from the newest checkpoint in
-    ``directory`` if there is one: weights, optimizer state, the epoch's
-    running metrics, and the batch after the one saved (earlier batches of
-    that epoch are drawn in the same order and skipped, not trained), so a
-    restarted job resumes with no bookkeeping in the script.
-
-    ``signals`` (default SIGTERM; e.g. ``[signal.SIGTERM, signal.SIGUSR1]``
-    for SLURM's ``--signal``; ``()`` to ignore them) preempt training: when
-    any process receives one, every process learns of it within about a
-    second, whatever it is doing (a step, validation, a data wait, a
-    callback), and stops after the same finished step, which is saved; each
-    process exits with code 128 + the signal's number, within
-    ``preemption_timeout`` seconds. Stopped after an epoch's last step, the
-    next launch runs that epoch's validation and epoch-end callbacks again.
+    ``signals`` (``()``: none) preempt training: every process learns of one
+    within about a second, stops after the same finished step, saves it and
+    exits with 128 + the signal's number within ``preemption_timeout`` s.
     Every process runs the callback.
     """
 
@@ -79,7 +63,6 @@ class Checkpoint(MonitorCallback):
         optimizer: bool = True,
         metrics: bool = True,
         restore: bool = True,
-        keep: int | None = None,
         signals: Iterable[int] = (signal.SIGTERM,),
         preemption_timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
@@ -88,7 +71,6 @@ class Checkpoint(MonitorCallback):
             raise ValueError(
                 f"save_freq must be 'epoch' or a positive int, got {save_freq!r}"
             )
-        max_to_keep = max_to_keep if keep is None else keep
         if not isinstance(max_to_keep, int) or max_to_keep < 1:
             raise ValueError(f"max_to_keep must be a positive int, got {max_to_keep!r}")
         if not preemption_timeout > 0:
@@ -106,28 +88,25 @@ class Checkpoint(MonitorCallback):
         self._resume: dict[str, Any] | None = None  # the epoch to resume inside
         self._resumed_epoch: int | None = None
         self._begin: dict[str, Any] = {}  # what ordered this epoch's data
-        self._resumed_logs: dict[str, float] = {}  # the resumed epoch's metrics
-        # Once the epoch's steps are over, what a stop saves: (epochs done,
-        # position, metric values), as at validation's start or epoch's end.
+        self._resumed_logs: dict[str, float] = {}
+        # After the epoch's steps, what a stop saves: (epochs done, position,
+        # metric values).
         self._after: tuple[int, dict[str, Any], dict | None] | None = None
         self._pending: PendingSave | None = None
         self._group: Any = None
 
-    # ------------------------------------------------------------ fit's events
-
     def on_train_begin(self, logs: dict | None = None) -> None:
-        # Every process writes its shards: an unwritable directory fails
-        # here, on all of them, not at the first save (save_freq steps in).
+        # An unwritable directory fails here, on every process, not mid-fit.
         every_process(
             "checking its directory", lambda: check_writable(self.directory, rank())
         )
         if self.restore and not self._restored:
             self._restored = True  # once: a second fit() goes on from where it is
-            if on_first(_complete, self.directory):
-                self._load()
+            saved = on_first(_saved_info, self.directory)
+            if saved is not None:
+                self._load(self.metrics and saved.get("metrics", False))
         if self.save_on_background and distributed() and self._group is None:
-            # DCP's background thread runs collectives: on a group of its own,
-            # never interleaved with the training step's.
+            # DCP's background collectives, never interleaved with training's.
             self._group = dist.new_group(backend="gloo")
         self._watcher.start(
             self._stop_save, within=_fit_code(self.model), done=self._batches
@@ -135,30 +114,25 @@ class Checkpoint(MonitorCallback):
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         with self._watcher.held():  # a stop's save reads what changes here
-            self._begin_epoch(epoch)
-
-    def _begin_epoch(self, epoch: int) -> None:
-        self._epoch, self._batch, self._after = epoch, 0, None
-        resume, self._resume = self._resume, None
-        if resume is not None and resume["epoch"] == epoch:
-            if resume.get("random") is not None:
-                position.restore_random(resume["random"])
-            position.plan(
-                resume["batch"], resume.get("adapter_epoch"), resume.get("random_now")
-            )
-            if resume["batch"]:  # inside the epoch: its running metrics so far
-                for variable, value in zip(
-                    self.model.metrics_variables, resume["metrics"], strict=False
-                ):
-                    variable.assign(value)
-                self._resumed_epoch = epoch
-                # Validation resets the metrics before the epoch's logs are
-                # made: these are the epoch's if no batch is left to train.
-                self._resumed_logs = {
-                    k: float(v) for k, v in self.model.get_metrics_result().items()
-                }
-        self._begin = {"random": position.random_state()}
-        position.capture()
+            self._epoch, self._batch, self._after = epoch, 0, None
+            resume, self._resume = self._resume, None
+            if resume is not None and resume["epoch"] == epoch:
+                if resume.get("random") is not None:
+                    position.restore_random(resume["random"])
+                skip = resume["batch"]
+                position.plan(
+                    skip, resume.get("adapter_epoch"), resume.get("random_now")
+                )
+                if skip:  # inside the epoch: its running metrics so far
+                    variables, saved = self.model.metrics_variables, resume["metrics"]
+                    for variable, value in zip(variables, saved, strict=False):
+                        variable.assign(value)
+                    self._resumed_epoch = epoch
+                    # The epoch's logs if no batch is left (validation resets them).
+                    results = self.model.get_metrics_result()
+                    self._resumed_logs = {k: float(v) for k, v in results.items()}
+            self._begin = {"random": position.random_state()}
+            position.capture()
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if not position.consumed():
@@ -178,8 +152,7 @@ class Checkpoint(MonitorCallback):
 
     def on_test_begin(self, logs: dict | None = None) -> None:
         if self._after is None and self._watcher.watching():
-            # fit's validation, about to reset the metrics: a stop during it
-            # saves the training step's, and the epoch's validation again.
+            # Validation resets the metrics: a stop during it saves the step's.
             with self._watcher.held():
                 self._after = (
                     self._epoch,
@@ -204,24 +177,16 @@ class Checkpoint(MonitorCallback):
         self._watcher.stop()
         self._finish()
 
-    # ------------------------------------------------------------ saving
-
     def _position(self, at_epoch_end: bool) -> dict[str, Any]:
         """Where fit is: batches done in the epoch, what orders its data."""
-        if at_epoch_end:  # the next epoch starts from here
-            return {
-                "batch": 0,
-                "batches": self._batches,
-                "adapter_epoch": position.adapter_epoch(at_epoch_begin=False),
-                "random": position.random_state(),
-            }
-        return {
-            "batch": self._batch,
+        where = {
+            "batch": 0 if at_epoch_end else self._batch,
             "batches": self._batches,
-            "adapter_epoch": position.adapter_epoch(at_epoch_begin=True),
-            **self._begin,
-            "random_now": position.random_state(),  # for the batches after
+            "adapter_epoch": position.adapter_epoch(at_epoch_begin=not at_epoch_end),
         }
+        if at_epoch_end:  # the next epoch starts from here
+            return {**where, "random": position.random_state()}
+        return {**where, **self._begin, "random_now": position.random_state()}
 
     def _maybe_save(self, logs: dict | None, at_epoch_end: bool) -> None:
         if self.save_best_only:
@@ -238,21 +203,13 @@ class Checkpoint(MonitorCallback):
             if not self._is_improvement(current, self.best):
                 return
             self.best = current
-        self._save(at_epoch_end, background=self.save_on_background)
-
-    def _save(self, at_epoch_end: bool, background: bool) -> str | None:
         self._watcher.begin_save()  # every process makes it, or none does
         try:
             self._finish()
-            saved = save(
-                self.model,
-                self.directory,
-                optimizer=self.optimizer,
-                metrics=self.metrics,
-                keep=self.max_to_keep,
-                epoch=self._epoch + at_epoch_end,  # epochs completed
-                position=self._position(at_epoch_end),
-                background=background,
+            saved = self._write(
+                self._epoch + at_epoch_end,  # epochs completed
+                self._position(at_epoch_end),
+                background=self.save_on_background,
                 group=self._group,
             )
             self._saved_at = self._batches
@@ -260,11 +217,25 @@ class Checkpoint(MonitorCallback):
             self._watcher.end_save()
         if isinstance(saved, PendingSave):
             self._pending = saved
-            return None
-        self._watcher.where = saved
+        else:
+            self._note_saved(saved)
+
+    def _note_saved(self, path: str) -> None:
+        self._watcher.where = path
         if self.verbose:
-            print(f"Checkpoint: saved {saved}")
-        return saved
+            print(f"Checkpoint: saved {path}")
+
+    def _write(self, epoch: int, where: dict[str, Any], **extra: Any) -> Any:
+        return save(
+            self.model,
+            self.directory,
+            optimizer=self.optimizer,
+            metrics=self.metrics,
+            keep=self.max_to_keep,
+            epoch=epoch,
+            position=where,
+            **extra,
+        )
 
     def _finish(self) -> None:
         """Wait for the background save, if any (every process)."""
@@ -272,16 +243,12 @@ class Checkpoint(MonitorCallback):
         if pending is not None:
             path = pending.wait()
             self._pending = None  # only now: a stop's save waits for it too
-            self._watcher.where = path
-            if self.verbose:
-                print(f"Checkpoint: saved {path}")
+            self._note_saved(path)
 
     def _stop_save(self, signum: int) -> str:
-        """On the watcher's thread, every process at the agreed stop (no step
-        or save of the main thread's running): save it unless just saved;
-        the line to leave with."""
+        """The watcher thread's save at the agreed stop; the line to exit with."""
         pending = self._pending
-        if pending is not None:  # finish it: never a half-written checkpoint
+        if pending is not None:  # never a half-written checkpoint
             self._watcher.where = pending.written()
         if self._saved_at == self._batches:
             path = self._watcher.where
@@ -291,17 +258,9 @@ class Checkpoint(MonitorCallback):
                 self._position(at_epoch_end=False),
                 None,
             )
-            path = save(
-                self.model,
-                self.directory,
-                optimizer=self.optimizer,
-                metrics=self.metrics,
-                keep=self.max_to_keep,
-                epoch=epoch,
-                position=where,
-                group=self._watcher.group,
-                values=values,
-                scope="preemption",
+            group = self._watcher.group
+            path = self._write(
+                epoch, where, group=group, values=values, scope="preemption"
             )
             self._watcher.where = path
         return (
@@ -310,10 +269,7 @@ class Checkpoint(MonitorCallback):
             f"{self._batch}); saved {path}: the next launch resumes there"
         )
 
-    # ------------------------------------------------------------ restoring
-
-    def _load(self) -> None:
-        metrics = self.metrics and _saved_metrics(self.directory)
+    def _load(self, metrics: bool) -> None:
         info = load(
             self.model, self.directory, optimizer=self.optimizer, metrics=metrics
         )
@@ -351,19 +307,9 @@ def _fit_code(model: Any) -> CodeType | None:
     return None
 
 
-def _complete(directory: str) -> bool:
-    """Whether ``directory`` holds a complete checkpoint to resume from."""
+def _saved_info(directory: str) -> dict[str, Any] | None:
+    """What the complete checkpoint in ``directory`` recorded, if there is one."""
     try:
-        resolve(directory)
+        return read_info(directory)
     except (FileNotFoundError, CheckpointError):
-        return False
-    return True
-
-
-def _saved_metrics(directory: str) -> bool:
-    import json
-
-    from keras_dtensor_fix.checkpoint.files import INFO
-
-    with open(os.path.join(resolve(directory), INFO)) as handle:
-        return bool(json.load(handle).get("metrics"))
+        return None

@@ -1,10 +1,8 @@
 """A checkpoint directory on disk: numbered folders, ``LATEST``, atomic commits.
 
-Each save goes to ``DIR/.partial-ckpt-N``; committing renames it to
-``DIR/ckpt-N``, then points ``DIR/LATEST`` (replaced atomically) at it and
-removes older checkpoints beyond ``keep`` and leftovers of interrupted saves.
-Standard library only; :mod:`keras_dtensor_fix.checkpoint` decides which
-process runs each step.
+A save goes to ``DIR/.partial-ckpt-N``; committing renames it to
+``DIR/ckpt-N``, then replaces ``DIR/LATEST`` and removes older checkpoints
+beyond ``keep`` and leftovers of interrupted saves. Standard library only.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
 
 LATEST = "LATEST"
 INFO = "keras_checkpoint.json"
@@ -28,9 +25,8 @@ class CheckpointDirectoryError(CheckpointError):
 
 
 def check_writable(directory: str, rank: int) -> None:
-    """Make ``directory`` and write and remove a file in it, or raise
-    :class:`CheckpointDirectoryError` naming it, process ``rank`` and the OS
-    error: found when training starts, not at the first save."""
+    """Make ``directory`` and write a file in it, or raise
+    :class:`CheckpointDirectoryError` naming it, process ``rank`` and why."""
     probe = os.path.join(directory, f".write-check-{rank}")
     try:
         os.makedirs(directory, exist_ok=True)
@@ -46,14 +42,6 @@ def check_writable(directory: str, rank: int) -> None:
         ) from error
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_file(path: str, text: str) -> None:
     """Write ``path`` atomically (a temporary file, then ``os.replace``)."""
     tmp = f"{path}.tmp"
@@ -62,13 +50,20 @@ def _write_file(path: str, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def _numbers(directory: str) -> Iterable[int]:
-    for name in os.listdir(directory):
-        if name.startswith(PREFIX) and name[len(PREFIX) :].isdigit():
-            yield int(name[len(PREFIX) :])
+def _number(entry: str) -> int | None:
+    digits = entry[len(PREFIX) :]
+    return int(digits) if entry.startswith(PREFIX) and digits.isdigit() else None
+
+
+def _numbers(directory: str) -> list[int]:
+    return sorted(n for e in os.listdir(directory) if (n := _number(e)) is not None)
 
 
 def begin(directory: str) -> str:
@@ -87,15 +82,9 @@ def commit(directory: str, name: str, info: dict, keep: int) -> None:
     os.rename(partial, os.path.join(directory, name))
     _write_file(os.path.join(directory, LATEST), name + "\n")
     # Older checkpoints and leftovers of interrupted saves go only now.
-    newest = sorted(_numbers(directory))[-keep:]
+    newest = _numbers(directory)[-keep:]
     for entry in os.listdir(directory):
-        stale = entry.startswith(PARTIAL) or (
-            entry.startswith(PREFIX)
-            and entry[len(PREFIX) :].isdigit()
-            and int(entry[len(PREFIX) :]) not in newest
-            and entry != name
-        )
-        if stale:
+        if entry.startswith(PARTIAL) or _number(entry) not in (None, *newest):
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
 
 
@@ -117,3 +106,10 @@ def resolve(directory: str) -> str:
         if not os.path.isfile(os.path.join(path, required)):
             raise CheckpointError(f"checkpoint {path} is incomplete: no {required}")
     return path
+
+
+def read_info(directory: str) -> dict:
+    """What the checkpoint ``directory`` stands for recorded, and its ``path``."""
+    path = resolve(directory)
+    with open(os.path.join(path, INFO)) as handle:
+        return {**json.load(handle), "path": path}

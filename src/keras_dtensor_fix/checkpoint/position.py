@@ -1,15 +1,11 @@
 """Where ``fit`` is in its data: what a step's checkpoint needs to resume there.
 
-A checkpoint taken inside an epoch records the batches done and what orders
-the epoch's data: the data adapter's epoch counter (Keras seeds numpy and
-``PyDataset`` shuffles with it) and the global random states (a shuffling
-``DataLoader`` draws its seed from torch's), and the random states at the
-step itself (an unseeded ``Dropout`` draws from torch's). The ``Checkpoint``
-callback arms :func:`capture` and :func:`plan`; the ``resume`` family calls
-:func:`entering` when ``fit`` starts iterating an epoch, which records the
-adapter and hands back how many batches to skip, and :func:`skipped` once
-they are drawn, which puts back the step's random states. Standard library only at
-import: the family imports this module.
+The batches done and what orders the epoch's data: the adapter's epoch
+counter (Keras's shuffles seed from it) and the random states at the epoch's
+start (a ``DataLoader``'s seed) and at the step (unseeded dropout). The
+``Checkpoint`` callback arms :func:`capture` and :func:`plan`; the ``resume``
+family calls :func:`entering` and :func:`skipped`. Standard library only at
+import.
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ _iterator: weakref.ref | None = None
 _adapter_epoch: int | None = None
 _plan: tuple[int, int | None] | None = None
 _consumed = True
-_after: dict[str, Any] | None = None  # random states once the skip is done
+_after: dict[str, Any] | None = None  # random states after the skip
 
 
 def capture() -> None:
@@ -50,8 +46,7 @@ def plan(
     """Have the next epoch skip ``skip`` batches, its data ordered as saved;
     ``after``: the random states to put back once they are skipped."""
     global _plan, _consumed, _after
-    # Nothing to skip (an epoch's start): nothing is lost if no iterator
-    # takes the plan (the plugin off), only the data order Keras gives.
+    # Nothing to skip: no iterator need take the plan (the plugin off).
     _plan, _consumed, _after = (skip, adapter_epoch), skip == 0, after
 
 

@@ -1,29 +1,13 @@
 """Preemption: a signal, then every process stops at the same step and saves it.
 
-A scheduler sends SIGTERM (SLURM with ``--signal``: another one the user
-names) and kills the job after a grace period; torchrun forwards it to every
-worker, or only one process may get it. The handler only notes the signal,
-starts a deadline and wakes a watcher thread. The threads, one per process,
-agree through the process group's store (a clone of it: no collective, and
-nothing the main thread's blocking store calls can hold up), whatever the
-main threads are doing: a step, validation, a data wait, a callback, a save.
-
-The agreement: the first thread to see a signal writes it under one key
-(``compare_set``: a finished ``fit`` writes ``end`` there instead, so a
-signal and the end cannot both win); every thread polls that key every
-:data:`POLL` seconds. Each then offers how far its main thread will get
-without starting anything new: the steps it has finished (plus the one it is
-in) and the saves it has begun. The stop is the largest of each; a main
-thread behind goes on to it, one there waits at its next step boundary, and
-none starts a step or a save beyond it (the gates, :meth:`Watcher.begin_step`
-and :meth:`Watcher.begin_save`). Once its main thread has finished the stop
-step and every agreed save, each thread saves (its collectives on a gloo
-group of its own) and ends the process: the weights do not change outside a
-step, so the main thread may be anywhere else. When the deadline passes
-first, the process exits on its own, naming the checkpoint it leaves. A
-signal once the watched call (``fit``) has left the stack without ending the
-watch (it raised: Keras calls no ``on_train_end``) goes to the handler that
-was there before, put back.
+The handler only notes the signal and wakes a watcher thread. The threads
+agree through a clone of the group's store (no collective: the main threads
+may be anywhere): the first signal is written under one key (``compare_set``;
+a finished ``fit`` writes ``end`` there), then each offers the steps and
+saves its main thread will reach without starting anything new; the stop is
+the largest of each. Main threads go on to it and park; each thread saves
+and ends its process, or a deadline ends it. A signal once ``fit`` has left
+the stack goes to the handler that was there before.
 """
 
 from __future__ import annotations
@@ -40,15 +24,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-#: Seconds from the signal to the process's exit, save included: well inside
-#: the 30 s torchrun (and most schedulers) wait before SIGKILL.
+#: Seconds from the signal to the exit: inside torchrun's 30 s before SIGKILL.
 DEFAULT_TIMEOUT = 20.0
-#: Seconds between a thread's looks at the store: a signal on another process
-#: is known within about this long. One look is a store round trip made with
-#: the GIL released, a few hundredths of a percent of the time.
+#: Seconds between a thread's looks at the store (a cheap round trip).
 POLL = 0.25
 
-#: Each watch's keys apart from the previous one's (every process counts alike).
 _watches = itertools.count()
 
 
@@ -58,19 +38,14 @@ def exit_code(signum: int) -> int:
 
 
 def leave(code: int, message: str) -> None:
-    """Print ``message`` and end the process now (no interpreter teardown).
-
-    Teardown right after gloo collectives can abort the process (a worker
-    thread releasing tensors while the interpreter finalizes), which would
-    turn a clean preemption into SIGABRT.
-    """
+    """Print ``message`` and exit now: teardown right after gloo collectives
+    can abort the process (SIGABRT)."""
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)
 
 
-#: What the watcher calls, on its thread, to save the stop: the signal in,
-#: a line naming what was saved out.
+#: The thread's save of the stop: the signal in, the exit line out.
 Saver = Callable[[int], str]
 
 
@@ -92,22 +67,18 @@ class Watcher:
         self._save: Saver | None = None
         self._store: Any = None  # the thread's clone of the group's store
         self._keys = ""
-        # The main thread's progress, read by the thread under _cond.
+        # The main thread's progress, read under _cond.
         self._done = self._saves = 0  # steps finished, saves begun
         self._busy = self._saving = False  # inside a step, inside a save
         self._signum: int | None = None  # the agreed signal
         self._stop: tuple[int, int] | None = None  # agreed (steps, saves)
         self._over = False  # fit ended: the thread leaves
 
-    # ------------------------------------------------------------ life
-
     def start(self, save: Saver, within: CodeType | None = None, done: int = 0) -> None:
         """Install the handlers (main thread only), the group and the thread.
 
-        ``save`` runs on the thread once this process reached the stop;
-        ``within``: the code of the call being watched (``fit``), a signal
-        while no frame of it is on the stack is not this watch's; ``done``:
-        the steps already finished (a resumed ``fit``).
+        ``within``: the watched call's code (``fit``), outside which a signal
+        is not this watch's; ``done``: steps already finished (a resume).
         """
         self._end_thread()  # a fit that raised left its watch on
         self._within, self._save = within, save
@@ -147,9 +118,8 @@ class Watcher:
         return self._thread is not None
 
     def stop(self) -> None:
-        """At ``fit``'s end, every process: stop here if a signal wins, else
-        end the watch and put the previous handlers back (a signal noted
-        after the end is handed to them)."""
+        """At ``fit``'s end, every process: stop here if a signal won, else
+        put the previous handlers back (handing them a late signal)."""
         if not self.signals:
             return
         self.gate()
@@ -164,8 +134,13 @@ class Watcher:
         elif self.received is not None:
             self.gate(signum=self.received)
         self._end_thread()
-        late = self.received
-        self._put_back_and(late)
+        late, self.received = self.received, None
+        if late is None:
+            self._put_back()
+        else:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._hand_back(late, sys._getframe())
 
     def _end_thread(self) -> None:
         with self._cond:
@@ -176,20 +151,6 @@ class Watcher:
             self._thread.join()
             self._thread = None
         self._wake.clear()
-
-    def _put_back_and(self, late: int | None) -> None:
-        previous = self._previous.get(late) if late is not None else None
-        self._put_back()
-        if late is not None:
-            if self._timer is not None:
-                self._timer.cancel()
-            self.received = None
-            if callable(previous):
-                previous(late, sys._getframe(1))
-            elif previous != signal.SIG_IGN:
-                signal.raise_signal(late)
-
-    # ------------------------------------------------------------ main thread
 
     def begin_step(self) -> None:
         """Before a training step: wait or stop here if the stop is reached."""
@@ -205,8 +166,7 @@ class Watcher:
             self._cond.notify_all()
 
     def begin_save(self) -> None:
-        """Before the callback's own save: go on only if no process has
-        stopped before it (then every process makes it)."""
+        """Before the callback's save: go on only if no process stopped before."""
         with self._cond:
             if self._signum is not None or self.received is not None:
                 self._agreed()
@@ -221,10 +181,7 @@ class Watcher:
             self._cond.notify_all()
 
     def gate(self, signum: int | None = None) -> None:
-        """Where nothing runs (between steps, after a save): stop if due.
-
-        ``signum``: one known to have won (the end's ``compare_set``).
-        """
+        """Between steps or after a save: stop if due (``signum``: known won)."""
         if signum is None and self._signum is None and self.received is None:
             return
         with self._cond:
@@ -248,8 +205,6 @@ class Watcher:
         while True:
             self._cond.wait()
 
-    # ------------------------------------------------------------ the thread
-
     def _key(self, name: str) -> str:
         return f"{self._keys}/{name}"
 
@@ -267,8 +222,7 @@ class Watcher:
             if signum is not None:
                 break
         self._signum = signum
-        if self._timer is None:
-            self._arm()
+        self._arm()
         with self._cond:
             mine = (self._done + self._busy, self._saves)
         stop = self._offer(mine)
@@ -283,8 +237,7 @@ class Watcher:
                     and self._saves >= stop[1]
                 )
             )
-            # Saved holding the lock: the main thread, wherever it is, changes
-            # nothing the save reads (its hooks take the lock to).
+            # Holding the lock: the main thread's hooks change nothing now.
             try:
                 saved = self._save(signum)
             except BaseException as exc:  # noqa: BLE001 - the process ends anyway
@@ -324,8 +277,6 @@ class Watcher:
         offers = [tuple(int(v) for v in self._store.get(k).split(b",")) for k in keys]
         return max(o[0] for o in offers), max(o[1] for o in offers)
 
-    # ------------------------------------------------------------ signals
-
     def _handle(self, signum: int, frame: Any) -> None:
         if self._within is not None and not _on_stack(frame, self._within):
             self._hand_back(signum, frame)
@@ -333,11 +284,13 @@ class Watcher:
         if self.received is not None:
             return
         self.received = signum
-        if self._timer is None:
-            self._arm()
+        self._arm()
         self._wake.set()
 
     def _arm(self) -> None:
+        """Start the deadline, once."""
+        if self._timer is not None:
+            return
         self._timer = threading.Timer(self.timeout, self._expire)
         self._timer.daemon = True
         self._timer.start()
@@ -352,8 +305,7 @@ class Watcher:
             signal.raise_signal(signum)  # the default action, as if never caught
 
     def _put_back(self) -> None:
-        """Reinstall the handlers :meth:`start` replaced (one not set from
-        Python, None, as the default)."""
+        """Reinstall the handlers :meth:`start` replaced (None: the default)."""
         for signum, handler in self._previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         self._previous.clear()

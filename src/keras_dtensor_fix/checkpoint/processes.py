@@ -1,10 +1,7 @@
 """Which process acts for a checkpoint: the first, and every process learns.
 
-The folder of a checkpoint is made, committed and checked by the first
-process alone; the others wait for its outcome through the package's one
-protocol for it (:func:`keras_dtensor_fix.saving.handshake.one_acts`: the
-process group's store, no collective), so a failure on the first process is
-an error on all of them, not a hang.
+Through :func:`keras_dtensor_fix.saving.handshake.one_acts` (the store, no
+collective), so a failure on the first process is an error on all, not a hang.
 """
 
 from __future__ import annotations
@@ -26,19 +23,17 @@ HINT = (
 
 
 def on_first(fn: Callable[..., Any], *args: Any, scope: str = "checkpoint") -> Any:
-    """Run ``fn`` on the first process; all return its result or raise its error.
+    """Run ``fn`` on the first process; all return its (JSON) result or raise.
 
-    ``fn``'s result must be JSON-encodable. The first process re-raises its
-    own error; the others raise :class:`CheckpointError` naming it. Calls
-    meet by ``scope`` (and ``fn``) and count: a save on another thread
-    (preemption's) has its own, so it never meets the main thread's.
+    Calls meet by ``scope`` and ``fn``: another thread's save (preemption's)
+    passes its own scope, so it never meets the main thread's.
     """
     what = f"{scope}: {getattr(fn, '__name__', 'step')}"
     return _learn(what, place.rank() == 0, lambda: fn(*args))[0]
 
 
 def every_process(
-    what: str, check: Callable[[], None], scope: str = "checkpoint"
+    what: str, check: Callable[[], Any], scope: str = "checkpoint"
 ) -> None:
     """``check()`` on every process; each raises if it failed anywhere."""
     _learn(f"{scope}: {what}", True, check)
@@ -50,7 +45,7 @@ def _learn(what: str, acting: bool, act: Callable[[], Any]) -> list[Any]:
     )
     if outcomes.error is not None:
         raise outcomes.error
-    failed = outcomes.failed()
+    failed = outcomes.failed
     if failed:
         raise CheckpointError(
             f"{what} failed on "

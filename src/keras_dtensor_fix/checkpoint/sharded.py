@@ -1,27 +1,14 @@
-"""Sharded checkpoints of Keras models with ``torch.distributed.checkpoint``.
+""":func:`save` and :func:`load`: each process its own shards, through DCP.
 
-Every process writes only its own shards of each variable (a DTensor's local
-tensor; DCP writes a replicated value once), and :func:`load` reads into the
-model's current placements, whatever mesh and number of processes saved it.
-One process with no process group can save and load too.
-
-Keys: ``model/<path>`` for the model's variables (``variable.path`` without
-the model's own name in front, so a rebuilt model named ``sequential_1``
-still matches), ``optimizer/<path>`` for the optimizer's (a slot variable
-named after its model variable gets that variable's key, e.g.
-``optimizer/dense_1/kernel/momentum``; the iteration count is
-``optimizer/iteration``) and, when asked for, ``metrics/<path>``.
-
-On disk a save is atomic: each one goes to ``DIR/.partial-ckpt-N``, which the
-first process renames to ``DIR/ckpt-N`` once every process has written its
-shards, and only then points ``DIR/LATEST`` (replaced atomically) at it. A
-save that dies halfway leaves the previous checkpoint in place.
+Keys: ``model/<path>`` (the path without the model's name, so a rebuilt
+``sequential_1`` still matches), ``optimizer/<path>`` (a slot variable under
+its model variable's key, e.g. ``optimizer/dense_1/kernel/momentum``) and
+``metrics/<path>``. A save is committed atomically by ``files``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import warnings
@@ -32,12 +19,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from keras_dtensor_fix.checkpoint.files import (
-    INFO,
     PARTIAL,
     CheckpointError,
     begin,
     commit,
-    resolve,
+    read_info,
 )
 from keras_dtensor_fix.checkpoint.processes import every_process, on_first
 from keras_dtensor_fix.dtensor.world import distributed, rank, world
@@ -52,8 +38,7 @@ __all__ = [
 ]
 
 FORMAT = 1
-#: How many names a mismatch error lists per kind before "... and N more".
-SHOW = 10
+SHOW = 10  # names a mismatch error lists per kind
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
@@ -85,15 +70,9 @@ def _names(items: list[str]) -> str:
     return ", ".join(items[:SHOW]) + more
 
 
-# ---------------------------------------------------------------- state
-
-
 def _tensor(variable: Any) -> torch.Tensor:
-    """The variable's storage, detached: DCP reads and writes it in place.
-
-    ``_value``, not ``value``: inside an autocast scope ``value`` is a copy.
-    A DTensor's ``detach`` keeps its local tensor's storage.
-    """
+    """The variable's storage, which DCP writes in place (``value`` is a
+    copy under autocast)."""
     value = getattr(variable, "_value", None)
     if value is None:
         raise CheckpointError(f"variable {variable.path} is not initialized")
@@ -105,11 +84,8 @@ def _strip(path: str, name: str) -> str:
 
 
 def _seed_states(layer: Any, prefix: str, found: dict[int, str]) -> dict[int, str]:
-    """Key each seed generator's state by its layer's name path.
-
-    Its own path is ``seed_generator_<N>/...``, numbered in creation order
-    across the process, and the user cannot name it; a layer can be named.
-    """
+    """Seed generator states keyed by their layer's path (their own
+    ``seed_generator_<N>`` counts across the process)."""
     for i, generator in enumerate(getattr(layer, "_seed_generators", ())):
         key = f"{prefix}seed_generator_state" + (f"_{i}" if i else "")
         found.setdefault(id(generator.state), key)
@@ -127,8 +103,7 @@ def _model_keys(model: Any) -> list[tuple[str, Any]]:
 
 
 def _optimizer_keys(model: Any, optimizer: Any) -> list[tuple[str, Any]]:
-    # Keras names a slot variable "<reference path with _ for />_<slot>";
-    # longest first, so "dense_1_kernel" wins over "dense_1".
+    # Slots are named "<path with _ for />_<slot>"; longest prefix first.
     refs = sorted(
         (
             (v.path.replace("/", "_") + "_", _strip(v.path, model.name))
@@ -181,13 +156,10 @@ def _variables(model: Any, optimizer: bool, metrics: bool) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _dcp_call():
-    """Silence DCP's warning that no process group means one process: we mean it."""
+    """Without DCP's warning that no process group means one process."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-# ---------------------------------------------------------------- API
 
 
 def save(
@@ -206,17 +178,12 @@ def save(
 ) -> str | PendingSave:
     """Save ``model`` (and its optimizer) to ``directory``; every process calls it.
 
-    Each process writes its own shards; nothing is gathered. ``keep`` is how
-    many checkpoints stay in ``directory``; ``epoch`` (epochs completed) is
-    recorded for :func:`load` to return, and so is ``position`` (where
-    ``fit`` is inside an epoch: the ``Checkpoint`` callback's). Returns the
-    new checkpoint's folder; with ``background`` a :class:`PendingSave`
-    instead: the shards are copied now and written by a thread (its
-    collectives on ``group``, a process group apart from training's, e.g.
-    ``dist.new_group(backend="gloo")``; a save from a thread of the caller's
-    passes its own ``group`` and ``scope``, the name its store calls meet
-    under). ``values``: tensors saved for some keys instead of the
-    variables' own (metrics as they were before validation reset them).
+    ``keep``: checkpoints kept; ``epoch`` (completed) and ``position`` are
+    recorded for :func:`load`. Returns the new folder, or with ``background``
+    a :class:`PendingSave` (shards copied now, written by a thread whose
+    collectives use ``group``, a process group apart from training's).
+    ``scope`` names the store calls of a save from another thread; ``values``
+    replace some keys' tensors (metrics from before validation reset them).
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
@@ -226,7 +193,7 @@ def save(
     state.update({k: v for k, v in (values or {}).items() if k in state})
     name = on_first(begin, directory, scope=scope)
     opt, step = getattr(model, "optimizer", None), None
-    if opt is not None:  # the local value: it is replicated, no collective
+    if opt is not None:  # replicated: the local value, no collective
         iterations = _tensor(opt.iterations)
         step = int(getattr(iterations, "_local_tensor", iterations))
     info = {
@@ -238,81 +205,58 @@ def save(
         "metrics": metrics,
         **({"position": position} if position is not None else {}),
     }
-    where = os.path.join(directory, PARTIAL + name)
-    if background:
-        with _dcp_call():
-            future = dcp.async_save(
-                state,
-                checkpoint_id=where,
-                process_group=group,
-                no_dist=not distributed(),
-            )
-        return PendingSave(future, directory, name, info, keep)
     with _dcp_call():
-        dcp.save(
+        written = (dcp.async_save if background else dcp.save)(
             state,
-            checkpoint_id=where,
+            checkpoint_id=os.path.join(directory, PARTIAL + name),
             process_group=group,
             no_dist=not distributed(),
         )
-    # dcp.save returns once every process's shards and the metadata are
-    # written, so the first process may rename now.
+    if background:
+        return PendingSave(written, directory, name, info, keep)
+    # dcp.save returns once every shard and the metadata are written.
     on_first(commit, directory, name, info, keep, scope=scope)
     return os.path.join(directory, name)
 
 
 class PendingSave:
-    """A checkpoint being written in the background.
-
-    The first process commits it (rename, ``LATEST``) as soon as its write
-    ends: DCP's coordinator finishes only once every process has written its
-    shards. :meth:`wait` (every process, in step) returns the folder or
-    raises what failed anywhere.
-    """
+    """A checkpoint being written in the background; the first process
+    commits it when DCP's coordinator (last to finish) is done."""
 
     def __init__(self, future: Any, directory: str, name: str, info: dict, keep: int):
         self.path = os.path.join(directory, name)
         self._error: BaseException | None = None
         self._future = getattr(future, "upload_completion", future)
         self._committed = threading.Event()
-        if rank() == 0:
-            self._future.add_done_callback(
-                lambda done: self._commit(done, directory, name, info, keep)
-            )
-        else:
+        if rank() != 0:
             self._committed.set()
+            return
 
-    def _commit(self, done: Any, directory: str, name: str, info: dict, keep: int):
-        try:
-            if done.exception() is None:
-                commit(directory, name, info, keep)
-        except Exception as exc:  # noqa: BLE001 - raised by wait()
-            self._error = exc
-        finally:
-            self._committed.set()
+        def done(finished: Any) -> None:
+            try:
+                if finished.exception() is None:
+                    commit(directory, name, info, keep)
+            except Exception as exc:  # noqa: BLE001 - raised by wait()
+                self._error = exc
+            finally:
+                self._committed.set()
+
+        self._future.add_done_callback(done)
 
     def wait(self) -> str:
-        """Block until written and committed, on every process."""
-        self._committed.wait()
-
-        def check() -> None:
-            error = self._future.exception() or self._error
-            if error is not None:
-                raise CheckpointError(
-                    f"background save of {self.path} failed: {error!r}"
-                ) from error
-
-        every_process("background save", check)
+        """Block until written and committed on every process; the folder."""
+        every_process("background save", self.written)
         return self.path
 
     def written(self) -> str:
-        """Block until this process's part is written and committed; its
-        folder, or raise this process's error (no exchange: for a thread
-        other than the one that saves in step with the other processes)."""
+        """Block until this process's part is committed (no exchange); the
+        folder, or this process's error."""
         self._committed.wait()
         error = self._future.exception() or self._error
         if error is not None:
-            raise CheckpointError(f"background save of {self.path} failed: {error!r}")
+            raise CheckpointError(
+                f"background save of {self.path} failed: {error!r}"
+            ) from error
         return self.path
 
 
@@ -328,16 +272,13 @@ def load(
     optimizer: bool = True,
     metrics: bool = False,
 ) -> dict[str, Any]:
-    """Load the newest checkpoint in ``directory`` into ``model`` in place.
+    """Load the newest checkpoint in ``directory`` into ``model``'s placements.
 
-    Every process reads what its own shards need, into the variables'
-    current placements. Checks names and shapes first and raises
-    :class:`CheckpointMismatchError` naming what does not fit. Returns what
-    :func:`save` recorded (``epoch``, ``step``, ``processes``, ``path``).
+    Raises :class:`CheckpointMismatchError` naming names and shapes that do
+    not fit. Returns what :func:`save` recorded, and ``path``.
     """
-    path = resolve(os.fspath(directory))
-    with open(os.path.join(path, INFO)) as handle:
-        info = json.load(handle)
+    info = read_info(os.fspath(directory))
+    path = info["path"]
     if optimizer and not info.get("optimizer", True):
         raise CheckpointError(
             f"checkpoint {path} was saved without the optimizer: pass optimizer=False"
@@ -362,4 +303,4 @@ def load(
     state = {key: _tensor(v) for key, v in variables.items()}
     with torch.no_grad(), _dcp_call():
         dcp.load(state, checkpoint_id=path, no_dist=not distributed())
-    return {**info, "path": path}
+    return info

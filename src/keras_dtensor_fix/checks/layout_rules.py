@@ -1,16 +1,10 @@
 """A LayoutMap rule that matches no variable warns, once per rule and map.
 
-Keras looks each variable's path up in the LayoutMap (an exact key, else a
-key that ``re.fullmatch``-es it) and replicates a variable that no key
-matches: a rule with a typo shards nothing, with no word. When a model
-builds a step (the ``compile`` family's step-building wrappers, the one
-per-model event), every variable it holds exists; a rule that none of the
-variables seen so far under that map matches warns, naming the rule and the
-nearest paths. A map shared by several models is judged on all the models
-that have built a step: a rule for a model not built yet may warn early.
-keras-hub's ``get_layout_map`` covers a family of models, with rules for
-weights some lack (biases, untied output embeddings): the rules it gives the
-model's backbone are never warned of, the rules added to them are.
+Keras replicates a variable that no rule ``re.fullmatch``-es: a rule with a
+typo shards nothing, silently. When a model builds a step, each rule that
+none of the variables seen under that map matches warns, naming the nearest
+paths. keras-hub's ``get_layout_map`` covers a family of models with rules
+some lack: its rules for the backbone are never warned of, added ones are.
 """
 
 from __future__ import annotations
@@ -23,8 +17,7 @@ from typing import Any
 
 
 class _Seen:
-    """One LayoutMap's rules: those that matched a variable, those warned of,
-    and keras-hub's own (never judged)."""
+    """One LayoutMap's rules: matched, warned of, and keras-hub's (never judged)."""
 
     def __init__(self) -> None:
         self.matched: set[str] = set()
@@ -36,7 +29,7 @@ class _Seen:
         return all(rule in judged for rule in layout_map if isinstance(rule, str))
 
 
-#: By the LayoutMap's id (a mapping: unhashable), dropped when it dies.
+#: By the LayoutMap's id (unhashable), dropped when it dies.
 _SEEN: dict[int, _Seen] = {}
 
 
@@ -65,8 +58,8 @@ def nearest(rule: str, paths: list[str], count: int = 3) -> list[str]:
 
 
 def _library_rules(model: Any, distribution: Any) -> set[str] | None:
-    """The rules ``get_layout_map`` gives ``model``'s keras-hub backbone (empty
-    for a model without one; None where it cannot be asked)."""
+    """The rules ``get_layout_map`` gives ``model``'s keras-hub backbone
+    (empty without one; None where it cannot be asked)."""
     backbone = getattr(model, "backbone", model)
     get = getattr(type(backbone), "get_layout_map", None)
     if get is None:
@@ -88,15 +81,11 @@ def _library_rules(model: Any, distribution: Any) -> set[str] | None:
 
 def warn_unmatched(model: Any, distribution: Any | None) -> list[str]:
     """Warn of each rule of ``distribution``'s LayoutMap that no variable seen
-    so far matches (once per rule and map); returns the rules warned of now.
-
-    Nothing without a distribution (``None``) or one without a LayoutMap
-    (``DataParallel``); a model without variables yet (a subclassed model
-    before its first call) is not judged.
-    """
+    so far matches (once per rule and map); the rules warned of now. A model
+    without variables yet is not judged."""
     layout_map = getattr(distribution, "_layout_map", None)
     if layout_map is None:
-        return []  # first: train_on_batch asks at every step, mostly without one
+        return []  # train_on_batch asks at every step
     seen = _SEEN.get(id(layout_map))
     if seen is not None and seen.done(layout_map):
         return []  # every rule judged: later steps pay one lookup

@@ -1,14 +1,9 @@
 """Conversions: ``convert_to_numpy`` gathers, ``convert_to_tensor`` traces.
 
 Nightlies before 2026-10-27 return each process's local shard from
-``get_weights()`` and ``predict()``; later ones gather themselves, and the
-wrapper only lets a Keras variable holding a DTensor through as its value.
-
-``convert_to_tensor`` (keras-nightly 3.16.0.dev2026102704) reads
-``np.array(x).dtype``, which dynamo (torch 2.13) cannot trace:
-every numpy value a compiled step converts (keras-hub's attention scales its
-queries by ``ops.cast(1 / np.sqrt(head_dim), dtype)``) split the step into
-graphs, and DTensor gradients across those breaks fail to compile.
+``get_weights()`` and ``predict()``. ``convert_to_tensor`` reads
+``np.array(x).dtype``, which dynamo cannot trace: every numpy value a
+compiled step converts (keras-hub's attention scale) split the graph.
 """
 
 from __future__ import annotations
@@ -43,18 +38,13 @@ def _convert_to_numpy(wrapped, instance, args, kwargs):
 
 
 def _convert_to_tensor_in(core: types.ModuleType) -> Any:
-    """The ``convert_to_tensor`` wrapper of Keras's torch ``core`` module.
-
-    Its device and dtype helpers are read here, once: a traced step converts
-    hundreds of values, and dynamo would trace each lookup again.
-    """
+    """The ``convert_to_tensor`` wrapper of ``core`` (its helpers read once:
+    dynamo would trace each lookup again)."""
     get_device = getattr(core, "get_device", None)
     to_torch_dtype = getattr(core, "to_torch_dtype", None)
 
     def convert_to_tensor(wrapped, instance, args, kwargs):
-        # Under torch.compile a numpy value goes in as the tensor torch makes
-        # of it (same dtype, so the same result as Keras's numpy path); dynamo
-        # traces torch.as_tensor of a numpy array. Eager calls take Keras's path.
+        # Traced, a numpy value goes in as torch.as_tensor of it (same dtype).
         if args and torch.compiler.is_compiling():
             if isinstance(args[0], (np.ndarray, np.generic)):
                 tensor = torch.as_tensor(args[0])
@@ -71,13 +61,8 @@ def _convert_to_tensor_in(core: types.ModuleType) -> Any:
 
 
 def _unchanged(args: tuple, kwargs: dict, get_device: Any, to_torch_dtype: Any) -> bool:
-    """Whether Keras's conversion of DTensor ``args[0]`` would return it as is.
-
-    Eager, ``x.to(device)`` and ``x.to(dtype)`` return ``x`` itself when
-    nothing changes; traced, each makes a new object, so what the plugin
-    keeps on an activation (``dtensor.placed``: the logits the loss gathered,
-    which the accuracy metric reads through its own conversion) is lost.
-    """
+    """Whether Keras's conversion would return DTensor ``args[0]`` as is
+    (traced, ``x.to`` makes a new object, losing what ``dtensor.placed`` keeps)."""
     if get_device is None or to_torch_dtype is None:
         return False
     if len(args) > 2 or kwargs.get("sparse") or kwargs.get("ragged"):
@@ -97,9 +82,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
             _convert_to_tensor_in(module),
             also_in=targets.aliases("core_by_name"),
             gated=True,
-            # a compiled token step on local tensors (gate shut) converts a
-            # numpy value (Gemma's query scale) too
-            traced=True,
+            traced=True,  # a compiled token step (gate shut) converts too
         ),
         Patch(
             module.__name__,

@@ -1,13 +1,10 @@
 """A ModelParallel script on a Keras build without torch distribution warns.
 
-Stable ``keras`` installed over keras-nightly (``pip install keras-hub``
-without ``--no-deps`` does it) has no ModelParallel on torch: Keras itself
-fails with ``'NoneType' object has no attribute 'initialize'``. The first
-call to ``keras.distribution``'s ``initialize``, ``list_devices`` or
-``set_distribution`` warns once, first, with the commands that fix the
-install (:func:`keras_dtensor_fix.engine.install.keras_problem`). Ungated:
-the gate is closed on exactly such a build. One-device scripts never call
-them, and a good install costs one check per process.
+Stable ``keras`` installed over keras-nightly has no ModelParallel on torch
+(Keras fails with ``'NoneType' object has no attribute 'initialize'``). The
+first call to ``initialize``, ``list_devices`` or ``set_distribution`` warns
+once with the commands that fix the install. Ungated: the gate is closed on
+exactly such a build.
 """
 
 from __future__ import annotations
@@ -24,18 +21,13 @@ ENTRY_POINTS: tuple[str, ...] = ("initialize", "list_devices", "set_distribution
 _checked = False
 
 
-def _check_once() -> None:
-    global _checked
-    if _checked:
-        return
-    _checked = True
-    problem = install.keras_problem() if targets.backend() == "torch" else None
-    if problem:
-        warnings.warn(f"keras-dtensor-fix: {problem}", stacklevel=3)
-
-
 def _entry(wrapped, instance, args, kwargs):
-    _check_once()
+    global _checked
+    if not _checked:
+        _checked = True
+        problem = install.keras_problem() if targets.backend() == "torch" else None
+        if problem:
+            warnings.warn(f"keras-dtensor-fix: {problem}", stacklevel=2)
     return wrapped(*args, **kwargs)
 
 

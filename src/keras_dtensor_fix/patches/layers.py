@@ -1,17 +1,13 @@
 """Keras dense layers with a sharded kernel, computed on local tensors.
 
-``Dense.call`` and ``EinsumDense.call`` are a product, a bias add and an
-activation. Through DTensor each is a dispatched op forward and a few more
-backward (about 12 per layer, each costing more than the small op it runs).
-Where the kernel and bias are DTensors whose placements have a local form
-(column or row parallel, a batch-sharded input), the layer runs as
-:func:`~keras_dtensor_fix.dtensor.einsum.local_dense`: plain torch ops on the local
-tensors between one unwrap per input and one wrap of the output. Anything else
-(LoRA, quantized kernels, a plain kernel, placements without a local form, an
-activation the output's sharding would split) calls the original ``call``, as
-do compiled steps. Each layer's first local call is checked against its own
-``call`` on DTensors (``ops.first_call``): one that raises, or differs, warns
-once and runs on DTensors from then on.
+``Dense.call`` and ``EinsumDense.call`` (a product, a bias add, an
+activation) cost about 12 dispatched DTensor ops per layer. Where the kernel
+and bias placements have a local form (column or row parallel, a
+batch-sharded input) the layer runs as
+:func:`~keras_dtensor_fix.dtensor.einsum.local_dense` on the local tensors.
+Anything else (LoRA, quantized, a plain kernel, an activation the output's
+sharding would split, compiled steps) calls the original. Each layer's first
+local call is checked (``ops.first_call``).
 """
 
 from __future__ import annotations
@@ -29,32 +25,10 @@ from keras_dtensor_fix.ops.values import resolve
 
 #: Keras activations (``keras.activations.<name>``) by how far they reach.
 #: Any other callable runs locally only where the output is whole everywhere.
-ELEMENTWISE = (
-    "celu",
-    "elu",
-    "exponential",
-    "gelu",
-    "hard_shrink",
-    "hard_sigmoid",
-    "hard_silu",
-    "hard_tanh",
-    "leaky_relu",
-    "linear",
-    "log_sigmoid",
-    "mish",
-    "relu",
-    "relu6",
-    "selu",
-    "sigmoid",
-    "silu",
-    "soft_shrink",
-    "softplus",
-    "softsign",
-    "sparse_plus",
-    "sparse_sigmoid",
-    "squareplus",
-    "tanh",
-    "tanh_shrink",
+ELEMENTWISE = tuple(
+    "celu elu exponential gelu hard_shrink hard_sigmoid hard_silu hard_tanh "
+    "leaky_relu linear log_sigmoid mish relu relu6 selu sigmoid silu soft_shrink "
+    "softplus softsign sparse_plus sparse_sigmoid squareplus tanh tanh_shrink".split()
 )
 LAST_AXIS = ("glu", "log_softmax", "softmax", "sparsemax")
 
@@ -80,7 +54,6 @@ def activation_scope(activation: Any) -> str:
 
 def _dense_call(wrapped, instance, args, kwargs):
     """``Dense.call`` (``EinsumDense.call``: the layer's equation) on local tensors."""
-
     kernel = getattr(instance, "_kernel", None)
     if (
         compiling()
@@ -120,16 +93,9 @@ def patches(module: types.ModuleType) -> list[Patch]:
     name = "EinsumDense" if module.__name__ == targets.EINSUM_DENSE else "Dense"
     if "call" not in vars(getattr(module, name, object)):
         raise LookupError(f"{name}.call not found: this Keras moved it")
-    # traced: a plain function on the class, cheaper to look up than a wrapt
-    # proxy (Layer.__call__ looks ``call`` up on every call).
+    # traced: a plain function, cheaper to look up on every call than a proxy.
     return [
-        Patch(
-            module.__name__,
-            f"{name}.call",
-            _dense_call,
-            gated=True,
-            traced=True,
-        )
+        Patch(module.__name__, f"{name}.call", _dense_call, gated=True, traced=True)
     ]
 
 

@@ -1,12 +1,9 @@
 """keras-hub causal LM backbones get ``get_layout_map(mesh)`` where they have none.
 
-keras-hub's ``Backbone`` base class gets a ``get_layout_map`` classmethod
-(:func:`keras_dtensor_fix.hub.layouts.get_layout_map`): a backbone with a row
-in ``hub.layouts.ROWS`` (or a subclass of one) returns its layout, any other
-the planner's (``hub/probe``), or an error saying what to write. Backbones
-with their own (Gemma, Llama, Qwen, the MoEs) keep theirs. An
-``added`` patch: deactivation deletes it, and a keras-hub whose base class
-has one keeps its own.
+``Backbone.get_layout_map`` (:func:`keras_dtensor_fix.hub.layouts.get_layout_map`):
+a backbone with a row in ``hub.layouts.ROWS`` returns its layout, any other
+the planner's, or an error saying what to write. An ``added`` patch: backbones
+with their own keep theirs.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from keras_dtensor_fix.hub import layouts
 def patches(module: types.ModuleType) -> list[Patch]:
     if not isinstance(getattr(module, "Backbone", None), type):
         raise LookupError("Backbone")
-    # layouts.get_layout_map takes the class first: it is the classmethod
     method = classmethod(layouts.get_layout_map)
     return [Patch(module.__name__, "Backbone.get_layout_map", method, added=True)]
 

@@ -1,25 +1,14 @@
 """Leaf layers on local tensors: norms, rotary embeddings, softmax.
 
-Between a sharded model's row-parallel sums and its column-parallel products,
-activations are replicated, and a layer with no sublayers and replicated
-weights (a layer norm, an RMS norm, a position embedding) computes the same
-full value on every rank. Through DTensor, each of its small ops is a
-dispatched op forward and more backward, each costing more than the op. Such
-a layer runs here as one process runs it: its inputs and weights as local
-tensors (one unwrap each), its output wrapped once as a Replicate DTensor.
-Layers that read across only some axes (``targets.MIXING_LAYERS``, Keras's
-and keras-hub's: softmax over its axis, a rotary embedding over sequence and
-features) also run on shards split on the other axes (the attention heads),
-their output keeping the input's placements. ``dtensor.planner.region``
-decides; gradients are the local backward of each rank's piece, exact.
-
-Anything else calls the original: a layer with sublayers, sharded weights, a
-seed generator (dropout draws its own way), a Keras mask, an activity
-regularizer, an output layout in the distribution's LayoutMap, a layer not yet
-built, a stateless scope, a nested call, a first argument that is not a
-DTensor and compiled steps. Each layer's first local call is checked
-against its own call on DTensors (``ops.first_call``): one that raises, or
-differs, warns once and runs on DTensors from then on. Gated.
+Between row-parallel sums and column-parallel products activations are
+replicated, and a leaf layer with replicated weights computes the same full
+value on every rank, each small op paying DTensor's dispatch: it runs as one
+process runs it, inputs and weights local, the output wrapped once. Layers
+reading across some axes only (``targets.MIXING_LAYERS``) also run on shards
+split on the others (attention heads); ``dtensor.planner.region`` decides.
+Anything else (sublayers, sharded weights, a seed generator, a mask, a
+laid-out output, compiled steps, ...) calls the original. Each layer's first
+local call is checked (``ops.first_call``). Gated.
 """
 
 from __future__ import annotations
@@ -53,20 +42,12 @@ FIRST = FirstCall("the leaves family's local call")
 _LAID_OUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _kind(layer: Any) -> str | None:
-    cls = type(layer)
-    try:
-        return _KINDS[cls]
-    except KeyError:
-        key = (cls.__module__, cls.__qualname__)
-        kind = targets.MIXING_LAYERS.get(key)
-        _KINDS[cls] = kind
-        return kind
-
-
 def mixes(layer: Any, ndim: int) -> frozenset[int] | None:
     """The input dims ``layer`` reads across (None: unknown, all of them)."""
-    kind = _kind(layer)
+    cls = type(layer)
+    if cls not in _KINDS:
+        _KINDS[cls] = targets.MIXING_LAYERS.get((cls.__module__, cls.__qualname__))
+    kind = _KINDS[cls]
     if kind == "softmax":
         axes = layer.axis if isinstance(layer.axis, (list, tuple)) else (layer.axis,)
         return frozenset(a % ndim for a in axes)
@@ -77,20 +58,13 @@ def mixes(layer: Any, ndim: int) -> frozenset[int] | None:
 
 def _laid_out(layer: Any) -> bool:
     """:func:`~keras_dtensor_fix.ops.values.output_laid_out`, once per layer."""
-    try:
-        return _LAID_OUT[layer]
-    except KeyError:
-        pass
-    found = _LAID_OUT[layer] = output_laid_out(layer)
-    return found
+    if layer not in _LAID_OUT:
+        _LAID_OUT[layer] = output_laid_out(layer)
+    return _LAID_OUT[layer]
 
 
 def _plain(instance: Any) -> bool:
-    """Whether ``instance`` must run as it is (see the module's docstring).
-
-    :func:`_call` has tested the cheap ones: every layer call of a process
-    that once sharded comes there, distributed or not.
-    """
+    """Whether ``instance`` must run as it is (after :func:`_call`'s cheap tests)."""
     return bool(
         getattr(instance, "_layers", True)
         or getattr(instance, "_seed_generators", True)
@@ -120,8 +94,7 @@ def _call(wrapped, instance, args, kwargs):
             return wrapped(*args, **kwargs)
     first = args[0]
     try:
-        # A layer with weights runs locally only where everything is
-        # replicated: its weights would meet the shards whole.
+        # A layer with weights: only where everything is replicated.
         axes = None if variables else mixes(instance, first.ndim)
         found = local_region(leaves, axes)
     except Exception as error:  # the recognition itself: DTensor's path
@@ -165,9 +138,7 @@ def _wrap_all(result: Any, mesh: Any, placements: tuple) -> Any:
 def patches(module: types.ModuleType) -> list[Patch]:
     if "__call__" not in vars(getattr(module, "Layer", object)):
         raise LookupError("Layer.__call__ not found: this Keras moved it")
-    # eager_only: a plain function on the class (torch 2.13's dynamo fails a guard on
-    # wrapt's bound proxy as ``type(layer).__call__``) that sends dynamo to
-    # the original, so compiled steps trace no extra frame per layer call.
+    # eager_only: dynamo is sent to the original (no extra frame per call).
     return [
         Patch(module.__name__, "Layer.__call__", _call, gated=True, eager_only=True)
     ]

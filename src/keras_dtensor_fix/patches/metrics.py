@@ -1,10 +1,9 @@
 """Metric results under ModelParallel: one all-reduce per dtype, in the step.
 
-Each process accumulates its own batches into its (replicated) metric
-variables; the totals are their sum over the batch mesh axis. Upstream
-(keras-nightly 3.16.0.dev2026102704) all-reduces every variable each step,
-also over a one-process batch axis, and early nightlies all-reduce the
-DTensor itself, which has no sharding rule for ``c10d.allreduce_``.
+Each process accumulates its own batches into its replicated metric
+variables; the totals are their sum over the batch axis. Upstream
+all-reduces every variable each step (early nightlies the DTensor itself,
+which has no sharding rule for ``c10d.allreduce_``). Traced: compiled steps too.
 """
 
 from __future__ import annotations
@@ -27,16 +26,6 @@ def _make_metrics_result(owner_name: str):
     stateless_scope = targets.keras_object("StatelessScope")  # not while tracing
 
     def _metrics_result(wrapped, instance, args, kwargs):
-        """Metric results summed over the batch axis, from DTensor metric variables.
-
-        Each process accumulates its own batches into its (replicated) metric
-        variables; the totals are their sum over the batch mesh axis. Upstream
-        all-reduces every variable each step, also over a one-process batch axis,
-        and early nightlies all-reduce the DTensor itself, which has no sharding
-        rule for ``c10d.allreduce_``. Here one all-reduce per dtype sums them
-        all; it runs inside compiled steps too (a traced patch).
-        """
-
         dist = model_parallel()
         if dist is None:
             return wrapped(*args, **kwargs)
@@ -46,16 +35,13 @@ def _make_metrics_result(owner_name: str):
         group = None
         if dist.batch_dim_name in names:
             axis = names.index(dist.batch_dim_name)
-            # Eager steps skip a one-process batch axis. Compiled steps keep
-            # the (one) all-reduce: without it torch 2.13's inductor trained
-            # the parity MLP differently (0.3% off the single-process losses;
-            # equal with the aot_eager backend).
+            # Eager steps skip a one-process batch axis; compiled ones keep
+            # it: without it inductor (torch 2.13) trained the parity MLP wrong.
             if mesh.size(axis) > 1 or torch.compiler.is_compiling():
                 group = mesh.get_group(axis)
         variables = instance.metrics_variables
         owner = getattr(sys.modules[targets.TRAINER], owner_name)
-        if group is None:
-            # Nothing to sum: the local tensors hold the totals.
+        if group is None:  # the local tensors hold the totals
             with torch.no_grad(), local_tensors(variables):
                 results = super(owner, instance).get_metrics_result()
         else:

@@ -1,9 +1,7 @@
 """The torch backend's numpy ops on DTensors and plain tensors.
 
-Targets are found systematically: every public function of the backend numpy
-module that can take two or more tensors (two or more positional parameters,
-``*args``, or a sequence of tensors). What a wrapper does with DTensor
-operands is the op-handler table's business (:mod:`keras_dtensor_fix.ops.handlers`).
+Targets: every public function of the numpy module that can take two or more
+tensors; what happens to DTensor operands is :mod:`keras_dtensor_fix.ops.handlers`'.
 """
 
 from __future__ import annotations

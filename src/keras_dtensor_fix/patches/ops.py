@@ -1,23 +1,16 @@
 """The torch backend's nn, math, linalg, image and core ops on DTensors.
 
-Loss functions (``binary_crossentropy(target, output)``), attention,
-normalization and segment ops take several tensors too; each multi-tensor
-function gets the op-handler table's wrapper (:mod:`keras_dtensor_fix.ops.handlers`),
-with the rows for convolutions and attention among them. From the core
-module ``slice_update`` (one tensor written into another) is wrapped, its
-other multi-tensor functions being the numpy module's; and ``slice``, whose
-start read from a tensor (keras-hub's ``PositionEmbedding`` at a cache index)
-Keras turns into ``torch.narrow`` on the start's value: inside a compiled
-graph that reads the value (a graph break) and returns a view of a DTensor,
-which AOT autograd rebuilds with ``as_strided`` (refused on DTensors: torch
-2.13, pytorch/pytorch#184002). Traced,
-such a start becomes a gather of the rows it names, the same values in one graph.
-And ``fori_loop``: a body that reads a DTensor it closes over (keras-hub's
-RWKV-7 time mix) makes DTensor values, and writing one into a plain carry in
-place (``out[:, t : t + 1] = o``) fails DTensor's assertion that an in-place
-op's self is a DTensor. The plain carries (full values, as implicit
-replication takes them) enter such a loop as Replicate DTensors; the write
-is then DTensor's own copy, its gradient too.
+Every multi-tensor function gets the op-handler table's wrapper
+(:mod:`keras_dtensor_fix.ops.handlers`); from the core module
+``slice_update``, and two more:
+
+- ``slice`` with a tensor start (keras-hub's ``PositionEmbedding`` at a cache
+  index) becomes ``torch.narrow`` on the start's value: traced, a graph break
+  and a view AOT autograd rebuilds with ``as_strided``, refused on DTensors
+  (pytorch/pytorch#184002). Traced, such a start gathers the rows instead.
+- ``fori_loop`` whose body closes over a DTensor (RWKV-7's time mix) writes
+  DTensors into plain carries in place, which DTensor refuses: such carries
+  enter as Replicate DTensors.
 """
 
 from __future__ import annotations

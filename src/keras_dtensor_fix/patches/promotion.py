@@ -1,16 +1,11 @@
 """Replace Keras's global ``KerasDTensorPromotionMode`` with DTensor's own switch.
 
-Upstream (keras-nightly 3.16.0.dev2026102704; the mode's review:
-keras-team/keras#23402) enters a ``TorchDispatchMode`` in ``set_distribution``
-that promotes every plain tensor to a Replicate DTensor. It costs every aten call a trip
-through Python and makes dynamo skip every frame. The plugin keeps that mode
-off and, for the same semantics where a raw torch operator meets a plain
-tensor and a DTensor (a Python ``-`` in a Keras loss, loss scaling, rnn.py,
-keras-hub layers, user code), turns on DTensor's implicit replication while a
-sharded distribution is set: the dispatcher treats the plain operand as a full
-replicated value, in C. ``keras.ops`` still see their operands first (the
-``numpy`` and ``ops`` families), where a plain tensor of one rank's shard size
-is refused.
+Upstream enters a ``TorchDispatchMode`` in ``set_distribution`` that promotes
+every plain tensor to a Replicate DTensor: every aten call goes through
+Python and dynamo skips every frame. The plugin keeps it off and, while a
+sharded distribution is set, turns on DTensor's implicit replication (the
+same semantics where a raw torch op meets a plain tensor and a DTensor, in
+C). ``keras.ops`` still see their operands first (``numpy``, ``ops``).
 """
 
 from __future__ import annotations
@@ -31,18 +26,11 @@ from keras_dtensor_fix.engine.state import (
 )
 
 
-def _replicate_plain(on: bool) -> None:
-    set_implicit_replication(on)
-
-
 def _skip_activation(wrapped, instance, args, kwargs):
-    """Replacement for ``activate_dtensor_promotion``: no mode, DTensor's switch.
-
-    Keras calls it when a sharding distribution is set (on the thread that
-    sets it, like its mode): the plugin's gated wrappers open too.
-    """
+    """``activate_dtensor_promotion`` (a sharding distribution set): no mode,
+    DTensor's switch on this thread, and the gated wrappers open."""
     note_sharding()
-    _replicate_plain(True)
+    set_implicit_replication(True)
     return None
 
 
@@ -51,7 +39,7 @@ def _deactivation(wrapped, instance, args, kwargs):
     try:
         return wrapped(*args, **kwargs)
     finally:
-        _replicate_plain(False)
+        set_implicit_replication(False)
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
@@ -69,7 +57,6 @@ def patches(module: types.ModuleType) -> list[Patch]:
 
 def after_apply() -> None:
     """Exit a promotion mode entered before the plugin was activated."""
-
     module = sys.modules.get(targets.DISTRIBUTION_LIB)
     if promotion_modes() and hasattr(module, "deactivate_dtensor_promotion"):
         module.deactivate_dtensor_promotion()  # keeps Keras's own flags right
@@ -84,12 +71,12 @@ def after_apply() -> None:
         mode.__exit__(None, None, None)
     if model_parallel() is not None:
         note_sharding()
-        _replicate_plain(True)
+        set_implicit_replication(True)
 
 
 def after_revert() -> None:
     """Give upstream its mode back when a ModelParallel distribution is active."""
-    _replicate_plain(False)
+    set_implicit_replication(False)
     module = sys.modules.get(targets.DISTRIBUTION_LIB)
     if module is not None and model_parallel() is not None:
         module.activate_dtensor_promotion()
@@ -99,7 +86,6 @@ def notes() -> list[str]:
     """Whether Keras's promotion mode is on the stack, and DTensor's switch."""
     if "torch" not in sys.modules:
         return []
-
     if promotion_modes():
         return [
             f"{PROMOTION_MODE} is on the dispatch stack (entered under another mode)"

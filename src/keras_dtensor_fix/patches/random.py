@@ -1,14 +1,10 @@
 """Dropout on DTensor activations.
 
-The torch backend draws a mask as a plain tensor (seeded: from Keras's seed
-generator; unseeded: torch's own dropout on its global generator) and combines
-it with the activations outside the numpy ops. On a DTensor the mask is drawn
-the same way for the full shape (so every rank and a single-process run
-agree), eagerly, and promoted to a Replicate DTensor before the ``where``.
-Traced (torch 2.13), the draw did not match one process's: in a compiled step
-the unseeded draw is one opaque op of the graph (``keras_dtensor_fix::
-dropout_kept``) that draws eagerly when the graph runs; a seeded draw, or one
-with a noise shape, is a graph break (reported by the ``compile`` family).
+The mask is drawn as one process draws it, for the full shape (so every rank
+and a single-process run agree), eagerly, then promoted to a Replicate
+DTensor. Traced, the unseeded draw is one opaque op
+(``keras_dtensor_fix::dropout_kept``) that draws when the graph runs; a
+seeded draw, or one with a noise shape, breaks the graph.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ def _bind(inputs, rate, noise_shape=None, seed=None):
 
 
 def _draw_kept(wrapped, shape, dtype, device, rate, noise_shape, seed):
-    """The kept-entries mask the original draws for the whole (global) tensor,
-    drawn eagerly as one process draws it (traced: through :func:`_kept`)."""
+    """The kept-entries mask of the whole tensor, drawn as one process draws it."""
     if (
         _kept is not None
         and torch.compiler.is_compiling()
@@ -51,14 +46,13 @@ def _unseeded(seed) -> bool:
     return seed is None or (isinstance(seed, generator) and seed._initial_seed is None)
 
 
-#: How many in-graph draws ran: the op mutates it, so that no compiler pass
-#: merges two draws of one shape or moves one past another.
+#: In-graph draws so far: mutated, so no pass merges or reorders two draws.
 _DRAWS = torch.zeros((), dtype=torch.int64)
 
 
 def _define_kept():
-    """The op ``keras_dtensor_fix::dropout_kept``, or None on a torch without
-    ``torch.library.custom_op`` tags (every traced draw then a graph break)."""
+    """The op ``keras_dtensor_fix::dropout_kept`` (None: a torch without
+    ``custom_op`` tags; traced draws then break the graph)."""
 
     def kept(
         draws: torch.Tensor,
@@ -95,18 +89,10 @@ def _dropout(wrapped, instance, args, kwargs):
     if not isinstance(inputs, DTensor) or rate in (0.0, 1.0):
         return wrapped(*args, **kwargs)
 
-    kept = _draw_kept(
-        wrapped,
-        tuple(inputs.shape),
-        inputs.dtype,
-        inputs.device,
-        rate,
-        noise_shape,
-        seed,
-    )
+    shape, dtype, device = tuple(inputs.shape), inputs.dtype, inputs.device
+    kept = _draw_kept(wrapped, shape, dtype, device, rate, noise_shape, seed)
     mask = replicate(kept, inputs.device_mesh)
-    keep_prob = 1.0 - rate
-    return torch.where(mask, inputs / keep_prob, torch.zeros_like(inputs))
+    return torch.where(mask, inputs / (1.0 - rate), torch.zeros_like(inputs))
 
 
 def patches(module: types.ModuleType) -> list[Patch]:

@@ -1,16 +1,11 @@
 """Keras's loss and metric updates on local tensors when all they see is replicated.
 
-Once a row-parallel layer's Partial sum is reduced where it is made, ``y_pred``,
-``y`` and the sample weights hold the same full values on every process, and so
-do the metric variables (Replicate DTensors). DTensor's per-op dispatch then
-only adds time to the many small ops of a loss or a metric update: these run on
-the local tensors instead, with the metric variables showing their local
-tensors for the call (written in place, so the DTensors see every update). A
-loss comes back as the plain tensor it was computed as: the full value, the
-same on every process, so its backward starts without DTensor dispatch (an op
-that later meets a DTensor promotes it). Any other placement (``y_pred``
-sharded over a batch axis, a sharded metric variable) keeps the DTensor path.
-Eager only: compiled steps trace the original.
+Once row-parallel sums are reduced where they are made, ``y_pred``, ``y``,
+the sample weights and the metric variables hold the same full values on
+every process, and DTensor's dispatch only adds time to a loss's many small
+ops: these run on the local tensors (metric variables written in place). A
+loss comes back plain, the same on every process, so its backward starts
+without DTensor dispatch. Any other placement keeps the DTensor path. Eager only.
 """
 
 from __future__ import annotations
@@ -35,14 +30,9 @@ from keras_dtensor_fix.ops.values import flatten_call, local_tensors, unflatten_
 def local_inputs(
     values: list[Any], *, grad: bool = True, mesh: Any = None
 ) -> tuple[Any, list[Any]] | None:
-    """``values`` with whole DTensors as local tensors, and their mesh.
-
-    :func:`planner.replicated` decides, a Partial value allowed: it is reduced
-    first, as its first op would reduce it. ``mesh`` is the mesh of the
-    caller's variables (labels may hold no DTensor). Only a DTensor that needs
-    a gradient takes an autograd op (``unwrap_local``), and only when the
-    caller wants gradients (``grad``).
-    """
+    """``values`` with whole DTensors as local tensors (a Partial one reduced
+    first), and their mesh, or None; ``mesh``: the caller's variables' mesh.
+    Only with ``grad`` does a DTensor needing a gradient take an autograd op."""
     mesh = planner.replicated(values, mesh=mesh, partial=True)
     if mesh is None:
         return None
@@ -70,7 +60,6 @@ def _update_local(wrapped, instance, args, kwargs):
 
 def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
     """Call ``wrapped`` on local tensors, with ``instance``'s variables local."""
-
     if compiling() or not getattr(instance, "built", True):
         return wrapped(*args, **kwargs)
     variables = list(instance.variables)
@@ -104,8 +93,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
         owner, name = target.split(".")
         if name not in vars(getattr(module, owner, object)):
             raise LookupError(f"{target} not found: this Keras moved it")
-    # traced: a compiled step then meets a plain function on the class (dynamo
-    # 2.13 guards ``type(loss).__call__`` by identity), calling the original.
+    # traced: dynamo guards ``type(loss).__call__`` by identity.
     return [
         Patch(
             module.__name__,

@@ -1,25 +1,14 @@
 """Restarts under ``torchrun --max-restarts``: each attempt its own store keys.
 
-torchrun's agent keeps one TCPStore for the whole job and hands it to every
-attempt (``TORCHELASTIC_USE_AGENT_STORE``). torch's rendezvous assumes a new
-store per attempt ("no need to add prefix for each attempt") and gives the
-default process group keys with no attempt in them: after a restart, gloo can
-read the address a process of the dead attempt published and fail ("Gloo
-connectFullMesh failed ... Connection refused") or wait for it (torch 2.13;
-NCCL met the same shared store in pytorch/pytorch#135712). It happens
-however the group is started, since every ``env://`` and ``tcp://`` start
-(``init_process_group`` with or without arguments, Keras's ``initialize``,
-``init_device_mesh``) makes its store in ``_create_c10d_store``: there, the
-agent's store gets a prefix naming the attempt.
-
-The attempt is the rendezvous round, the same on every agent of a job: the
-agent (where the plugin starts with the interpreter, as a ``pip install``
-makes it) hands its workers the round it started them in (:data:`ROUND`).
-Without it, ``TORCHELASTIC_RESTART_COUNT`` names the attempt under one agent;
-several agents count their restarts each for itself (one that restarts for a
-peer's new round keeps its count), so their processes could disagree: there
-the store is left as torch makes it, and each process warns
-(:data:`UNSHARED_ROUND`). Outside torchrun nothing changes.
+torchrun's agent hands one TCPStore to every attempt, and torch gives the
+default group keys with no attempt in them: after a restart gloo can read a
+dead attempt's address and fail or wait (pytorch/pytorch#135712 for NCCL).
+Every ``env://`` and ``tcp://`` start makes its store in
+``_create_c10d_store``; there the agent's store gets a prefix naming the
+attempt: the rendezvous round the agent (where the plugin starts too) hands
+its workers (:data:`ROUND`), else ``TORCHELASTIC_RESTART_COUNT`` under one
+agent. Several agents without a round count apart: the store is left as is
+and each process warns (:data:`UNSHARED_ROUND`).
 """
 
 from __future__ import annotations
@@ -47,7 +36,6 @@ def attempt_prefix() -> str | None:
     return f"keras_dtensor_fix/attempt_{attempt}"
 
 
-#: Said once a process when several agents' restarts cannot be told apart.
 UNSHARED_ROUND = (
     "keras-dtensor-fix: under several torchrun agents a restart reconnects only "
     "when the plugin starts in torchrun's own process too (pip install "
@@ -56,32 +44,26 @@ UNSHARED_ROUND = (
 )
 
 
-def _unshared_round() -> bool:
-    """Several agents, and no round from theirs: nothing names the attempt."""
-    return (
-        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        and os.environ.get("GROUP_WORLD_SIZE", "1") != "1"
-        and ROUND not in os.environ
-    )
-
-
 def _create_store(wrapped, instance, args, kwargs):
     store = wrapped(*args, **kwargs)
     prefix = attempt_prefix()
-    if prefix is None:
-        if _unshared_round():
-            import warnings
+    if prefix is not None:
+        import torch.distributed as dist
 
-            warnings.warn(UNSHARED_ROUND, stacklevel=3)
-        return store
-    import torch.distributed as dist
+        return dist.PrefixStore(prefix, store)
+    if (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("GROUP_WORLD_SIZE", "1") != "1"
+    ):  # several agents, no round from theirs: nothing names the attempt
+        import warnings
 
-    return dist.PrefixStore(prefix, store)
+        warnings.warn(UNSHARED_ROUND, stacklevel=3)
+    return store
 
 
 def rendezvous_round(worker_group: object) -> int | None:
-    """The round of the rendezvous that made ``worker_group`` (torch's dynamic
-    rendezvous keeps it in private state: ``None`` where it is not there)."""
+    """The rendezvous round that made ``worker_group`` (torch's private state:
+    ``None`` where it is not there)."""
     handler = getattr(getattr(worker_group, "spec", None), "rdzv_handler", None)
     state = getattr(getattr(handler, "_state_holder", None), "state", None)
     round_ = getattr(state, "round", None)
@@ -93,8 +75,7 @@ def _start_workers(wrapped, instance, args, kwargs):
     round_ = rendezvous_round(group)
     if round_ is None:
         return wrapped(*args, **kwargs)
-    # The workers inherit the agent's environment (torch's subprocess
-    # handler copies it); set only while they start.
+    # The workers inherit the agent's environment while they start.
     saved = os.environ.get(ROUND)
     os.environ[ROUND] = str(round_)
     try:

@@ -1,12 +1,9 @@
 """``fit`` resumed inside an epoch skips the batches a checkpoint already holds.
 
-Keras starts a resumed ``fit`` at an epoch (``initial_epoch``); the
-``Checkpoint`` callback can resume at a step. Its plan
-(:mod:`keras_dtensor_fix.checkpoint.position`) reaches the epoch iterator
-here: the adapter's epoch counter is set back (the same shuffle as the
-uninterrupted run) and the first batches are drawn and dropped, never
-trained, keeping Keras's step numbers. Without a plan the generator is
-Keras's own.
+The ``Checkpoint`` callback's plan (:mod:`keras_dtensor_fix.checkpoint.position`)
+reaches the epoch iterator here: the adapter's epoch counter is set back (the
+same shuffle) and the first batches are drawn and dropped, keeping Keras's
+step numbers. Without a plan the generator is Keras's own.
 """
 
 from __future__ import annotations

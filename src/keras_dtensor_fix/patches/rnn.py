@@ -1,16 +1,11 @@
 """LSTM and GRU with sharded kernels: the weights gathered once per call.
 
-The torch backend's ``lstm``/``gru`` loop over time steps and split each step's
-gate pre-activations into gates with ``torch.chunk``. With a kernel sharded on
-its gate columns every chunk of every step needs the whole row: DTensor
-gathers it each time, and compiled with inductor (``jit_compile=True``, torch
-2.13, ``torch.autograd.grad`` traced into the step) the gradients of such a
-loop come out wrong. Gathering the sharded kernels, recurrent kernel and bias
-once at the start of the call (what FSDP does before a layer runs) leaves the
-loop on replicated weights: one all-gather per weight instead of one per step,
-and compiled gradients equal eager ones. Their gradients go back to the
-shards' placements by a local slice. A Keras mask sends the layer to Keras's
-generic loop instead, which the ``compile`` family keeps eager.
+The torch backend's ``lstm``/``gru`` split each time step's gates with
+``torch.chunk``: with a kernel sharded on its gate columns DTensor gathers it
+every step, and compiled (torch 2.13) such a loop's gradients come out
+wrong. Gathering the kernels and bias once per call (as FSDP does) leaves the
+loop on replicated weights; their gradients go back to the shards by a local
+slice. A masked call takes Keras's generic loop, kept eager.
 """
 
 from __future__ import annotations
@@ -25,17 +20,13 @@ ENTRIES = ("lstm", "gru")
 WEIGHTS = ("kernel", "recurrent_kernel", "bias")
 
 
-def _value(weight):
-    """A Keras Variable's tensor, or the tensor itself."""
-    return getattr(weight, "value", weight)
-
-
 def make_wrapper(signature: inspect.Signature):
     def wrapper(wrapped, instance, args, kwargs):
         bound = signature.bind(*args, **kwargs)
         gathered = False
         for name in WEIGHTS:
-            value = _value(bound.arguments.get(name))
+            value = bound.arguments.get(name)
+            value = getattr(value, "value", value)  # a Keras Variable's tensor
             if isinstance(value, DTensor) and not all(
                 p.is_replicate() for p in value.placements
             ):

@@ -1,14 +1,10 @@
 """Saving with one path on every process, and Keras's BackupAndRestore.
 
-Keras's saving is not multi-process aware: each process writes the path it is
-given. Under ModelParallel a save (``save_weights``, ``model.save``, and so
+Under ModelParallel a save (``save_weights``, ``model.save``, and so
 ``ModelCheckpoint`` and ``BackupAndRestore``) becomes one collective step
-(:func:`keras_dtensor_fix.saving.one_writer.save`): every process gathers, one
-writes each path atomically, all learn how it went; a save on some processes
+(:func:`keras_dtensor_fix.saving.one_writer.save`); a save on some processes
 only is an error naming the others, not a hang. Under other distributions
-(nothing to gather) each process writes atomically, so one shared path is
-safe and a save on process 0 alone still works. Under any distribution over
-several processes, ``BackupAndRestore`` copies, writes its metadata and
+each process writes atomically. ``BackupAndRestore`` copies, records and
 deletes its directory from one process, the others waiting.
 """
 
@@ -32,7 +28,7 @@ ENTRIES = {
 
 
 def _processes() -> int:
-    from keras_dtensor_fix.dtensor.world import world
+    from keras_dtensor_fix.dtensor.world import world  # torch only when saving
 
     return world()
 
@@ -126,13 +122,8 @@ def _makedirs(wrapped, instance, args, kwargs):
 
 
 def _skipset_without_distribution(wrapped, instance, args, kwargs):
-    """Keras's attribute skip-set, its throwaway objects made without sharding.
-
-    ``get_attr_skipset`` builds a bare Layer or Optimizer once per process to
-    list the attributes a save skips. Under ModelParallel their variables are
-    distributed, a collective, made only by a process that has not cached
-    the set yet: a writer saving alone would wait for the others.
-    """
+    """Keras's attribute skip-set, its throwaway Layer or Optimizer built
+    without sharding (a collective that a writer saving alone would wait on)."""
     if model_parallel() is None:
         return wrapped(*args, **kwargs)
     global_state = targets.keras_object("global_state")

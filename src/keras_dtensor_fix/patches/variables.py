@@ -1,10 +1,10 @@
 """Create unsharded variables as Replicate DTensors under ModelParallel.
 
-Upstream (keras-nightly 3.16.0.dev2026102704; torch ModelParallel is tracked
-in keras-team/keras#23418) keeps a variable with no sharded axis a plain
-``Parameter``; the first op that meets a sharded value (``bias + matmul``)
-then fails with "got mixed torch.Tensor and DTensor". As Replicate DTensors
-they take part in DTensor's own sharding rules, eager and compiled.
+Upstream keeps a variable with no sharded axis a plain ``Parameter``; the
+first op meeting a sharded value (``bias + matmul``) then fails with "got
+mixed torch.Tensor and DTensor". Also: layouts checked against the variable's
+dims, placements dynamo can trace, one torch mesh per Keras mesh, and
+assignments to replicated variables without DTensor's dispatch.
 """
 
 from __future__ import annotations
@@ -40,11 +40,8 @@ class LayoutError(ValueError):
 
 
 def check_layout(variable: Any, layout: Any) -> None:
-    """Refuse a layout whose axes do not match the variable's dims.
-
-    torch (2.13) fails on it later with an IndexError from inside DTensor
-    (upstream too); this names the variable, its layout and one that works.
-    """
+    """Refuse a layout whose axes do not match the variable's dims (torch
+    fails later inside DTensor), naming the variable and a layout that works."""
     axes = tuple(getattr(layout, "axes", None) or ())
     shape = tuple(getattr(variable, "shape", ()) or ())
     if not axes or len(axes) == len(shape):
@@ -92,8 +89,7 @@ def _replicated_parameter(variable, dist, convert_to_tensor, initializer):
     if value.device.type != mesh.device_type:
         value = value.to(mesh.device_type)
     note_sharding()
-    # distribute_tensor broadcasts rank 0's value, as upstream does for sharded
-    # variables, so unseeded ranks still agree.
+    # distribute_tensor broadcasts rank 0's value: unseeded ranks agree.
     dtensor = distribute_tensor(value, mesh, [Replicate()] * mesh.ndim)
     return torch.nn.Parameter(dtensor, requires_grad=variable.trainable)
 
@@ -111,34 +107,24 @@ def _placements(spec: tuple) -> tuple:
 
 
 def placements_of(layout: Any, tensor: Any) -> tuple:
-    """The placements ``layout`` gives, rebuilt so that dynamo can trace them.
-
-    Under torch.compile, placements read from a cached backend layout come
-    through as ``None`` (dynamo did not see them created), and variable
-    assignment redistributed to ``(None, None)``.
-    """
+    """The placements ``layout`` gives, rebuilt so that dynamo can trace them
+    (read from a cached backend layout, they come through as ``None``)."""
     spec = getattr(layout, SPEC, None)
-    if (
-        spec is None
-        and hasattr(layout, "axes")
-        and hasattr(getattr(layout, "device_mesh", None), "axis_names")
-    ):
-        names = layout.device_mesh.axis_names
-        spec = tuple(
-            next(
-                (
-                    ("S", i)
-                    for i, axis in enumerate(layout.axes)
-                    if axis == name
-                    or (isinstance(axis, (list, tuple)) and name in axis)
-                ),
-                ("R",),
-            )
-            for name in names
-        )
+    # A Keras layout has axes; a backend one's torch mesh is opaque to dynamo.
+    if spec is None and hasattr(layout, "axes"):
+        names = getattr(getattr(layout, "device_mesh", None), "axis_names", None)
+        spec = None if names is None else tuple(_split(layout.axes, n) for n in names)
     if spec is None:  # a layout made before activation: keep the value's own
         spec = _spec(tensor.placements)
     return _placements(spec)
+
+
+def _split(axes: Any, name: str) -> tuple:
+    """``("S", dim)`` for the dim mesh axis ``name`` splits, else ``("R",)``."""
+    for i, axis in enumerate(axes):
+        if axis == name or (isinstance(axis, (list, tuple)) and name in axis):
+            return ("S", i)
+    return ("R",)
 
 
 def _to_backend_layout(wrapped, instance, args, kwargs):
@@ -162,12 +148,8 @@ def _mesh(layout: Any) -> Any:
 
 
 def _to_backend_mesh(wrapped, instance, args, kwargs):
-    """One torch DeviceMesh per Keras DeviceMesh.
-
-    Early nightlies build a new torch mesh in every ``get_metrics_result``
-    call, which dynamo (torch 2.13) cannot trace in a compiled step (and costs a
-    mesh per step eagerly). Keras caches the same object as ``_backend_mesh``.
-    """
+    """One torch DeviceMesh per Keras DeviceMesh (early nightlies build one
+    per ``get_metrics_result``, which dynamo cannot trace)."""
     device_mesh = args[0] if args else kwargs.get("device_mesh")
     cached = getattr(device_mesh, "_backend_mesh", None)
     if cached is not None:
@@ -189,9 +171,7 @@ def _distribute_tensor(wrapped, instance, args, kwargs):
         and not isinstance(tensor, DTensor)
         and all(p.is_replicate() for p in _layout_placements(layout))
     ):
-        # A scalar assigned to a replicated variable (``count.assign(0)``):
-        # every process passes the same value, so no broadcast is needed.
-
+        # A scalar for a replicated variable: the same everywhere, no broadcast.
         return replicate(tensor, _mesh(layout))
     if layout is None or not (isinstance(tensor, DTensor) and compiling()):
         return wrapped(*args, **kwargs)
@@ -202,13 +182,8 @@ def _distribute_tensor(wrapped, instance, args, kwargs):
 
 
 def _direct_assign(wrapped, instance, args, kwargs):
-    """Write a replicated variable's local tensor when nothing moves.
-
-    A value with the variable's own mesh and placements, or a scalar, becomes
-    the same local copy that ``distribute_tensor`` + DTensor ``copy_`` make,
-    without their dispatch (metric resets and updates, moving statistics).
-    """
-
+    """Write a replicated variable's local tensor when nothing moves (a
+    scalar, or the same mesh and placements), without DTensor's dispatch."""
     current = getattr(instance, "_value", None)
     value = args[0] if args else kwargs.get("value")
     if (
@@ -251,8 +226,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
     wrapper = _make_wrapper(module.convert_to_tensor)
     result = [Patch(module.__name__, "Variable._initialize_distributed", wrapper)]
     if "_direct_assign" in vars(module.Variable):
-        # traced: compiled steps assign too (the optimizer's iteration count);
-        # dynamo must run the original there, not a wrapt proxy of it.
+        # traced: compiled steps assign too; dynamo must run the original.
         result.append(
             Patch(
                 module.__name__,

@@ -1,10 +1,4 @@
-"""``auto_layout_map``: build, trace, choose, cost, and write the rules.
-
-The steps are :mod:`.trace` (a model built on ``meta`` and one forward
-watched), :mod:`.choose` (Megatron's pairing off the dataflow), :mod:`.cost`
-(bytes per rank, collectives per step) and :mod:`.layout_map` (the regex
-rules); :class:`Plan` keeps what they found for the table and the log.
-"""
+"""``auto_layout_map``: trace, choose, cost, and write the rules; its :class:`Plan`."""
 
 from __future__ import annotations
 
@@ -49,11 +43,13 @@ def auto_layout_map(
     model_axis: str = "model",
     batch_axis: str = "batch",
 ) -> Any:
-    """A ``keras.distribution.LayoutMap`` for ``ModelParallel``, planned from the model.
+    """A ``keras.distribution.LayoutMap`` planned from the model ``build()`` returns.
 
-    ``build()`` builds and returns the model; it runs under no distribution,
-    on torch's ``meta`` device where the model allows (then on the CPU).
-    ``sample_input`` is one batch, for a model without ``Input`` shapes.
+    Megatron's tensor parallelism read off one forward traced on ``meta``
+    (column then row, heads, large tables by rows; the batch axis splits the
+    hidden axis). ``sample_input``: one batch, for a model without ``Input``
+    shapes. Print the map for its rules; ``.plan`` holds the choices and cost.
+    See docs/planner.md.
     """
     import keras
 

@@ -1,27 +1,11 @@
 """Which weight axis each mesh axis splits: Megatron's pairing, read off a dataflow.
 
-Pure decisions over :class:`~keras_dtensor_fix.planning.dataflow.Dataflow`.
 In call order, a product ``B`` whose other operand only products ``A`` reach
-(through elementwise ops, activations, norms and attention's weight-free
-products) becomes **row** parallel (its first contracted axis split) and
-those ``A`` **column** parallel (their first output-only axis split): the
-``A`` outputs stay split until ``B``'s partial sums meet in one all-reduce.
-That is Megatron's MLP pair and attention (Q/K/V by heads; an output
-projection row), fused Q/K/V and stacked experts included. A pair is refused
-when an ``A`` is already row, or *bypasses* (its output also feeds a residual
-sum downstream of ``B``), or ``B``'s axis does not divide by the model axis;
-an ``A`` whose axis does not divide (GQA's key and value) stays whole.
-
-Lookup tables split by their indexed axis (vocabulary), and a product no
-product reads that widens its input (an LM head, not a classifier) splits its
-output axis, when the weight holds at least :data:`LARGE` of the model's
-bytes; a tied head agrees with its table.
-Biases follow a column product's split; row biases, norms, routers, small
-tables, convolutions (the plugin gathers a split conv kernel) and anything
-that does not divide stay replicated. A weight whose uses disagree stays
-replicated. On a mesh with a batch axis, the batch axis splits the other
-weight axis (the hidden one) of every split weight where it divides, as
-keras-hub's own maps do.
+becomes **row** parallel and those ``A`` **column** parallel, unless an ``A``
+is already row, bypasses ``B`` (a residual) or an axis does not divide. Large
+tables split by vocabulary and a large widening head by its output; column
+biases follow; the rest stays replicated. A batch axis splits the other
+(hidden) axis of every split weight. docs/planner.md has the rules in full.
 """
 
 from __future__ import annotations
@@ -32,8 +16,7 @@ from keras_dtensor_fix.planning.dataflow import Dataflow, Product
 
 __all__ = ["LARGE", "Choice", "choose"]
 
-#: The share of the model's weight bytes that makes a lone weight worth its
-#: collective (a table's all-reduce, a head's gather).
+#: The share of the model's bytes that makes a lone weight worth a collective.
 LARGE = 0.05
 
 
@@ -60,16 +43,18 @@ def choose(
     roles = _pair(flow, shapes, n)
     consumers = flow.consumers()
     total = sum(nbytes.values()) or 1
+
+    def large(p: Product, axis: int) -> bool:  # worth its collective, and divides
+        return nbytes[p.weight] >= LARGE * total and shapes[p.weight][axis] % n == 0
+
     # weight -> {(role, weight axis): the product asking}
     asks: dict[str, dict[tuple[str, int], Product]] = {}
     for p in products:
         if p.index in roles:
             ask = roles[p.index]
-        elif p.kind == "lookup" and _large(p, nbytes, total, shapes, n):
+        elif p.kind == "lookup" and large(p, p.contracted[0]):
             ask = ("vocabulary", p.contracted[0])
-        elif _head(p, consumers, shapes) and _large(
-            p, nbytes, total, shapes, n, p.output[0]
-        ):
+        elif _head(p, consumers, shapes) and large(p, p.output[0]):
             ask = ("head", p.output[0])
         else:
             ask = ("replicated", -1)
@@ -115,12 +100,11 @@ def _pair(
             continue
         sources = [products[a] for a in sorted(b.inputs)]
         sources = [a for a in sources if a.kind == "matmul"]
-        if not sources or any(roles.get(a.index, ("",))[0] == "row" for a in sources):
+        if not sources or any(
+            roles.get(a.index, ("",))[0] == "row" or a.index in bypass for a in sources
+        ):
             continue
-        if any(a.index in bypass for a in sources):
-            continue
-        shape = shapes[b.weight]
-        if shape[b.contracted[0]] % n:
+        if shapes[b.weight][b.contracted[0]] % n:
             continue
         split = {a.index: _column_axis(a, b, shapes, n) for a in sources}
         split = {index: axis for index, axis in split.items() if axis is not None}
@@ -133,12 +117,9 @@ def _pair(
 
 
 def _column_axis(a: Product, b: Product, shapes, n: int) -> int | None:
-    """``a``'s output axis to split for row ``b``: the one ``b`` contracts.
-
-    Its size equals ``b``'s split axis where one does (heads, the FFN);
-    never one the size of ``b``'s own batch-like axes (experts, which ``b``
-    shares with its activation); else the first that divides.
-    """
+    """``a``'s output axis to split for row ``b``: of ``b``'s split size where
+    one is (heads, the FFN), never of ``b``'s batch-like axes (experts), else
+    the first that divides."""
     b_shape = shapes[b.weight]
     shared = {
         b_shape[i]
@@ -159,21 +140,9 @@ def _head(p: Product, consumers, shapes) -> bool:
     return shape[p.output[0]] > shape[p.contracted[0]]
 
 
-def _divides(p: Product, axis: int, shapes: dict[str, tuple[int, ...]], n: int) -> bool:
-    return shapes[p.weight][axis] % n == 0
-
-
-def _large(p, nbytes, total, shapes, n, axis=None) -> bool:
-    axis = p.contracted[0] if axis is None else axis
-    return nbytes[p.weight] >= LARGE * total and _divides(p, axis, shapes, n)
-
-
 def _hidden_axis(p: Product, role: str, axis: int) -> int | None:
     """The weight axis keras-hub's maps give the batch axis: the hidden one."""
-    if role in ("column", "head"):
-        side = p.contracted
-    else:  # row, or a table's other axis
-        side = p.output
+    side = p.contracted if role in ("column", "head") else p.output
     return next((a for a in side if a != axis), None)
 
 

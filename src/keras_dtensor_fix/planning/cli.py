@@ -1,10 +1,8 @@
 """``python -m keras_dtensor_fix plan MODULE:FUNCTION --mesh 1x2``: the plan as a table.
 
-``FUNCTION`` builds and returns the model (``auto_layout_map``'s ``build``);
-``MODULE`` is a module name or a ``.py`` file. One row per weight: its shape,
-its split, the bytes one rank holds, the collectives it costs a train step
-(the cost model's, docs/planner.md); then the totals against one process and
-the rules, as Python to paste into a script.
+``FUNCTION`` builds the model; ``MODULE`` is a module name or a ``.py`` file.
+One row per weight (shape, split, bytes per rank, collectives per step), the
+totals, then the rules as Python to paste.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import math
 import os
 import sys
 from typing import Any
@@ -48,10 +47,7 @@ def _mesh(text: str, axes: list[str]) -> Any:
         raise SystemExit(f"--mesh takes sizes like 1x2, got {text!r}") from None
     if len(shape) != len(axes):
         raise SystemExit(f"--mesh {text} has {len(shape)} axes, --axes names {axes}")
-    count = 1
-    for n in shape:
-        count *= n
-    devices = [f"cpu:{i}" for i in range(count)]  # named, never started
+    devices = [f"cpu:{i}" for i in range(math.prod(shape))]  # never started
     return keras.distribution.DeviceMesh(shape, axes, devices)
 
 

@@ -1,30 +1,8 @@
 """What a layout costs a train step: bytes per rank and collectives, estimated.
 
 Pure arithmetic over a :class:`~keras_dtensor_fix.planning.dataflow.Dataflow`
-and an assignment (weight -> mesh axis or None per weight axis), the planner's
-or any hand-written one, so that two layouts compare on one scale:
-
-- **bytes per rank**: each weight's bytes over the product of the sizes of
-  the mesh axes that split it (the optimizer's slots follow the weight's);
-- **collectives per step** (count and the bytes of the tensor each moves, on
-  the traced batch), on the model axis (size > 1):
-
-  =========================  =====================================================
-  a product whose weight is  costs
-  =========================  =====================================================
-  row (contracted axis)      a forward all-reduce of its output; a backward
-                             all-gather of its input's gradient unless only
-                             column products feed it
-  column (output axis)       a backward all-reduce of its input's gradient (one
-                             per distinct input); a forward all-gather of its
-                             output unless only row products read it
-  a table (indexed axis)     a forward all-reduce of the rows looked up
-  a convolution, split       an all-gather of the kernel (the plugin gathers it)
-  =========================  =====================================================
-
-- and on the batch axis (size > 1): a weight split on it is gathered forward
-  and its gradient reduce-scattered (2 collectives of its model-split bytes);
-  any other weight's gradient is all-reduced over the batch axis (1).
+and any assignment (weight -> mesh axis or None per weight axis), so that two
+layouts compare on one scale; the table of collectives is docs/planner.md's.
 """
 
 from __future__ import annotations
@@ -45,7 +23,6 @@ class Cost:
 
     bytes_per_rank: int = 0
     bytes_one_process: int = 0
-    # weight -> [(collective, bytes)]
     collectives: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
 
     @property
@@ -107,31 +84,22 @@ def _model_axis(flow, assignment, model_axis, itemsize, cost) -> None:
     consumers = flow.consumers()
     seen_inputs: set[tuple] = set()
     for p in flow.products:
-        role = roles[p.index]
+        role, add = roles[p.index], cost.add
         feeders = {roles[a] for a in p.inputs}
         readers = {roles[c] for c in consumers[p.index]}
+        inward, outward = p.in_numel * itemsize, p.out_numel * itemsize
         if role == "row":
-            cost.add(p.weight, "all-reduce of its output", p.out_numel * itemsize)
+            add(p.weight, "all-reduce of its output", outward)
             if feeders != {"column"}:
-                cost.add(
-                    p.weight,
-                    "all-gather of its input's gradient",
-                    p.in_numel * itemsize,
-                )
+                add(p.weight, "all-gather of its input's gradient", inward)
         elif role == "column":
             key = (p.inputs, p.in_numel)
             if feeders != {"column"} and key not in seen_inputs:
                 seen_inputs.add(key)
-                cost.add(
-                    p.weight,
-                    "all-reduce of its input's gradient",
-                    p.in_numel * itemsize,
-                )
+                add(p.weight, "all-reduce of its input's gradient", inward)
             if readers != {"row"}:
-                cost.add(p.weight, "all-gather of its output", p.out_numel * itemsize)
+                add(p.weight, "all-gather of its output", outward)
         elif role == "indexed":
-            cost.add(
-                p.weight, "all-reduce of the rows looked up", p.out_numel * itemsize
-            )
+            add(p.weight, "all-reduce of the rows looked up", outward)
         elif role == "conv":
-            cost.add(p.weight, "all-gather of the kernel", 0)
+            add(p.weight, "all-gather of the kernel", 0)

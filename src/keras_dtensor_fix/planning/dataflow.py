@@ -1,20 +1,12 @@
 """Which weight feeds which: one traced forward, read as a graph of products.
 
-Pure torch. A :class:`torch.overrides.TorchFunctionMode` watches every torch
-call of one forward and keeps, for each tensor, where it comes from:
-
-- a tensor *derived from a weight* (a cast, a transpose, a reshape of it)
-  knows the weight's name and which weight axis each of its dims is;
-- any other tensor knows the *products* whose outputs reach it through
-  elementwise ops, norms, reshapes, activations and weight-free products
-  (attention's ``q @ k`` and ``p @ v``).
-
-A *product* is a matmul, einsum or linear with one weight operand (its axes
-split into contracted and output-only ones), an embedding lookup on a weight,
-or a convolution. Its ``inputs`` are the products that reach its other
-operand. A weight added to a product's very output is that product's bias.
-A product *bypasses* when its output is still around, unconsumed, next to the
-output of a product downstream of it: a residual connection.
+Pure torch. A ``TorchFunctionMode`` watches one forward: a tensor derived
+from a weight (cast, transpose, reshape) knows the weight and which weight
+axis each dim is; any other tensor knows the *products* (a matmul, einsum or
+linear with one weight operand, an embedding lookup, a convolution) whose
+outputs reach it. A weight added to a product's output is its bias; a
+product *bypasses* when its output meets a downstream product's, unconsumed
+(a residual).
 """
 
 from __future__ import annotations
@@ -253,9 +245,7 @@ def _einsum_roles(equation: str, operands: list, weight) -> tuple | None:
     terms = [
         _expand(term, t.ndim, fill) for term, t in zip(terms, operands, strict=True)
     ]
-    output = _expand(output, len(fill), fill) if "..." in output else output
-    if "..." in output:
-        return None
+    output = _expand(output, len(fill), fill)
     position = next(i for i, t in enumerate(operands) if t is weight)
     mine = terms[position]
     elsewhere = set("".join(t for i, t in enumerate(terms) if i != position))
@@ -268,6 +258,4 @@ def _einsum_roles(equation: str, operands: list, weight) -> tuple | None:
 
 def _expand(term: str, width: int, fill: str) -> str:
     """``term``'s ellipsis as ``width`` last letters of ``fill`` (broadcast right)."""
-    if "..." not in term:
-        return term
     return term.replace("...", fill[len(fill) - width :] if width else "")

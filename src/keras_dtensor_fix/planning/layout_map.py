@@ -1,11 +1,9 @@
 """A plan as ``keras.distribution.LayoutMap`` rules a person can read and freeze.
 
-Replicated weights get no rule (a LayoutMap replicates what no rule names).
-A split weight's path becomes a ``re.fullmatch`` regex with each layer number
-(``transformer_layer_3``, ``dense_1``) read as ``\\d+``, kept only where every
-weight path it matches is split the same way; weights that differ only in
-one path component (``query``, ``key``, ``value``) share one rule with an
-alternation. No two rules match one path, as LayoutMap requires.
+Replicated weights get no rule. A split weight's path becomes a
+``re.fullmatch`` regex with layer numbers as ``\\d+`` where every path it
+matches splits alike; rules differing in one path component share an
+alternation. No two rules match one path.
 """
 
 from __future__ import annotations

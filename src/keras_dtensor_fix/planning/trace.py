@@ -1,13 +1,9 @@
 """A model built and run once for planning, and nothing of it left behind.
 
-The Keras side of :mod:`~keras_dtensor_fix.planning.dataflow`: ``build()``
-runs under no distribution on torch's ``meta`` device (weights have shapes,
-no memory), then one forward runs on inputs of ``model.inputs``' shapes (or
-on ``sample_input``) under the dataflow's watch. A model that cannot run on
-``meta`` (a value read on the host) is built and run again on the CPU. Keras's
-automatic layer names, its global seed generator and the random states are
-put back as they were, so the model built next is named and initialized as
-if no plan had been made.
+``build()`` runs under no distribution on torch's ``meta`` device (on the CPU
+when a host read fails there), then one forward runs on inputs of
+``model.inputs``' shapes (or ``sample_input``) under the dataflow's watch.
+Keras's layer names, its seed generator and the random states are put back.
 """
 
 from __future__ import annotations
@@ -104,13 +100,9 @@ def _trace(build, sample_input, device: str) -> Traced:
 
 
 class _Meta(str):
-    """ "meta" to torch, not to Keras's ``get_device() == "meta"`` tests.
-
-    Under them Keras's torch ops make some outputs afresh, shapes only
-    (``repeat``, convolutions), which would cut the dataflow; torch's own ops
-    run on meta tensors. Used for the forward only: building draws random
-    numbers, which only Keras's meta branch does without a generator.
-    """
+    """ "meta" to torch, not to Keras's ``get_device() == "meta"`` tests,
+    whose branches make outputs afresh and cut the dataflow (the forward only:
+    building needs Keras's meta branch to draw without a generator)."""
 
     __slots__ = ()
 

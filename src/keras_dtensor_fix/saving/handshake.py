@@ -1,15 +1,11 @@
 """The store exchange: calls every process makes, and one process acting for all.
 
-Keras gathers each sharded variable with a collective when it saves; called on
-one process only (``if rank == 0: model.save(...)``, the habit from data
-parallel training), the gather waits for the other processes until the process
-group's timeout (30 minutes on gloo) and then dies with a message that does
-not say why. A handshake through the process group's key-value store, which
-needs no collective and works on every backend, turns that into an error that
-names the missing processes and what to do. On it stands the one protocol for
-"one process acts, every process learns the outcome" (:func:`one_acts`): Keras
-saves written by one process per path, and the sharded checkpoints' folder
-made, committed and checked by the first. Pure torch.
+A save called on one process only (``if rank == 0: model.save(...)``) would
+wait in a gather until the group's timeout (30 minutes on gloo) and die
+saying nothing useful. An exchange through the process group's key-value
+store (no collective, any backend) names the missing processes instead. On
+it stands :func:`one_acts`, the one protocol for "one process acts, every
+process learns the outcome". Pure torch.
 """
 
 from __future__ import annotations
@@ -30,11 +26,8 @@ _local = threading.local()
 
 
 def _store() -> Any:
-    """The group's store; on a thread other than the main one, a clone of it.
-
-    One store client serves one call at a time: a thread's exchange (a
-    preemption's save) must not queue behind a main thread's blocked wait.
-    """
+    """The group's store; off the main thread a clone, so that a thread's
+    exchange never queues behind the main thread's blocked wait."""
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
@@ -59,10 +52,9 @@ def exchange(
 ) -> list[str]:
     """Every process's ``value`` for this call of ``what``, indexed by rank.
 
-    The n-th call on one process meets the n-th call on the others. Raises
-    :class:`MissingProcessesError` naming the processes that did not arrive
-    within ``seconds`` (default :data:`SECONDS`); ``hint`` says what to do.
-    Without a process group of several processes: ``[value]``.
+    The n-th call on one process meets the n-th on the others; processes
+    missing after ``seconds`` raise :class:`MissingProcessesError` (``hint``
+    says what to do).
     """
     from keras_dtensor_fix.dtensor import world as place
 
@@ -74,16 +66,14 @@ def exchange(
         count = _counts[what]
         _counts[what] += 1
     store = _store()
-    prefix = f"keras_dtensor_fix/{what}/{count}"
-    keys = [f"{prefix}/{r}" for r in range(world)]
+    keys = [f"keras_dtensor_fix/{what}/{count}/{r}" for r in range(world)]
     store.set(keys[rank], value.encode())
     wait = SECONDS if seconds is None else seconds
     try:
         store.wait(keys, timedelta(seconds=wait))
     except Exception:  # noqa: BLE001 - the store's timeout error varies by version
         missing = [r for r in range(world) if not store.check([keys[r]])]
-        # Take this arrival back, so that the next call on every process
-        # meets again under one count.
+        # Take this arrival back: the next call meets again under one count.
         store.delete_key(keys[rank])
         with _lock:
             _counts[what] -= 1
@@ -96,26 +86,11 @@ def exchange(
 
 
 class Outcomes(NamedTuple):
-    """What :func:`one_acts` brought back from every process, indexed by rank."""
+    """What :func:`one_acts` brought back from every process."""
 
-    #: Each process's result (None where it did not act).
-    results: list[Any]
-    #: Each process's failure as ``"Type: message"``, or None.
-    errors: list[str | None]
-    #: Each process's ``note`` (what it acted on: a path).
-    notes: list[str]
-    #: This process's own failure, for chaining.
-    error: BaseException | None
-
-    def failed(self) -> list[tuple[int, str, str]]:
-        """``(rank, note, error)`` for every process whose act failed."""
-        return [
-            (peer, note, error)
-            for peer, (note, error) in enumerate(
-                zip(self.notes, self.errors, strict=True)
-            )
-            if error is not None
-        ]
+    results: list[Any]  # by rank; None where a process did not act
+    failed: list[tuple[int, str, str]]  # (rank, note, "Type: message")
+    error: BaseException | None  # this process's own failure
 
 
 def one_acts(
@@ -129,12 +104,8 @@ def one_acts(
 ) -> Outcomes:
     """``act()`` where ``acting``; every process learns every outcome.
 
-    The one protocol for "one process acts, every process learns": each
-    process calls it (in the same order as the others), acts or not, and
-    then all exchange their outcomes through the store (:func:`exchange`: no
-    collective, so a process that failed or never came is an error on the
-    others, not a hang). ``act``'s result must be JSON-encodable; the caller
-    raises what :meth:`Outcomes.failed` lists, in its own words.
+    Every process calls it in the same order; ``act``'s result must be
+    JSON-encodable; the caller raises what ``failed`` lists, in its words.
     """
     result, error, failure = None, None, None
     if acting:
@@ -145,9 +116,5 @@ def one_acts(
             result, error, failure = None, exc, f"{type(exc).__name__}: {exc}"
     mine = json.dumps({"note": note, "error": failure, "result": result})
     found = [json.loads(o) for o in exchange(f"{what} (outcome)", mine, hint, seconds)]
-    return Outcomes(
-        [o["result"] for o in found],
-        [o["error"] for o in found],
-        [o["note"] for o in found],
-        error,
-    )
+    failed = [(r, o["note"], o["error"]) for r, o in enumerate(found) if o["error"]]
+    return Outcomes([o["result"] for o in found], failed, error)

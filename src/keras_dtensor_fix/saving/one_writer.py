@@ -1,31 +1,22 @@
 """One path, many processes: each file written once, atomically.
 
-A training script saves the way it does on one device, so every process of a
-job calls ``save_weights("best.weights.h5")`` with the same path. Keras writes
-whatever it is given: two processes locking one HDF5 file, or writing one zip
-over each other, crash or leave a corrupt file. Under a sharded distribution
-the save is a collective as well (each sharded variable is gathered).
-
-:func:`save` makes the save one collective step: every process gathers the
-sharded values it will need (in the same order), then, for each distinct
-(host, path), the lowest rank that passed it writes the file alone, from those
-values, into a fresh directory beside the target, and moves it into place (a
-reader never sees half a file; a failed write leaves the earlier file). The
-processes then exchange how it went through the process group's store, so a
-failure anywhere is an error everywhere, naming the process and the path.
-Distinct paths (``f"ckpt{rank}.weights.h5"``) each get their own writer, as
-before. :func:`write_atomically` alone serves saves that need no gather.
+Every process of a job calls ``save_weights("best.weights.h5")`` with the
+same path, and under a sharded distribution the save is a collective (each
+sharded variable gathered). :func:`save` makes it one collective step: every
+process gathers in the same order, the lowest rank per (host, path) writes
+into a fresh directory beside the target and moves it into place, and all
+learn through the store how it went, so a failure anywhere is an error
+everywhere.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from keras_dtensor_fix.engine import config
@@ -45,12 +36,10 @@ class SaveError(OSError):
 
 
 def gathered(value: Any) -> Any | None:
-    """The full value gathered for DTensor ``value`` by the save running now.
+    """The full value the running save gathered for DTensor ``value``.
 
-    ``None`` outside such a save, or for a replicated DTensor (its local
-    tensor is its value: no collective). A sharded value the save did not
-    gather would need a collective that the other processes, waiting for the
-    writer, will not join: it raises instead of hanging.
+    ``None`` outside a save or for a replicated value; a sharded value the
+    save did not gather raises (the others will join no collective now).
     """
     cache = getattr(_local, "cache", None)
     if cache is None:
@@ -67,11 +56,8 @@ def gathered(value: Any) -> Any | None:
 
 
 def _gather(values: Iterable[Any], keep: bool) -> dict[int, Any]:
-    """Full values of the sharded DTensors in ``values``, by id, in host memory.
-
-    A collective: one variable at a time on every process; only the writer
-    (``keep``) holds on to them.
-    """
+    """Full values of the sharded DTensors in ``values``, by id, on the host;
+    a collective on every process, kept by the writer (``keep``) only."""
     from torch.distributed.tensor import DTensor
 
     cache: dict[int, Any] = {}
@@ -83,30 +69,15 @@ def _gather(values: Iterable[Any], keep: bool) -> dict[int, Any]:
         if all(p.is_replicate() for p in value.placements):
             continue
         full = value.detach().full_tensor()
-        if keep:
-            # To host memory at once: on a GPU, device memory beyond training
-            # is then one variable, not the model (sharded because it did not
-            # fit one device).
+        if keep:  # to the host at once: one variable at a time on the device
             cache[id(value)] = full.cpu()
         del full
     return cache
 
 
-@contextlib.contextmanager
-def _using(cache: dict[int, Any]) -> Iterator[None]:
-    _local.cache = cache
-    try:
-        yield
-    finally:
-        _local.cache = None
-
-
 def write_atomically(path: str, write: Callable[[str], None]) -> None:
-    """``write(target)`` into a fresh directory beside ``path``, then moved in.
-
-    What ``write`` makes there (the file, or a sharded save's index and
-    shards) replaces what stood at ``path``; the named file moves last.
-    """
+    """``write(target)`` into a fresh directory beside ``path``, then moved
+    in (everything it made; the named file last)."""
     path = os.path.abspath(path)
     parent, base = os.path.split(path)
     staging = tempfile.mkdtemp(prefix=f".{base}.", suffix=".partial", dir=parent)
@@ -122,10 +93,8 @@ def write_atomically(path: str, write: Callable[[str], None]) -> None:
 
 
 def writer(what: str, path: str) -> bool:
-    """Whether this process writes ``path`` (exchanged with every process).
-
-    The lowest rank that passed the same path on the same host.
-    """
+    """Whether this process writes ``path``: the lowest rank passing it on
+    this host (exchanged with every process)."""
     from keras_dtensor_fix.dtensor.world import rank as own_rank
 
     rank = own_rank()
@@ -135,11 +104,8 @@ def writer(what: str, path: str) -> bool:
 
 
 def _act_report(what: str, path: str, acting: bool, act: Callable[[], None]) -> None:
-    """``act()`` where ``acting``; every process learns how each went.
-
-    :func:`handshake.one_acts`, the package's one protocol for it; a failure
-    anywhere raises :class:`SaveError` everywhere, naming process and path.
-    """
+    """``act()`` where ``acting``; a failure anywhere raises
+    :class:`SaveError` everywhere, naming process and path."""
     hint = (
         f"A process did not finish its part of a save of {path} (it may have "
         f"died while writing it). Raise {config.ENV_SAVE_TIMEOUT} for larger models."
@@ -147,7 +113,7 @@ def _act_report(what: str, path: str, acting: bool, act: Callable[[], None]) -> 
     outcomes = handshake.one_acts(
         what, acting, act, hint, note=path, seconds=config.save_seconds()
     )
-    failed = outcomes.failed()
+    failed = outcomes.failed
     if failed:
         raise SaveError(
             "keras-dtensor-fix: a save failed on "
@@ -164,25 +130,23 @@ def by_one(
     run: Callable[[], None],
     elsewhere: Callable[[], None] | None = None,
 ) -> None:
-    """``run()`` on the process that writes ``path``, ``elsewhere()`` on the others.
-
-    Every process calls it; all return once it is done, or raise what failed.
-    """
+    """``run()`` on the process that writes ``path``, ``elsewhere()`` on the
+    others; every process calls it."""
     act = run if writer(what, path) else elsewhere
     _act_report(what, path, act is not None, act or (lambda: None))
 
 
 def save(what: str, path: str, write: Callable[[str], None], values: Iterable) -> None:
-    """A save every process makes: gather, one writer per path, report.
-
-    ``values`` are what the save will convert (the model's and optimizer's
-    variables' values), in the same order on every process.
-    """
+    """A save every process makes: gather ``values`` (in the same order
+    everywhere), one writer per path, report."""
     mine = writer(what, path)
     cache = _gather(values, keep=mine)
 
     def act() -> None:
-        with _using(cache):
+        _local.cache = cache  # what gathered() hands the conversions
+        try:
             write_atomically(path, write)
+        finally:
+            _local.cache = None
 
     _act_report(what, path, mine, act)
