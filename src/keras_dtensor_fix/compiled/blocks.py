@@ -51,6 +51,7 @@ from keras_dtensor_fix.dtensor import (
     zero_gradients_if_unused,
 )
 from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.hub import generation as hub
 from keras_dtensor_fix.ops.values import flatten_call, output_laid_out
 
 #: Distribution -> (block class, the user's cache key tag, :data:`IN_GRAPH_F`)
@@ -60,28 +61,33 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _INSTALLED = "_keras_dtensor_fix_block"
 
 
-def repeated(model: Any) -> list[Any]:
-    """The model's repeated blocks, outermost first, in the model's order.
+def repeated(model: Any, least: int = 2) -> list[Any]:
+    """The model's blocks, outermost first; none where fewer than ``least``.
 
-    Layers with sublayers whose class occurs at least twice, not nested in
-    another such layer; models (a functional backbone) are never blocks.
+    Those its keras-hub backbone lists (``hub.generation.decoder_blocks``),
+    else the outermost layers with sublayers whose class occurs at least
+    twice (a model, as a functional backbone, is never one). Blocks mode and
+    generation both find blocks here.
     """
-    model_class = targets.keras_object("Model")
-    layers = list(model._flatten_layers(include_self=False, recursive=True))
-    composite = [
-        layer
-        for layer in layers
-        if not isinstance(layer, model_class)
-        and any(True for _ in layer._flatten_layers(include_self=False))
-    ]
-    counts = Counter(type(layer) for layer in composite)
-    candidates = [layer for layer in composite if counts[type(layer)] >= 2]
-    inner = {
-        id(sub)
-        for layer in candidates
-        for sub in layer._flatten_layers(include_self=False, recursive=True)
-    }
-    return [layer for layer in candidates if id(layer) not in inner]
+    found = hub.decoder_blocks(model)
+    if not found:
+        model_class = targets.keras_object("Model")
+        layers = list(model._flatten_layers(include_self=False, recursive=True))
+        composite = [
+            layer
+            for layer in layers
+            if not isinstance(layer, model_class)
+            and any(True for _ in layer._flatten_layers(include_self=False))
+        ]
+        counts = Counter(type(layer) for layer in composite)
+        candidates = [layer for layer in composite if counts[type(layer)] >= 2]
+        inner = {
+            id(sub)
+            for layer in candidates
+            for sub in layer._flatten_layers(include_self=False, recursive=True)
+        }
+        found = [layer for layer in candidates if id(layer) not in inner]
+    return found if len(found) >= least else []
 
 
 def refusal(block: Any) -> str | None:

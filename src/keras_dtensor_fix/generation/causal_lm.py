@@ -1,30 +1,17 @@
 """A keras-hub causal LM's one-token call on local tensors (sharded generation).
 
-:mod:`.decoder` runs each decoder block's cached call on local tensors. What
-surrounds the blocks in ``call_with_cache`` still ran as dispatched DTensor
-ops: the token embedding's lookup and scale, each block's slice of the cache
-and their stack, the final norm, the logits (about 30 per token, most of a
-token's time outside the blocks at small sizes). Where the whole model
-allows it, the whole one-token call runs on local tensors:
-
-- every decoder block has a :func:`.decoder.plan` on the same mesh axis, and
-  every other mesh axis has one rank (so a whole value is each rank's own);
-- the token embedding (Keras's ``ReversibleEmbedding``, tied, no mask, no
-  reverse dtype, one dtype) is replicated or split by vocabulary on that
-  axis: split, each rank looks up the ids in its own rows (one all-reduce)
-  and computes its own logits, gathered once (one all-gather);
-- every other DTensor weight of the model is replicated.
-
-The sampler's loop gets the prompt, its mask and the position as plain
-tensors (:func:`whole_inputs`: each process holds them whole). The
-key/value cache stays split by heads from one token to the next: the
-call hands back this rank's part, which the sampler passes in again (only
-keras-hub's samplers that pass it on untouched: ``hub.generation.SAMPLERS``; the
-prompt's pass, many tokens at once, keeps the block-by-block path). The
-generate family checks the first token's call against the block-by-block
-path (:func:`.decoder.agree`) and keeps that path where they differ. A
-model compiled with ``jit_compile=True`` compiles the call :func:`run` makes
-(every later token), so its graph holds plain tensors only.
+Beyond the blocks (:mod:`.decoder`) a token's call still ran about 30
+dispatched DTensor ops (embedding, cache slices and stack, final norm,
+logits). Where the whole model allows it, the whole one-token call runs on
+local tensors: every block has a :func:`.decoder.plan` on one mesh axis,
+every other mesh axis has one rank, the token embedding (Keras's tied
+``ReversibleEmbedding``) is replicated or split by vocabulary on that axis
+(each rank looks up its own rows, one all-reduce; its logits gathered once),
+every other weight is replicated. The sampler's loop gets plain tensors
+(:func:`whole_inputs`); the key/value cache stays this rank's heads from one
+token to the next, so only samplers that pass it on untouched qualify
+(``hub.generation.SAMPLERS``). ``jit_compile=True`` compiles the call
+:func:`run` makes, so its graph holds plain tensors only.
 """
 
 from __future__ import annotations
@@ -37,6 +24,7 @@ from typing import Any
 
 import torch
 
+from keras_dtensor_fix.compiled.blocks import repeated
 from keras_dtensor_fix.dtensor import DTensor, all_gather_last, all_reduce_sum, megatron
 from keras_dtensor_fix.dtensor.placement import same_mesh
 from keras_dtensor_fix.dtensor.planner import shard_dim, whole
@@ -67,7 +55,7 @@ def plan(model: Any) -> ModelPlan | None:
         return None
     if token_args.signature_of(getattr(model, "call_with_cache", None)) is None:
         return None  # a call whose token, cache and index :func:`run` cannot tell
-    blocks = hub.decoder_blocks(model)
+    blocks = repeated(model, 1)
     embedding = hub.token_embedding(model)
     if not blocks or embedding is None:
         return None
@@ -199,8 +187,7 @@ def run(
 
 
 def as_dtensors(found: ModelPlan, result: Any) -> tuple[Any, ...]:
-    """:func:`run`'s result with the cache as the DTensor it is a part of (for
-    :func:`.decoder.agree`)."""
+    """:func:`run`'s result with the cache as the DTensor it is a part of."""
     logits, hidden, cache = result
     heads = cache.ndim + hub.CACHE_HEADS
     placements = megatron.with_split(None, found.mesh, found.axis, heads)

@@ -1,26 +1,18 @@
 """A keras-hub decoder block's cached call on local tensors (eager generation).
 
-Through DTensor, one new token costs every op of every block as a dispatched
-DTensor op (about 130 per token for a 4-layer Gemma), several times the cost
-of the op's math at generation's batch sizes. Where a block's weights are
-split Megatron's way on one mesh axis (column-parallel products in,
-row-parallel out: what keras-hub's ``get_layout_map`` gives on a (1, N)
-mesh), its cached call runs as Megatron's decoder does: each rank computes
-its own heads on plain local tensors, one all-reduce after each row-parallel
-product, and the key/value cache stays split by heads.
-
-For the call, each of the block's DTensor weights reads as its local tensor
-(``Variable._value``), each attention layer of :data:`hub.generation.ATTENTION_HEADS`
-counts its own heads, each row-parallel dense layer sums its product over
-the axis before its bias (its input spec, which names the whole feature
-size, set aside), and the gated wrappers are closed (every operand is
-plain); all of it is put back when the call returns. :func:`plan` refuses a
-block it cannot prove fits (another split, a split weight outside a dense
-layer, an attention layer it does not know, a shape other than Megatron's,
-LoRA, quantized or mixed-precision kernels, an output the LayoutMap lays
-out), which then runs on DTensors as before. The generate family also runs
-each block's first call on DTensors and compares (:func:`agree`): a block
-whose results differ keeps the DTensor path.
+Through DTensor each op of each block is a dispatched DTensor op (about 130 a
+token for a 4-layer Gemma), several times the op's math at generation's batch
+sizes. Where a block's weights are split Megatron's way on one mesh axis
+(column-parallel in, row-parallel out: keras-hub's ``get_layout_map`` on a
+(1, N) mesh), its cached call runs as Megatron's decoder does: each rank its
+own heads on plain local tensors, one all-reduce after each row-parallel
+product, the key/value cache split by heads. For the call each weight reads
+as its local tensor, each attention layer counts its own heads
+(``hub.generation.ATTENTION_HEADS``) and each row-parallel dense layer sums
+its product before its bias; all is put back afterwards. :func:`plan`
+refuses what it cannot prove fits (another split, a split weight outside a
+dense layer, an unknown attention layer, LoRA, quantized or mixed-precision
+kernels, an output the LayoutMap lays out): that block runs on DTensors.
 """
 
 from __future__ import annotations
@@ -248,21 +240,3 @@ def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any
         wrap_local(out, mesh, placements) if like is not None else out,
         wrap_local(new_cache, mesh, cache_placements),
     )
-
-
-def agree(found: Plan, expected: Any, result: Any) -> bool:
-    """Whether two (outputs, cache) results hold the same values, as every
-    process finds (one all-reduce: each process decides alike); ``result``
-    None (the local call failed) agrees with nothing."""
-    mismatch = 0.0 if result is not None else 1.0
-    for a, b in zip(expected, result or expected, strict=True):
-        a = a.full_tensor() if isinstance(a, DTensor) else a
-        b = b.full_tensor() if isinstance(b, DTensor) else b
-        scale = float(a.abs().max()) if a.numel() else 0.0
-        if a.shape != b.shape or not torch.allclose(
-            a, b, rtol=1e-4, atol=1e-5 * max(scale, 1.0)
-        ):
-            mismatch = 1.0
-    flag = torch.tensor([mismatch], device=found.mesh.device_type)
-    total = all_reduce_sum(flag, found.mesh, tuple(range(found.mesh.ndim)))
-    return float(total) == 0.0
