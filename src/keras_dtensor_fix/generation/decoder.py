@@ -30,7 +30,9 @@ from keras_dtensor_fix.dtensor.megatron import local_part, with_split
 from keras_dtensor_fix.dtensor.planner import shard_dim, split_axis
 from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.hub import generation as hub
-from keras_dtensor_fix.ops.values import output_laid_out
+from keras_dtensor_fix.ops.values import local_tensors, output_laid_out
+
+_UNSET = object()
 
 
 @dataclass
@@ -58,10 +60,9 @@ def _kernel_letters(layer: Any, dense: type) -> str:
 def plan(block: Any) -> Plan | None:
     """The local plan of ``block``, or None where it must run on DTensors.
 
-    Megatron's shape is required, not only inferred from each weight: in
-    each attention layer every split dense layer is column-parallel but one
-    (its output projection), and outside them no more row-parallel layers
-    than column-parallel ones (an MLP's in and out).
+    Megatron's shape is required, not only inferred per weight: in each
+    attention layer every split dense layer is column-parallel but its output
+    projection, and outside them no more row-parallel layers than column ones.
     """
     dense = tuple(targets.keras_object(n) for n in ("Dense", "EinsumDense"))
     if any(output_laid_out(layer) for layer in block._flatten_layers()):
@@ -99,9 +100,8 @@ def plan(block: Any) -> Plan | None:
             claimed.update((id(layer._kernel), id(layer.bias)))
             if kind == "row":
                 equation = None if isinstance(layer, dense[0]) else layer.equation
-                result.rows.append(
-                    (layer, _row_call(layer, equation, local, mesh, axis))
-                )
+                call = _row_call(layer, equation, local, mesh, axis)
+                result.rows.append((layer, call))
     if set(sharded) - claimed or not _megatron(kinds, attentions):
         return None  # a split weight outside a dense layer, or not Megatron's
     return result
@@ -164,34 +164,30 @@ def _row_call(
 
 @contextlib.contextmanager
 def swapped(found: Plan) -> Iterator[None]:
-    saved_weights = [(v, v._value) for v, _ in found.weights]
-    saved_heads = [(layer, n, getattr(layer, n)) for layer, n, _ in found.heads]
-    saved_specs = [(layer, layer._input_spec) for layer, _ in found.rows]
-    # Every operand inside is a plain tensor: the gated wrappers (which fix
-    # DTensor mixes) have nothing to do, and closed they cost no Python frame.
+    """The block's weights local, its heads one rank's, its row-parallel
+    layers' local calls (their input holds this rank's share of features)."""
+    sets = list(found.heads)
+    for layer, call in found.rows:
+        sets += [(layer, "call", call), (layer, "_input_spec", None)]
+    saved = [(obj, name, vars(obj).get(name, _UNSET)) for obj, name, _ in sets]
+    # Every operand inside is plain: the gated wrappers (which fix DTensor
+    # mixes) have nothing to do, and closed they cost no Python frame.
     sharding = list(state.SHARDING)
+    state.SHARDING.clear()
+    state.LOCAL_CALL.append(True)
     try:
-        state.SHARDING.clear()
-        state.LOCAL_CALL.append(True)
-        for variable, value in found.weights:
-            variable._value = value
-        for layer, name, count in found.heads:
-            object.__setattr__(layer, name, count)
-        for layer, call in found.rows:
-            object.__setattr__(layer, "call", call)
-            # a row-parallel layer's input holds this rank's share of features
-            object.__setattr__(layer, "_input_spec", None)
-        yield
+        for obj, name, value in sets:
+            object.__setattr__(obj, name, value)
+        with local_tensors([variable for variable, _ in found.weights]):
+            yield
     finally:
         state.LOCAL_CALL.pop()
         state.SHARDING.extend(sharding)
-        for variable, value in saved_weights:
-            variable._value = value
-        for layer, name, count in saved_heads:
-            object.__setattr__(layer, name, count)
-        for layer, spec in saved_specs:
-            vars(layer).pop("call", None)
-            object.__setattr__(layer, "_input_spec", spec)
+        for obj, name, value in saved:
+            if value is _UNSET:
+                vars(obj).pop(name, None)
+            else:
+                object.__setattr__(obj, name, value)
 
 
 def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -202,26 +198,16 @@ def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any
     like = x if isinstance(x, DTensor) else None
     key = next((k for k in hub.CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
     cache = kwargs.get(key)
-    if (
-        key is None
-        or not hasattr(cache, "ndim")
-        or kwargs.get("cross_attention_cache") is not None  # a third result
-    ):
-        return NotImplemented
+    if not hasattr(cache, "ndim") or kwargs.get("cross_attention_cache") is not None:
+        return NotImplemented  # no cache, or a third result
     heads = cache.ndim + hub.CACHE_HEADS
     local_args = [local_part(a, mesh, axis, None, like) for a in args]
     local_kwargs = {
         k: local_part(v, mesh, axis, heads if k == key else None, like)
         for k, v in kwargs.items()
     }
-    if any(
-        a is None and b is not None
-        for a, b in zip(
-            [*local_args, *local_kwargs.values()],
-            [*args, *kwargs.values()],
-            strict=True,
-        )
-    ):
+    given, local = [*args, *kwargs.values()], [*local_args, *local_kwargs.values()]
+    if any(b is None and a is not None for a, b in zip(given, local, strict=True)):
         return NotImplemented
     with swapped(found):
         result = call(*local_args, **local_kwargs)
@@ -232,11 +218,7 @@ def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any
             f"KERAS_DTENSOR_FIX_DISABLE=generate and report it"
         )
     out, new_cache = result
-    placements = with_split(like, mesh, axis, None)
-    cache_placements = with_split(
-        cache if isinstance(cache, DTensor) else like, mesh, axis, heads
-    )
-    return (
-        wrap_local(out, mesh, placements) if like is not None else out,
-        wrap_local(new_cache, mesh, cache_placements),
-    )
+    if like is not None:
+        out = wrap_local(out, mesh, with_split(like, mesh, axis, None))
+    cached = cache if isinstance(cache, DTensor) else like
+    return out, wrap_local(new_cache, mesh, with_split(cached, mesh, axis, heads))

@@ -36,6 +36,7 @@ COMPILED = FirstCall(
     "compiled token step",
     say="generate() of this jit_compile=True model runs eagerly: its compiled "
     "token step failed ({cause})",
+    raised="{error}",
 )
 #: Distribution -> CausalLM class -> its ``call_with_cache`` as a region (one
 #: per class: dynamo guards on the model it is called with).
@@ -54,10 +55,6 @@ def _compiled(cls: type) -> Any:
         found = by_class[cls] = region.Region(cls.call_with_cache, what, dynamic=None)
     found.reset()
     return found.compiled()
-
-
-def _why(err: BaseException) -> str:
-    return f"{type(err).__name__}: {str(err)[:300]}"
 
 
 def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., Any]:
@@ -94,7 +91,7 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., 
             return step(given)
         except Exception as err:  # noqa: BLE001 - upstream's eager call is the fallback
             local.WHOLE.remember(model, REFUSED)  # the cache stays a DTensor
-            COMPILED.refuse(model, _why(err))
+            COMPILED.failed(model, err)
             return given.call(eager)
 
     def step(given: token_args.TokenArgs) -> Any:
@@ -124,7 +121,7 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., 
         try:
             return compiled(model, *args, **kwargs)
         except Exception as err:  # noqa: BLE001 - eager is the fallback
-            COMPILED.refuse(model, _why(err))
+            COMPILED.failed(model, err)
             return eager(*args, **kwargs)
 
     return call_with_cache

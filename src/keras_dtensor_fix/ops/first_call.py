@@ -171,10 +171,6 @@ def _pairs(expected: Any, result: Any) -> list[tuple[Any, Any]]:
     return list(zip(want, got, strict=True))
 
 
-def _full(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
 def _close(a: Any, b: Any) -> bool:
     if b is None or a.shape != b.shape:
         return False
@@ -193,8 +189,10 @@ def _agree(pairs: list, ok: bool) -> bool:
         for index, (a, b) in enumerate(pairs):
             if mesh is None and isinstance(a, DTensor):
                 mesh = a.device_mesh
-            full_a = _full(a)
-            full_b = _full(a if b is None else b)
+            full_a, full_b = (
+                v.full_tensor() if isinstance(v, DTensor) else v
+                for v in (a, a if b is None else b)
+            )
             close = b is not None and _close(full_a, full_b)
             pairs[index] = (a, b, close)
             ok = ok and close
