@@ -1,8 +1,5 @@
-"""Sharded keras-hub generation, used by the ``generate`` family.
-
-``tokens`` (the token step compiled, ``jit_compile=True``, and which path a
-``generate()`` takes), ``local`` (eager generation on local tensors, each
-path checked once), ``decoder`` (a block's cached call on local tensors),
-``causal_lm`` (the whole one-token call on local tensors), ``token_args``
-(a ``call_with_cache``'s arguments). keras-hub's facts are in ``hub/``.
+"""Sharded keras-hub generation (the ``generate`` family): ``tokens`` (the
+path a ``generate()`` takes, the token step compiled), ``local`` (eager, on
+local tensors), ``decoder`` and ``causal_lm`` (a block's and a token's call
+on local tensors), ``token_args`` (a ``call_with_cache``'s arguments).
 """

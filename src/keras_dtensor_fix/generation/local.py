@@ -31,23 +31,16 @@ __all__ = [
     "whole_plan",
 ]
 
-_SLOWER = "{owner} generates %s (slower, same tokens): {cause}"
-_DIFFER = "its %s on local tensors did not match"
 
-
-def _check(owner: str, path: str, what: str) -> FirstCall:
-    mismatch = _DIFFER % what
-    return FirstCall(
-        what,
-        say=owner + _SLOWER % path,
-        raised=mismatch + " ({error})",
-        differs=mismatch + " (its results differ)",
-    )
+def _check(say: str, what: str) -> FirstCall:
+    differ = f"its {what} on local tensors did not match"
+    say += " (slower, same tokens): {cause}"
+    return FirstCall(what, say, differ + " ({error})", differ + " (its results differ)")
 
 
 #: Each decoder block's local call, and each model's local token call.
-BLOCKS = _check("decoder block ", "on DTensors", "call")
-WHOLE = _check("", "block by block", "token call")
+BLOCKS = _check("decoder block {owner} generates on DTensors", "call")
+WHOLE = _check("{owner} generates block by block", "token call")
 
 
 def _fast(result: Any) -> Any:
