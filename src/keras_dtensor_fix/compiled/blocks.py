@@ -62,32 +62,32 @@ _INSTALLED = "_keras_dtensor_fix_block"
 
 
 def repeated(model: Any, least: int = 2) -> list[Any]:
-    """The model's blocks, outermost first; none where fewer than ``least``.
+    """The model's repeated blocks, outermost first: blocks mode's and generation's.
 
-    Those its keras-hub backbone lists (``hub.generation.decoder_blocks``),
-    else the outermost layers with sublayers whose class occurs at least
-    twice (a model, as a functional backbone, is never one). Blocks mode and
-    generation both find blocks here.
+    Those a keras-hub backbone lists (``hub.generation.decoder_blocks``) where
+    it lists ``least`` or more; else layers with sublayers whose class occurs
+    at least twice, not nested in another such layer; models (a functional
+    backbone) are never blocks.
     """
-    found = hub.decoder_blocks(model)
-    if not found:
-        model_class = targets.keras_object("Model")
-        layers = list(model._flatten_layers(include_self=False, recursive=True))
-        composite = [
-            layer
-            for layer in layers
-            if not isinstance(layer, model_class)
-            and any(True for _ in layer._flatten_layers(include_self=False))
-        ]
-        counts = Counter(type(layer) for layer in composite)
-        candidates = [layer for layer in composite if counts[type(layer)] >= 2]
-        inner = {
-            id(sub)
-            for layer in candidates
-            for sub in layer._flatten_layers(include_self=False, recursive=True)
-        }
-        found = [layer for layer in candidates if id(layer) not in inner]
-    return found if len(found) >= least else []
+    listed = hub.decoder_blocks(model)
+    if listed:
+        return listed if len(listed) >= least else []
+    model_class = targets.keras_object("Model")
+    layers = list(model._flatten_layers(include_self=False, recursive=True))
+    composite = [
+        layer
+        for layer in layers
+        if not isinstance(layer, model_class)
+        and any(True for _ in layer._flatten_layers(include_self=False))
+    ]
+    counts = Counter(type(layer) for layer in composite)
+    candidates = [layer for layer in composite if counts[type(layer)] >= 2]
+    inner = {
+        id(sub)
+        for layer in candidates
+        for sub in layer._flatten_layers(include_self=False, recursive=True)
+    }
+    return [layer for layer in candidates if id(layer) not in inner]
 
 
 def refusal(block: Any) -> str | None:
