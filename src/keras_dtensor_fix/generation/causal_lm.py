@@ -129,23 +129,21 @@ def _embedding_call(
 @contextlib.contextmanager
 def _swapped(found: ModelPlan) -> Iterator[None]:
     """Every weight local, the embedding's call local, the blocks' own calls."""
-    blocks = [block for block, _ in found.blocks]
-    overridden = [(block, vars(block).pop("call", None)) for block in blocks]
-    with contextlib.ExitStack() as stack:
-        for _, block_plan in found.blocks:
-            stack.enter_context(decoder.swapped(block_plan))
-        stack.enter_context(local_tensors(found.weights))
-        try:
+    overridden = [(block, vars(block).pop("call", None)) for block, _ in found.blocks]
+    try:
+        with contextlib.ExitStack() as stack:
+            for _, block_plan in found.blocks:
+                stack.enter_context(decoder.swapped(block_plan))
+            stack.enter_context(local_tensors(found.weights))
             if found.embedding is not None:
                 layer, call = found.embedding
                 object.__setattr__(layer, "call", call)
+                stack.callback(vars(layer).pop, "call", None)
             yield
-        finally:
-            if found.embedding is not None:
-                vars(found.embedding[0]).pop("call", None)
-            for block, call in overridden:
-                if call is not None:
-                    object.__setattr__(block, "call", call)
+    finally:
+        for block, call in overridden:
+            if call is not None:
+                object.__setattr__(block, "call", call)
 
 
 def run(
