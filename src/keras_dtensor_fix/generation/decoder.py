@@ -49,14 +49,6 @@ class Plan:
     rows: list[tuple[Any, Callable[..., Any]]] = field(default_factory=list)
 
 
-def _kernel_letters(layer: Any, dense: type) -> str:
-    """The kernel's letters, ``->``, the output's."""
-    if isinstance(layer, dense):
-        return "kn->n"  # (in, out): the output keeps n
-    operands, out = layer.equation.split("->")
-    return operands.split(",")[1] + "->" + out
-
-
 def plan(block: Any) -> Plan | None:
     """The local plan of ``block``, or None where it must run on DTensors.
 
@@ -122,7 +114,11 @@ def _dense_kind(layer: Any, plain: type, sharded: dict, axis: int) -> str | None
     dim = shard_dim(value, axis)
     if value.shape[dim] % value.device_mesh.size(axis):
         return None
-    kernel_in, out = _kernel_letters(layer, plain).split("->")
+    if isinstance(layer, plain):
+        kernel_in, out = "kn", "n"  # (in, out): the output keeps n
+    else:
+        operands, out = layer.equation.split("->")
+        kernel_in = operands.split(",")[1]
     column = kernel_in[dim] in out
     if bias is not None and column != (id(bias) in sharded):
         return None  # a column's bias splits with it; a row's is whole

@@ -22,14 +22,7 @@ from keras_dtensor_fix.compiled.blocks import repeated
 from keras_dtensor_fix.generation import causal_lm, decoder, token_args
 from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED, FirstCall, first_line
 
-__all__ = [
-    "BLOCKS",
-    "WHOLE",
-    "blocks_local",
-    "eager_local",
-    "whole_local",
-    "whole_plan",
-]
+__all__ = ["BLOCKS", "WHOLE", "blocks_local", "eager_local", "whole_local", "planned"]
 
 
 def _check(say: str, what: str) -> FirstCall:
@@ -77,7 +70,7 @@ def _block_plan(block: Any) -> decoder.Plan | None:
         return None
 
 
-def whole_plan(model: Any) -> causal_lm.ModelPlan | None:
+def planned(model: Any) -> causal_lm.ModelPlan | None:
     """:func:`.causal_lm.plan` where no block refused; one that raises warns."""
     if WHOLE.known(model) is REFUSED:
         return None
@@ -161,7 +154,7 @@ def eager_local(model: Any) -> Iterator[Any]:
     """Blocks on local tensors, and where :mod:`.causal_lm` can, each token's
     whole call; yields what to do with ``generate_step``'s inputs (or None)."""
     with blocks_local(model):
-        found = whole_plan(model)
+        found = planned(model)
         if found is None:
             yield None
             return

@@ -136,7 +136,7 @@ def _tokens_compiled(model: Any) -> Iterator[Any]:
         with local.eager_local(model) as inputs:  # as with jit_compile=False
             yield inputs
         return
-    model.call_with_cache = _token_call(model, local.whole_plan(model))
+    model.call_with_cache = _token_call(model, local.planned(model))
     try:
         yield causal_lm.whole_inputs
     finally:
