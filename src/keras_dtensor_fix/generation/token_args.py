@@ -51,15 +51,12 @@ def signature_of(method: Callable[..., Any]) -> inspect.Signature | None:
     except (TypeError, ValueError):
         return None
     params = list(signature.parameters.values())
-    if len(params) < CORE or any(
-        p.kind is inspect.Parameter.VAR_POSITIONAL for p in params
-    ):
+    core, rest = params[:CORE], params[CORE:]
+    if len(core) < CORE or any(p.kind not in _POSITIONAL for p in core):
         return None
-    if any(p.kind not in _POSITIONAL for p in params[:CORE]):
-        return None
-    if any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in params[CORE:]):
-        return None  # :class:`TokenArgs` hands the rest on by keyword
-    return signature
+    # :class:`TokenArgs` hands the rest on by keyword
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)
+    return None if any(p.kind in kinds for p in rest) else signature
 
 
 def split(signature: inspect.Signature, args: tuple, kwargs: dict) -> TokenArgs | None:
