@@ -1,17 +1,11 @@
 """A keras-hub causal LM's one-token call on local tensors (sharded generation).
 
-Beyond the blocks (:mod:`.decoder`) a token's call still ran about 30
-dispatched DTensor ops (embedding, cache slices and stack, final norm,
-logits). Where the whole model allows it, the whole one-token call runs on
-local tensors: every block has a :func:`.decoder.plan` on one mesh axis,
-every other mesh axis has one rank, the token embedding (Keras's tied
-``ReversibleEmbedding``) is replicated or split by vocabulary on that axis
-(each rank looks up its own rows, one all-reduce; its logits gathered once),
-every other weight is replicated. The sampler's loop gets plain tensors
-(:func:`whole_inputs`); the key/value cache stays this rank's heads from one
-token to the next, so only samplers that pass it on untouched qualify
-(``hub.generation.SAMPLERS``). ``jit_compile=True`` compiles the call
-:func:`run` makes, so its graph holds plain tensors only.
+Beyond the blocks a token still ran about 30 dispatched DTensor ops. Where
+every block has a :func:`.decoder.plan` on one mesh axis, every other axis
+has one rank, the tied token embedding is replicated or split by vocabulary
+and every other weight is replicated, the whole call runs on local tensors;
+the KV cache stays this rank's heads from one token to the next, so only
+samplers that pass it on untouched qualify (``hub.generation.SAMPLERS``).
 """
 
 from __future__ import annotations
@@ -154,11 +148,9 @@ def run(
     index: Any,
     **extra: Any,
 ) -> Any:
-    """``call(token_ids, cache, index, **extra)`` (the model's own
-    ``call_with_cache``, ``extra`` its other arguments) on local tensors:
-    (logits, hidden states) whole, the cache this rank's heads;
-    :data:`NotImplemented` where an input has no local form (a cache that
-    is not one tensor, an argument split on the plan's axis)."""
+    """``call(token_ids, cache, index, **extra)`` (the model's own) on local
+    tensors: logits and hidden states whole, the cache this rank's heads;
+    :data:`NotImplemented` where an input has no local form."""
     mesh, axis = found.mesh, found.axis
     if not (isinstance(cache, DTensor) or cache is found.last_cache()):
         return NotImplemented  # a plain cache that this plan did not make
@@ -193,10 +185,8 @@ def as_dtensors(found: ModelPlan, result: Any) -> tuple[Any, ...]:
 
 
 def whole_inputs(args: tuple) -> tuple:
-    """``generate_step``'s arguments with each DTensor that every process
-    holds whole (replicated, or split over one rank) as its local tensor: the
-    sampler's loop around the token calls (its prompt, mask and position)
-    then runs plain torch ops too."""
+    """``generate_step``'s arguments, each DTensor every process holds whole
+    as its local tensor: the sampler's loop then runs plain torch ops."""
 
     def leaf(value: Any, _layout: Any) -> Any:
         if isinstance(value, DTensor) and whole(value):

@@ -1,18 +1,12 @@
 """A keras-hub decoder block's cached call on local tensors (eager generation).
 
-Through DTensor each op of each block is a dispatched DTensor op (about 130 a
-token for a 4-layer Gemma), several times the op's math at generation's batch
-sizes. Where a block's weights are split Megatron's way on one mesh axis
-(column-parallel in, row-parallel out: keras-hub's ``get_layout_map`` on a
-(1, N) mesh), its cached call runs as Megatron's decoder does: each rank its
-own heads on plain local tensors, one all-reduce after each row-parallel
-product, the key/value cache split by heads. For the call each weight reads
-as its local tensor, each attention layer counts its own heads
-(``hub.generation.ATTENTION_HEADS``) and each row-parallel dense layer sums
-its product before its bias; all is put back afterwards. :func:`plan`
-refuses what it cannot prove fits (another split, a split weight outside a
-dense layer, an unknown attention layer, LoRA, quantized or mixed-precision
-kernels, an output the LayoutMap lays out): that block runs on DTensors.
+Through DTensor each op of a block is a dispatched op (about 130 a token for
+a 4-layer Gemma), several times its math at generation's sizes. A block split
+Megatron's way on one mesh axis runs as Megatron's decoder does: each rank
+its own heads on local tensors, one all-reduce after each row-parallel
+product, the KV cache split by heads. :func:`plan` refuses what it cannot
+prove fits (another split, unknown attention, LoRA, quantized or
+mixed-precision kernels, a laid-out output): that block stays on DTensors.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Sharded keras-hub generation on local tensors, each path checked once.
 
-Eager generation (``jit_compile`` False or "auto") on a sharded model runs
-each decoder block's cached call on local tensors where :mod:`.decoder`
-plans it, and each token's whole call where :mod:`.causal_lm` does. The first
-call of each is checked against the DTensor path (:data:`BLOCKS`,
-:data:`WHOLE`: ``ops.first_call``); one that fails or differs warns once and
-that block or model generates on DTensors from then on. Nothing stays set on
-the model: the blocks' ``call`` and its ``call_with_cache`` are replaced for
-one generation. Inside a local call the gated wrappers are closed
-process-wide (``state.SHARDING`` emptied): generating and training in two
-threads of one process at once is not supported.
+Eager generation runs each decoder block's cached call on local tensors where
+:mod:`.decoder` plans it, and each token's whole call where :mod:`.causal_lm`
+does; their first calls are checked against DTensor's (:data:`BLOCKS`,
+:data:`WHOLE`). Nothing outlives one generation. Inside a local call the
+gated wrappers are closed process-wide (``state.SHARDING`` emptied):
+generating and training in two threads of one process is not supported.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """keras-hub ``generate()`` compiled, a token at a time, for a sharded model.
 
-keras-hub runs generation eagerly on torch: every new token pays an eager
-forward pass, each op a dispatched DTensor op. Under ModelParallel a
-``CausalLM`` compiled with ``jit_compile=True`` runs each new token's cached
-call (``call_with_cache`` on one token) as a ``compiled/region``: the cache
-keeps its shape and the position is a tensor, so one graph serves every
-position and every later ``generate()``. The prompt's pass stays eager, its
-blocks on local tensors (:mod:`.local`); the sampler's loop gets plain
-tensors. A compiled call or first token that raises, or a ``call_with_cache``
-whose token, cache and index it cannot read (:mod:`.token_args`), warns once
-and that model generates eagerly from then on (:data:`COMPILED`). Nothing
-stays set on the model: its ``call_with_cache`` is replaced for one
-generation.
+keras-hub generates eagerly on torch, each op of each token a dispatched
+DTensor op. Under ModelParallel, ``jit_compile=True`` runs each new token's
+``call_with_cache`` as a ``compiled/region``: the cache keeps its shape and
+the position is a tensor, so one graph serves every position and call. The
+prompt's pass stays eager (:mod:`.local`). A token step that fails warns once
+and that model generates eagerly from then on (:data:`COMPILED`).
 """
 
 from __future__ import annotations
@@ -58,14 +52,9 @@ def _compiled(cls: type) -> Any:
 
 
 def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., Any]:
-    """``model.call_with_cache``: one token compiled, the prompt's pass eager.
-
-    With ``found`` (the whole token call's local plan) the first token is
-    checked eagerly (:func:`.local.whole_local`) and the next ones compile the
-    model's own call on local tensors; else the graph takes the DTensors.
-    Logits and hidden states come back as the plain tensors every process
-    holds whole, the cache as the next token's graph takes it.
-    """
+    """``model.call_with_cache``: one token compiled (on local tensors where
+    ``found`` plans the whole call, else on DTensors), the prompt's pass eager;
+    logits and hidden states come back plain, as every process holds them."""
     eager = model.call_with_cache
     signature = token_args.signature_of(eager)
     compiled = _compiled(type(model))
