@@ -122,3 +122,19 @@ def test_outcomes_are_held_weakly_and_forgotten() -> None:
     del layer
     gc.collect()
     assert len(check._known) == 0
+
+
+def test_a_compared_view_is_checked_and_the_result_returned() -> None:
+    """``compared`` is what of the fast result stands for the own call's (a
+    token's cache as the DTensor it is a part of); the result stays as is."""
+    layer, check = Layer(), FirstCall("a fast path", say="{owner} slower: {cause}")
+
+    def compared(result):
+        return torch.cat([result, torch.ones(1)])
+
+    result = check.run(
+        layer, lambda: torch.ones(2), lambda: torch.ones(3), (), compared
+    )
+    assert torch.equal(result, torch.ones(2)) and check.known(layer) is PROVEN
+    with pytest.warns(UserWarning, match="norm slower: did not match"):
+        check.run(Layer(), lambda: torch.ones(2), lambda: torch.ones(3))

@@ -112,9 +112,10 @@ QWEN3_5_LAYOUT = {
 
 
 def _whole_checked(model) -> bool:
-    from keras_dtensor_fix.generation import paths
+    from keras_dtensor_fix.generation.local import WHOLE
+    from keras_dtensor_fix.ops.first_call import PROVEN
 
-    return paths.whole(model) == paths.CHECKED
+    return WHOLE.known(model) is PROVEN
 
 
 def _case(

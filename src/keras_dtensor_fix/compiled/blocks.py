@@ -51,6 +51,7 @@ from keras_dtensor_fix.dtensor import (
     zero_gradients_if_unused,
 )
 from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.hub import generation as hub
 from keras_dtensor_fix.ops.values import flatten_call, output_laid_out
 
 #: Distribution -> (block class, the user's cache key tag, :data:`IN_GRAPH_F`)
@@ -60,12 +61,17 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _INSTALLED = "_keras_dtensor_fix_block"
 
 
-def repeated(model: Any) -> list[Any]:
-    """The model's repeated blocks, outermost first, in the model's order.
+def repeated(model: Any, least: int = 2) -> list[Any]:
+    """The model's repeated blocks, outermost first: blocks mode's and generation's.
 
-    Layers with sublayers whose class occurs at least twice, not nested in
-    another such layer; models (a functional backbone) are never blocks.
+    Those a keras-hub backbone lists (``hub.generation.decoder_blocks``) where
+    it lists ``least`` or more; else layers with sublayers whose class occurs
+    at least twice, not nested in another such layer; models (a functional
+    backbone) are never blocks.
     """
+    listed = hub.decoder_blocks(model)
+    if listed:
+        return listed if len(listed) >= least else []
     model_class = targets.keras_object("Model")
     layers = list(model._flatten_layers(include_self=False, recursive=True))
     composite = [

@@ -1,30 +1,11 @@
 """A keras-hub causal LM's one-token call on local tensors (sharded generation).
 
-:mod:`.decoder` runs each decoder block's cached call on local tensors. What
-surrounds the blocks in ``call_with_cache`` still ran as dispatched DTensor
-ops: the token embedding's lookup and scale, each block's slice of the cache
-and their stack, the final norm, the logits (about 30 per token, most of a
-token's time outside the blocks at small sizes). Where the whole model
-allows it, the whole one-token call runs on local tensors:
-
-- every decoder block has a :func:`.decoder.plan` on the same mesh axis, and
-  every other mesh axis has one rank (so a whole value is each rank's own);
-- the token embedding (Keras's ``ReversibleEmbedding``, tied, no mask, no
-  reverse dtype, one dtype) is replicated or split by vocabulary on that
-  axis: split, each rank looks up the ids in its own rows (one all-reduce)
-  and computes its own logits, gathered once (one all-gather);
-- every other DTensor weight of the model is replicated.
-
-The sampler's loop gets the prompt, its mask and the position as plain
-tensors (:func:`whole_inputs`: each process holds them whole). The
-key/value cache stays split by heads from one token to the next: the
-call hands back this rank's part, which the sampler passes in again (only
-keras-hub's samplers that pass it on untouched: ``hub.generation.SAMPLERS``; the
-prompt's pass, many tokens at once, keeps the block-by-block path). The
-generate family checks the first token's call against the block-by-block
-path (:func:`.decoder.agree`) and keeps that path where they differ. A
-model compiled with ``jit_compile=True`` compiles the call :func:`run` makes
-(every later token), so its graph holds plain tensors only.
+Beyond the blocks a token still ran about 30 dispatched DTensor ops. Where
+every block has a :func:`.decoder.plan` on one mesh axis, every other axis
+has one rank, the tied token embedding is replicated or split by vocabulary
+and every other weight is replicated, the whole call runs on local tensors;
+the KV cache stays this rank's heads from one token to the next, so only
+samplers that pass it on untouched qualify (``hub.generation.SAMPLERS``).
 """
 
 from __future__ import annotations
@@ -37,6 +18,7 @@ from typing import Any
 
 import torch
 
+from keras_dtensor_fix.compiled.blocks import repeated
 from keras_dtensor_fix.dtensor import DTensor, all_gather_last, all_reduce_sum, megatron
 from keras_dtensor_fix.dtensor.placement import same_mesh
 from keras_dtensor_fix.dtensor.planner import shard_dim, whole
@@ -67,7 +49,7 @@ def plan(model: Any) -> ModelPlan | None:
         return None
     if token_args.signature_of(getattr(model, "call_with_cache", None)) is None:
         return None  # a call whose token, cache and index :func:`run` cannot tell
-    blocks = hub.decoder_blocks(model)
+    blocks = repeated(model, 1)
     embedding = hub.token_embedding(model)
     if not blocks or embedding is None:
         return None
@@ -141,23 +123,21 @@ def _embedding_call(
 @contextlib.contextmanager
 def _swapped(found: ModelPlan) -> Iterator[None]:
     """Every weight local, the embedding's call local, the blocks' own calls."""
-    blocks = [block for block, _ in found.blocks]
-    overridden = [(block, vars(block).pop("call", None)) for block in blocks]
-    with contextlib.ExitStack() as stack:
-        for _, block_plan in found.blocks:
-            stack.enter_context(decoder.swapped(block_plan))
-        stack.enter_context(local_tensors(found.weights))
-        try:
+    overridden = [(block, vars(block).pop("call", None)) for block, _ in found.blocks]
+    try:
+        with contextlib.ExitStack() as stack:
+            for _, block_plan in found.blocks:
+                stack.enter_context(decoder.swapped(block_plan))
+            stack.enter_context(local_tensors(found.weights))
             if found.embedding is not None:
                 layer, call = found.embedding
                 object.__setattr__(layer, "call", call)
+                stack.callback(vars(layer).pop, "call", None)
             yield
-        finally:
-            if found.embedding is not None:
-                vars(found.embedding[0]).pop("call", None)
-            for block, call in overridden:
-                if call is not None:
-                    object.__setattr__(block, "call", call)
+    finally:
+        for block, call in overridden:
+            if call is not None:
+                object.__setattr__(block, "call", call)
 
 
 def run(
@@ -168,11 +148,9 @@ def run(
     index: Any,
     **extra: Any,
 ) -> Any:
-    """``call(token_ids, cache, index, **extra)`` (the model's own
-    ``call_with_cache``, ``extra`` its other arguments) on local tensors:
-    (logits, hidden states) whole, the cache this rank's heads;
-    :data:`NotImplemented` where an input has no local form (a cache that
-    is not one tensor, an argument split on the plan's axis)."""
+    """``call(token_ids, cache, index, **extra)`` (the model's own) on local
+    tensors: logits and hidden states whole, the cache this rank's heads;
+    :data:`NotImplemented` where an input has no local form."""
     mesh, axis = found.mesh, found.axis
     if not (isinstance(cache, DTensor) or cache is found.last_cache()):
         return NotImplemented  # a plain cache that this plan did not make
@@ -199,8 +177,7 @@ def run(
 
 
 def as_dtensors(found: ModelPlan, result: Any) -> tuple[Any, ...]:
-    """:func:`run`'s result with the cache as the DTensor it is a part of (for
-    :func:`.decoder.agree`)."""
+    """:func:`run`'s result with the cache as the DTensor it is a part of."""
     logits, hidden, cache = result
     heads = cache.ndim + hub.CACHE_HEADS
     placements = megatron.with_split(None, found.mesh, found.axis, heads)
@@ -208,10 +185,8 @@ def as_dtensors(found: ModelPlan, result: Any) -> tuple[Any, ...]:
 
 
 def whole_inputs(args: tuple) -> tuple:
-    """``generate_step``'s arguments with each DTensor that every process
-    holds whole (replicated, or split over one rank) as its local tensor: the
-    sampler's loop around the token calls (its prompt, mask and position)
-    then runs plain torch ops too."""
+    """``generate_step``'s arguments, each DTensor every process holds whole
+    as its local tensor: the sampler's loop then runs plain torch ops."""
 
     def leaf(value: Any, _layout: Any) -> Any:
         if isinstance(value, DTensor) and whole(value):

@@ -1,26 +1,12 @@
 """A keras-hub decoder block's cached call on local tensors (eager generation).
 
-Through DTensor, one new token costs every op of every block as a dispatched
-DTensor op (about 130 per token for a 4-layer Gemma), several times the cost
-of the op's math at generation's batch sizes. Where a block's weights are
-split Megatron's way on one mesh axis (column-parallel products in,
-row-parallel out: what keras-hub's ``get_layout_map`` gives on a (1, N)
-mesh), its cached call runs as Megatron's decoder does: each rank computes
-its own heads on plain local tensors, one all-reduce after each row-parallel
-product, and the key/value cache stays split by heads.
-
-For the call, each of the block's DTensor weights reads as its local tensor
-(``Variable._value``), each attention layer of :data:`hub.generation.ATTENTION_HEADS`
-counts its own heads, each row-parallel dense layer sums its product over
-the axis before its bias (its input spec, which names the whole feature
-size, set aside), and the gated wrappers are closed (every operand is
-plain); all of it is put back when the call returns. :func:`plan` refuses a
-block it cannot prove fits (another split, a split weight outside a dense
-layer, an attention layer it does not know, a shape other than Megatron's,
-LoRA, quantized or mixed-precision kernels, an output the LayoutMap lays
-out), which then runs on DTensors as before. The generate family also runs
-each block's first call on DTensors and compares (:func:`agree`): a block
-whose results differ keeps the DTensor path.
+Through DTensor each op of a block is a dispatched op (about 130 a token for
+a 4-layer Gemma), several times its math at generation's sizes. A block split
+Megatron's way on one mesh axis runs as Megatron's decoder does: each rank
+its own heads on local tensors, one all-reduce after each row-parallel
+product, the KV cache split by heads. :func:`plan` refuses what it cannot
+prove fits (another split, unknown attention, LoRA, quantized or
+mixed-precision kernels, a laid-out output): that block stays on DTensors.
 """
 
 from __future__ import annotations
@@ -38,7 +24,9 @@ from keras_dtensor_fix.dtensor.megatron import local_part, with_split
 from keras_dtensor_fix.dtensor.planner import shard_dim, split_axis
 from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.hub import generation as hub
-from keras_dtensor_fix.ops.values import output_laid_out
+from keras_dtensor_fix.ops.values import local_tensors, output_laid_out
+
+_UNSET = object()
 
 
 @dataclass
@@ -55,21 +43,12 @@ class Plan:
     rows: list[tuple[Any, Callable[..., Any]]] = field(default_factory=list)
 
 
-def _kernel_letters(layer: Any, dense: type) -> str:
-    """The kernel's letters, ``->``, the output's."""
-    if isinstance(layer, dense):
-        return "kn->n"  # (in, out): the output keeps n
-    operands, out = layer.equation.split("->")
-    return operands.split(",")[1] + "->" + out
-
-
 def plan(block: Any) -> Plan | None:
     """The local plan of ``block``, or None where it must run on DTensors.
 
-    Megatron's shape is required, not only inferred from each weight: in
-    each attention layer every split dense layer is column-parallel but one
-    (its output projection), and outside them no more row-parallel layers
-    than column-parallel ones (an MLP's in and out).
+    Megatron's shape is required, not only inferred per weight: in each
+    attention layer every split dense layer is column-parallel but its output
+    projection, and outside them no more row-parallel layers than column ones.
     """
     dense = tuple(targets.keras_object(n) for n in ("Dense", "EinsumDense"))
     if any(output_laid_out(layer) for layer in block._flatten_layers()):
@@ -107,9 +86,8 @@ def plan(block: Any) -> Plan | None:
             claimed.update((id(layer._kernel), id(layer.bias)))
             if kind == "row":
                 equation = None if isinstance(layer, dense[0]) else layer.equation
-                result.rows.append(
-                    (layer, _row_call(layer, equation, local, mesh, axis))
-                )
+                call = _row_call(layer, equation, local, mesh, axis)
+                result.rows.append((layer, call))
     if set(sharded) - claimed or not _megatron(kinds, attentions):
         return None  # a split weight outside a dense layer, or not Megatron's
     return result
@@ -130,7 +108,11 @@ def _dense_kind(layer: Any, plain: type, sharded: dict, axis: int) -> str | None
     dim = shard_dim(value, axis)
     if value.shape[dim] % value.device_mesh.size(axis):
         return None
-    kernel_in, out = _kernel_letters(layer, plain).split("->")
+    if isinstance(layer, plain):
+        kernel_in, out = "kn", "n"  # (in, out): the output keeps n
+    else:
+        operands, out = layer.equation.split("->")
+        kernel_in = operands.split(",")[1]
     column = kernel_in[dim] in out
     if bias is not None and column != (id(bias) in sharded):
         return None  # a column's bias splits with it; a row's is whole
@@ -172,34 +154,30 @@ def _row_call(
 
 @contextlib.contextmanager
 def swapped(found: Plan) -> Iterator[None]:
-    saved_weights = [(v, v._value) for v, _ in found.weights]
-    saved_heads = [(layer, n, getattr(layer, n)) for layer, n, _ in found.heads]
-    saved_specs = [(layer, layer._input_spec) for layer, _ in found.rows]
-    # Every operand inside is a plain tensor: the gated wrappers (which fix
-    # DTensor mixes) have nothing to do, and closed they cost no Python frame.
+    """The block's weights local, its heads one rank's, its row-parallel
+    layers' local calls (their input holds this rank's share of features)."""
+    sets = list(found.heads)
+    for layer, call in found.rows:
+        sets += [(layer, "call", call), (layer, "_input_spec", None)]
+    saved = [(obj, name, vars(obj).get(name, _UNSET)) for obj, name, _ in sets]
+    # Every operand inside is plain: the gated wrappers (which fix DTensor
+    # mixes) have nothing to do, and closed they cost no Python frame.
     sharding = list(state.SHARDING)
+    state.SHARDING.clear()
+    state.LOCAL_CALL.append(True)
     try:
-        state.SHARDING.clear()
-        state.LOCAL_CALL.append(True)
-        for variable, value in found.weights:
-            variable._value = value
-        for layer, name, count in found.heads:
-            object.__setattr__(layer, name, count)
-        for layer, call in found.rows:
-            object.__setattr__(layer, "call", call)
-            # a row-parallel layer's input holds this rank's share of features
-            object.__setattr__(layer, "_input_spec", None)
-        yield
+        for obj, name, value in sets:
+            object.__setattr__(obj, name, value)
+        with local_tensors([variable for variable, _ in found.weights]):
+            yield
     finally:
         state.LOCAL_CALL.pop()
         state.SHARDING.extend(sharding)
-        for variable, value in saved_weights:
-            variable._value = value
-        for layer, name, count in saved_heads:
-            object.__setattr__(layer, name, count)
-        for layer, spec in saved_specs:
-            vars(layer).pop("call", None)
-            object.__setattr__(layer, "_input_spec", spec)
+        for obj, name, value in saved:
+            if value is _UNSET:
+                vars(obj).pop(name, None)
+            else:
+                object.__setattr__(obj, name, value)
 
 
 def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -210,26 +188,16 @@ def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any
     like = x if isinstance(x, DTensor) else None
     key = next((k for k in hub.CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
     cache = kwargs.get(key)
-    if (
-        key is None
-        or not hasattr(cache, "ndim")
-        or kwargs.get("cross_attention_cache") is not None  # a third result
-    ):
-        return NotImplemented
+    if not hasattr(cache, "ndim") or kwargs.get("cross_attention_cache") is not None:
+        return NotImplemented  # no cache, or a third result
     heads = cache.ndim + hub.CACHE_HEADS
     local_args = [local_part(a, mesh, axis, None, like) for a in args]
     local_kwargs = {
         k: local_part(v, mesh, axis, heads if k == key else None, like)
         for k, v in kwargs.items()
     }
-    if any(
-        a is None and b is not None
-        for a, b in zip(
-            [*local_args, *local_kwargs.values()],
-            [*args, *kwargs.values()],
-            strict=True,
-        )
-    ):
+    given, local = [*args, *kwargs.values()], [*local_args, *local_kwargs.values()]
+    if any(b is None and a is not None for a, b in zip(given, local, strict=True)):
         return NotImplemented
     with swapped(found):
         result = call(*local_args, **local_kwargs)
@@ -240,29 +208,7 @@ def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any
             f"KERAS_DTENSOR_FIX_DISABLE=generate and report it"
         )
     out, new_cache = result
-    placements = with_split(like, mesh, axis, None)
-    cache_placements = with_split(
-        cache if isinstance(cache, DTensor) else like, mesh, axis, heads
-    )
-    return (
-        wrap_local(out, mesh, placements) if like is not None else out,
-        wrap_local(new_cache, mesh, cache_placements),
-    )
-
-
-def agree(found: Plan, expected: Any, result: Any) -> bool:
-    """Whether two (outputs, cache) results hold the same values, as every
-    process finds (one all-reduce: each process decides alike); ``result``
-    None (the local call failed) agrees with nothing."""
-    mismatch = 0.0 if result is not None else 1.0
-    for a, b in zip(expected, result or expected, strict=True):
-        a = a.full_tensor() if isinstance(a, DTensor) else a
-        b = b.full_tensor() if isinstance(b, DTensor) else b
-        scale = float(a.abs().max()) if a.numel() else 0.0
-        if a.shape != b.shape or not torch.allclose(
-            a, b, rtol=1e-4, atol=1e-5 * max(scale, 1.0)
-        ):
-            mismatch = 1.0
-    flag = torch.tensor([mismatch], device=found.mesh.device_type)
-    total = all_reduce_sum(flag, found.mesh, tuple(range(found.mesh.ndim)))
-    return float(total) == 0.0
+    if like is not None:
+        out = wrap_local(out, mesh, with_split(like, mesh, axis, None))
+    cached = cache if isinstance(cache, DTensor) else like
+    return out, wrap_local(new_cache, mesh, with_split(cached, mesh, axis, heads))

@@ -1,94 +1,60 @@
 """Sharded keras-hub generation on local tensors, each path checked once.
 
-``jit_compile`` False or "auto" (Keras's default, eager on torch) generates
-eagerly, and on a sharded model each decoder block's cached call runs on
-local tensors where its layout allows (:mod:`.decoder`: Megatron's
-per-token collectives, the cache split by heads), and each token's whole
-call where :mod:`.causal_lm` plans it. The first call of each runs both
-ways and compares, as every process finds it (:func:`.decoder.agree`): where
-it fails or differs, one warning names the cause and that block or model
-generates on DTensors from then on (:mod:`.paths`). Nothing stays set on the
-model: its blocks' ``call`` and its ``call_with_cache`` are replaced for the
-length of one generation. Inside a local call the gated wrappers are closed
-process-wide (``state.SHARDING`` emptied): generating and training in two
-threads of one process at once is not supported.
+Eager generation runs each decoder block's cached call on local tensors where
+:mod:`.decoder` plans it, and each token's whole call where :mod:`.causal_lm`
+does; their first calls are checked against DTensor's (:data:`BLOCKS`,
+:data:`WHOLE`). Nothing outlives one generation. Inside a local call the
+gated wrappers are closed process-wide (``state.SHARDING`` emptied):
+generating and training in two threads of one process is not supported.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from keras_dtensor_fix.generation import causal_lm, decoder, paths, token_args
-from keras_dtensor_fix.generation.paths import CHECKED, DTENSOR
-from keras_dtensor_fix.hub import generation as hub
+from keras_dtensor_fix.compiled.blocks import repeated
+from keras_dtensor_fix.generation import causal_lm, decoder, token_args
+from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED, FirstCall, first_line
+
+__all__ = ["BLOCKS", "WHOLE", "blocks_local", "eager_local", "whole_local", "planned"]
 
 
-def _block_call(block: Any, found: decoder.Plan) -> Any:
+def _check(say: str, what: str) -> FirstCall:
+    differ = f"its {what} on local tensors did not match"
+    say += " (slower, same tokens): {cause}"
+    return FirstCall(what, say, differ + " ({error})", differ + " (its results differ)")
+
+
+#: Each decoder block's local call, and each model's local token call.
+BLOCKS = _check("decoder block {owner} generates on DTensors", "call")
+WHOLE = _check("{owner} generates block by block", "token call")
+
+
+def _fast(result: Any) -> Any:
+    """A local call's result for :meth:`FirstCall.run` (None: no local form)."""
+    return None if result is NotImplemented else result
+
+
+def _block_call(block: Any, found: decoder.Plan) -> Callable[..., Any]:
     """``block.call`` for one generation: local where :mod:`.decoder` can."""
     original = type(block).call.__get__(block, type(block))
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if paths.block(block) == DTENSOR:
+        known = BLOCKS.known(block)
+        if known is REFUSED:
             return original(*args, **kwargs)
-        if paths.block(block) != CHECKED:
-            return _checked(block, found, original, args, kwargs)
+        if known is not PROVEN:
+            return BLOCKS.run(
+                block,
+                lambda: _fast(decoder.run(found, original, args, kwargs)),
+                lambda: original(*args, **kwargs),
+            )
         result = decoder.run(found, original, args, kwargs)
-        if result is NotImplemented:
-            return original(*args, **kwargs)
-        return result
+        return original(*args, **kwargs) if result is NotImplemented else result
 
     return call
-
-
-def _compared(found: Any, expected: Any, attempt: Any, convert: Any = None) -> tuple:
-    """``attempt()`` (a local call) against ``expected``, as every process
-    finds (:func:`.decoder.agree`, which each calls even where its attempt
-    raised): ``(result, "")`` where they agree, ``(NotImplemented, "")`` where
-    the call has no local form, else ``(None, why)``."""
-    try:
-        result = attempt()
-    except Exception as err:  # noqa: BLE001 - the slower path is the fallback
-        result, why = None, f"{type(err).__name__}: {str(err)[:200]}"
-    else:
-        why = "its results differ"
-    if result is NotImplemented:
-        return NotImplemented, ""
-    local = result if result is None or convert is None else convert(result)
-    return (result, "") if decoder.agree(found, expected, local) else (None, why)
-
-
-def _checked(block: Any, found: decoder.Plan, original: Any, args, kwargs) -> Any:
-    """The block's first call, both ways: the local result where they agree
-    (every process decides alike); else the DTensor path's, from then on."""
-    expected = original(*args, **kwargs)
-    result, why = _compared(
-        found, expected, lambda: decoder.run(found, original, args, kwargs)
-    )
-    if result is NotImplemented:
-        return expected
-    if result is not None:
-        paths.mark(block, block=CHECKED)
-        return result
-    paths.mark(block, block=DTENSOR)
-    _slower(_block_name(block), "on DTensors", f"its call {_MISMATCH} ({why})")
-    return expected
-
-
-_MISMATCH = "on local tensors did not match"
-
-
-def _block_name(block: Any) -> str:
-    return f"decoder block {getattr(block, 'path', block.name)!r}"
-
-
-def _slower(who: str, path: str, why: str) -> None:
-    warnings.warn(
-        f"keras-dtensor-fix: {who} generates {path} (slower, same tokens): {why}",
-        stacklevel=4,
-    )
 
 
 def _block_plan(block: Any) -> decoder.Plan | None:
@@ -96,33 +62,30 @@ def _block_plan(block: Any) -> decoder.Plan | None:
     try:
         return decoder.plan(block)
     except Exception as err:  # noqa: BLE001 - the DTensor path is the fallback
-        paths.mark(block, block=DTENSOR)
-        _slower(_block_name(block), "on DTensors", f"decoder.plan raised ({_why(err)})")
+        BLOCKS.refuse(block, f"decoder.plan raised ({first_line(err)})")
         return None
 
 
-def whole_plan(model: Any) -> causal_lm.ModelPlan | None:
-    """:func:`.causal_lm.plan`; one that raises warns, block by block."""
+def planned(model: Any) -> causal_lm.ModelPlan | None:
+    """:func:`.causal_lm.plan` where no block refused; one that raises warns."""
+    if WHOLE.known(model) is REFUSED:
+        return None
+    if any(BLOCKS.known(block) is REFUSED for block in repeated(model, 1)):
+        return None
     try:
         return causal_lm.plan(model)
     except Exception as err:  # noqa: BLE001 - block by block is the fallback
-        paths.mark(model, whole=DTENSOR)
-        why = f"causal_lm.plan raised ({_why(err)})"
-        _slower(type(model).__name__, "block by block", why)
+        WHOLE.refuse(model, f"causal_lm.plan raised ({first_line(err)})")
         return None
-
-
-def _why(err: BaseException) -> str:
-    return f"{type(err).__name__}: {str(err)[:200]}"
 
 
 @contextlib.contextmanager
 def blocks_local(model: Any) -> Iterator[None]:
-    blocks = hub.decoder_blocks(model)
+    """Each decoder block's call local for the length of the context."""
     installed = []  # each with the call it had (a compiled region's, say)
     try:
-        for block in blocks or ():
-            found = None if paths.block(block) == DTENSOR else _block_plan(block)
+        for block in repeated(model, 1):
+            found = None if BLOCKS.known(block) is REFUSED else _block_plan(block)
             if found is not None:
                 installed.append((block, vars(block).get("call")))
                 object.__setattr__(block, "call", _block_call(block, found))
@@ -135,16 +98,46 @@ def blocks_local(model: Any) -> Iterator[None]:
                 object.__setattr__(block, "call", call)
 
 
-def _local_token_call(model: Any, found: causal_lm.ModelPlan) -> Any:
+def whole_local(
+    model: Any,
+    found: causal_lm.ModelPlan,
+    eager: Callable[..., Any],
+    call: Callable[..., Any],
+    given: token_args.TokenArgs,
+) -> Any:
+    """One token's ``call`` on local tensors (:func:`.causal_lm.run`), the
+    first checked against ``eager``; :data:`NotImplemented` where the model
+    generates block by block."""
+    known = WHOLE.known(model)
+    if known is PROVEN:
+        return given.call(causal_lm.run, found, call)
+    if known is REFUSED or any(BLOCKS.known(b) is REFUSED for b, _ in found.blocks):
+        WHOLE.remember(model, REFUSED)  # the prompt's pass found a block differ
+        return NotImplemented
+
+    def fast() -> Any:
+        result = given.call(causal_lm.run, found, eager)
+        if result is NotImplemented:  # no local form: block by block
+            WHOLE.remember(model, REFUSED)
+        return _fast(result)
+
+    return WHOLE.run(
+        model,
+        fast,
+        lambda: given.call(eager),
+        compared=lambda result: causal_lm.as_dtensors(found, result),
+    )
+
+
+def _local_token_call(model: Any, found: causal_lm.ModelPlan) -> Callable[..., Any]:
     """``model.call_with_cache``: one token on local tensors, the prompt's
-    pass block by block; the first token both ways (:func:`_model_checked`)."""
+    pass (many tokens) block by block."""
     eager = model.call_with_cache
     signature = token_args.signature_of(eager)  # causal_lm.plan found one
 
     def call_with_cache(*args: Any, **kwargs: Any) -> Any:
-        given = None if signature is None else token_args.split(signature, args, kwargs)
-        shape = getattr(getattr(given, "token_ids", None), "shape", ())
-        if given is None or len(shape) != 2 or shape[1] != 1:
+        given = token_args.one_token(signature, args, kwargs)
+        if given is None:
             return eager(*args, **kwargs)
         result = whole_local(model, found, eager, eager, given)
         return given.call(eager) if result is NotImplemented else result
@@ -152,58 +145,12 @@ def _local_token_call(model: Any, found: causal_lm.ModelPlan) -> Any:
     return call_with_cache
 
 
-def whole_local(
-    model: Any,
-    found: causal_lm.ModelPlan,
-    eager: Any,
-    call: Any,
-    given: token_args.TokenArgs,
-) -> Any:
-    """One token's ``call`` on local tensors (:func:`.causal_lm.run`), the
-    first both ways (:func:`_model_checked`); :data:`NotImplemented` where
-    the model generates block by block or the token has no local form."""
-    if paths.whole(model) == DTENSOR:
-        return NotImplemented
-    if paths.whole(model) != CHECKED:
-        return _model_checked(model, found, eager, given)
-    return given.call(causal_lm.run, found, call)
-
-
-def _model_checked(
-    model: Any, found: causal_lm.ModelPlan, eager: Any, given: token_args.TokenArgs
-) -> Any:
-    """The first token's call, both ways: the local result where they agree
-    (every process decides alike); else block by block from then on."""
-    expected = given.call(eager)
-    if any(paths.block(block) == DTENSOR for block, _ in found.blocks):
-        paths.mark(model, whole=DTENSOR)  # the prompt's pass found a block differ
-        return expected
-    result, why = _compared(
-        found,
-        expected,
-        lambda: given.call(causal_lm.run, found, eager),
-        lambda local: causal_lm.as_dtensors(found, local),
-    )
-    if result is not None and result is not NotImplemented:
-        paths.mark(model, whole=CHECKED)
-        return result
-    paths.mark(model, whole=DTENSOR)
-    if result is None:  # it raised or differed (NotImplemented: no local form)
-        what = f"its token call {_MISMATCH} ({why})"
-        _slower(type(model).__name__, "block by block", what)
-    return expected
-
-
 @contextlib.contextmanager
 def eager_local(model: Any) -> Iterator[Any]:
     """Blocks on local tensors, and where :mod:`.causal_lm` can, each token's
     whole call; yields what to do with ``generate_step``'s inputs (or None)."""
     with blocks_local(model):
-        blocks = hub.decoder_blocks(model)
-        found = None
-        differ = any(paths.block(b) == DTENSOR for b in blocks)
-        if paths.whole(model) != DTENSOR and not differ:
-            found = whole_plan(model)
+        found = planned(model)
         if found is None:
             yield None
             return

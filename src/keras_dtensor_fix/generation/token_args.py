@@ -2,10 +2,9 @@
 
 keras-hub's causal LMs share the first three parameters (token ids, cache,
 index: ``hub.generation.CALL_WITH_CACHE``) but not what follows, which some
-pass by keyword. The generate family converts the first three (plain or
-local tensors, one mesh) and must hand every other argument on as the caller
-gave it; :func:`split` tells them apart by the model's own signature, or says
-it cannot. Standard library only (``hub.generation`` is plain data).
+pass by keyword. Generation converts the first three and hands every other
+argument on as the caller gave it; :func:`split` tells them apart by the
+model's own signature, or says it cannot.
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ from typing import Any
 
 from keras_dtensor_fix.hub import generation as hub
 
-#: How many parameters every keras-hub ``call_with_cache`` starts with.
+__all__ = ["TokenArgs", "one_token", "signature_of", "split"]
+
 CORE = len(hub.CALL_WITH_CACHE)
 _POSITIONAL = (
     inspect.Parameter.POSITIONAL_ONLY,
@@ -27,8 +27,8 @@ _POSITIONAL = (
 
 @dataclass
 class TokenArgs:
-    """One call's arguments: ``token_ids``, ``cache``, ``index``, and the
-    others by keyword (as given: no default filled in)."""
+    """One call's ``token_ids``, ``cache``, ``index``, and the others by
+    keyword (as given: no default filled in)."""
 
     token_ids: Any
     cache: Any
@@ -44,28 +44,24 @@ class TokenArgs:
 
 
 def signature_of(method: Callable[..., Any]) -> inspect.Signature | None:
-    """``method``'s signature where :func:`split` can read its calls: the
-    three core parameters first, positional, no ``*args``; else None."""
+    """``method``'s signature where :func:`split` can read its calls (the
+    three core parameters first, positional, no ``*args``), else None."""
     try:
         signature = inspect.signature(method)
     except (TypeError, ValueError):
         return None
     params = list(signature.parameters.values())
-    if len(params) < CORE or any(
-        p.kind is inspect.Parameter.VAR_POSITIONAL for p in params
-    ):
+    core, rest = params[:CORE], params[CORE:]
+    if len(core) < CORE or any(p.kind not in _POSITIONAL for p in core):
         return None
-    if any(p.kind not in _POSITIONAL for p in params[:CORE]):
-        return None
-    if any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in params[CORE:]):
-        return None  # :class:`TokenArgs` hands the rest on by keyword
-    return signature
+    # :class:`TokenArgs` hands the rest on by keyword
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)
+    return None if any(p.kind in kinds for p in rest) else signature
 
 
 def split(signature: inspect.Signature, args: tuple, kwargs: dict) -> TokenArgs | None:
-    """The call's arguments bound by ``signature`` (a bound method's, from
-    :func:`signature_of`), or None where they do not bind (the model's own
-    call then raises as it would have)."""
+    """The call's arguments bound by ``signature`` (from :func:`signature_of`),
+    or None where they do not bind (the model's own call then raises)."""
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError:
@@ -84,3 +80,13 @@ def split(signature: inspect.Signature, args: tuple, kwargs: dict) -> TokenArgs 
             extra[name] = value
     token_ids, cache, index = (bound.arguments[name] for name in names)
     return TokenArgs(token_ids, cache, index, extra)
+
+
+def one_token(
+    signature: inspect.Signature | None, args: tuple, kwargs: dict
+) -> TokenArgs | None:
+    """:func:`split` where the call passes one token per sequence; None for
+    the prompt's pass or arguments it cannot read."""
+    given = None if signature is None else split(signature, args, kwargs)
+    shape = getattr(getattr(given, "token_ids", None), "shape", ())
+    return given if len(shape) == 2 and shape[1] == 1 else None

@@ -1,9 +1,4 @@
-"""What the plugin knows about keras-hub models, one row per model family.
-
-``layouts``: a tensor-parallel layout for each causal LM backbone that ships
-no ``get_layout_map`` (the ``layouts`` family installs them). ``generation``:
-what sharded generation reads of a causal LM (attention head counts, samplers,
-``call_with_cache``'s parameters, the cache's heads axis). ``probe``: a
-tiny config of a backbone with no row, for the planner to plan its layout.
-Plain data and attribute reads; Keras is imported only when a layout is built.
+"""What the plugin knows of keras-hub: ``layouts`` (a layout per backbone
+without its own), ``generation`` (what generation reads of a causal LM),
+``probe`` (a tiny backbone for the planner). Plain data and attribute reads.
 """

@@ -1,20 +1,13 @@
 """Tensor-parallel layouts for keras-hub causal LM backbones without their own.
 
-keras-hub ships ``get_layout_map(mesh)`` on Gemma, Llama (and Llama3), Qwen,
-QwenMoe and Qwen3Moe backbones. :data:`ROWS` gives the causal LM backbones
-without one in the same shape (:data:`NO_ROW`: those known to have no row,
-and why): Megatron's split on the model axis (column-parallel Q/K/V, MLP in
-and expert in-projections, with their biases; RWKV-7's receptance, key, value
-and LoRA out-projections, so that its recurrence runs on each rank's heads;
-row-parallel attention and MLP out), and the batch axis on the other weight
-axis where keras-hub's own maps put it (the hidden axis), so a ``(N, 1)`` mesh
-shards weights too. Embeddings split by vocabulary on the model axis. Weights
-no rule names (norms, routers, position embeddings, Qwen3.5's linear
-attention, vision encoders, BLIP2's Q-Former) are replicated.
-
-A rule is ``(regex, axes)``; ``axes`` holds :data:`MODEL`, :data:`DATA` or
-``None`` per weight axis. Keys are ``re.fullmatch`` regexes, as LayoutMap's,
-and no two rules of a row match one path (LayoutMap refuses that).
+:data:`ROWS` gives each such backbone Megatron's split on the model axis
+(column-parallel Q/K/V, MLP and expert in-projections with their biases;
+row-parallel attention and MLP out), the batch axis on the other weight axis
+where keras-hub's own maps put it (so a ``(N, 1)`` mesh shards weights too),
+and embeddings split by vocabulary. Weights no rule names are replicated. A
+rule is ``(regex, axes)``: a ``re.fullmatch`` key as LayoutMap's, ``axes``
+:data:`MODEL`, :data:`DATA` or ``None`` per weight axis; no two rules of a
+row match one path.
 """
 
 from __future__ import annotations
@@ -99,10 +92,8 @@ SMOLLM3: tuple[Rule, ...] = (
     (_BLOCK + r"mlp/(gate|up)_proj/kernel", (DATA, MODEL)),
     (_BLOCK + r"mlp/down_proj/kernel", (MODEL, DATA)),
 )
-# Gemma3n's text decoder: Dense Q/K/V kernels (hidden, heads * head_dim). Its
-# embedding is tied to the logits through a transpose made once, at
-# construction (dtensor.views_leaf). AltUp, LAuReL, the per-layer inputs and
-# their embedding are small and replicated.
+# Gemma3n's text decoder (Dense Q/K/V kernels); AltUp, LAuReL and the
+# per-layer inputs are small and replicated.
 _GEMMA3N = r"text_model/decoder_block_\d+/"
 GEMMA3N: tuple[Rule, ...] = (
     (r"text_model/embed_tokens/embedding/embeddings", (MODEL, DATA)),
@@ -111,11 +102,8 @@ GEMMA3N: tuple[Rule, ...] = (
     (_GEMMA3N + r"mlp/(gate|up)_proj/kernel", (DATA, MODEL)),
     (_GEMMA3N + r"mlp/down_proj/kernel", (MODEL, DATA)),
 )
-# RWKV-7: receptance, key, value and the LoRA out-projections (decay, in-
-# context rate, value mix, gate) column-parallel, so that the time mix's
-# recurrence runs on each rank's heads; its output and the channel mix's
-# value row-parallel. Token shifts, mixes, norms and the LoRA in-projections
-# are replicated.
+# RWKV-7: receptance, key, value and the LoRA out-projections column-parallel
+# (the time mix's recurrence runs on each rank's heads); outputs row-parallel.
 _RWKV7 = r"rwkv_layer_\d+/"
 RWKV7: tuple[Rule, ...] = (
     (r"token_embedding/embeddings", (MODEL, DATA)),
@@ -126,8 +114,7 @@ RWKV7: tuple[Rule, ...] = (
     (_RWKV7 + r"RWKV_CMIX/dense_k/kernel", (DATA, MODEL)),
     (_RWKV7 + r"RWKV_CMIX/dense_v/kernel", (MODEL, DATA)),
 )
-# PARSeq's decoder (self- and cross-attention to the image encoder's
-# patches, which stay replicated) and its head, named "dense".
+# PARSeq's decoder (its image encoder replicated) and its head, "dense".
 _PARSEQ = r"decoder/decoder_layer_\d+/"
 PARSEQ: tuple[Rule, ...] = (
     (r"decoder/token_embedding/embeddings", (MODEL, DATA)),
@@ -147,7 +134,6 @@ _MODELS = "keras_hub.src.models"
 ROWS: dict[tuple[str, str], tuple[Rule, ...]] = {
     (f"{_MODELS}.gemma3.gemma3_backbone", "Gemma3Backbone"): GEMMA_STYLE,
     (f"{_MODELS}.gemma4.gemma4_backbone", "Gemma4Backbone"): GEMMA_STYLE,
-    # Gemma's decoder blocks after a vision encoder (replicated: no rule names it)
     (f"{_MODELS}.pali_gemma.pali_gemma_backbone", "PaliGemmaBackbone"): GEMMA_STYLE,
     (f"{_MODELS}.mistral.mistral_backbone", "MistralBackbone"): LLAMA_STYLE,
     (f"{_MODELS}.mixtral.mixtral_backbone", "MixtralBackbone"): LLAMA_STYLE + _EXPERTS,
@@ -166,8 +152,6 @@ ROWS: dict[tuple[str, str], tuple[Rule, ...]] = {
     (f"{_MODELS}.gpt2.gpt2_backbone", "GPT2Backbone"): LLAMA_STYLE,
     (f"{_MODELS}.gemma3n.gemma3n_backbone", "Gemma3nBackbone"): GEMMA3N,
     (f"{_MODELS}.rwkv7.rwkv7_backbone", "RWKV7Backbone"): RWKV7,
-    # OPT's decoder after a vision encoder and Q-Former (replicated: their
-    # paths match no rule)
     (f"{_MODELS}.blip2.blip2_backbone", "BLIP2Backbone"): LLAMA_STYLE,
     (f"{_MODELS}.parseq.parseq_backbone", "PARSeqBackbone"): PARSEQ,
 }

@@ -1,12 +1,11 @@
 """A keras-hub backbone class's layout, planned on a tiny probe of it.
 
-``get_layout_map(mesh)`` is a classmethod: it knows the class, not the
-config. The planner (``keras_dtensor_fix.auto_layout_map``) plans on an
-instance made of the class's defaults and small sizes for the arguments it
-requires, named as keras-hub names them (:data:`SIZES`); each size divides by
-the mesh's axes, and the rules read every layer number as ``\\d+``, so they
-name the same weights of any config. A class whose required arguments the
-probe cannot size gets none (the caller says what to write).
+``get_layout_map(mesh)`` knows the class, not the config: the planner
+(``keras_dtensor_fix.auto_layout_map``) plans on an instance of the class's
+defaults and small sizes for its required arguments (:data:`SIZES`, each
+dividing by the mesh's axes); its rules read every layer number as ``\\d+``,
+so they name the same weights of any config. A class whose required
+arguments the probe cannot size gets none.
 """
 
 from __future__ import annotations
@@ -41,23 +40,20 @@ SIZES: dict[str, tuple[str, Any]] = {
 
 def probe_config(cls: type, model: int, batch: int) -> dict[str, Any] | None:
     """Arguments for a tiny ``cls``, or None where one is not known."""
+    scale = {"unit": model * batch, "model": max(model, 2), "int": 1}
     config: dict[str, Any] = {}
     for name, param in inspect.signature(cls.__init__).parameters.items():
-        if name == "self" or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
-            continue
-        if param.default is not param.empty and name != "dropout":
-            continue
         if name == "dropout":
             config[name] = 0.0
+        elif name == "self" or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
             continue
-        if name not in SIZES:
+        elif param.default is not param.empty:
+            continue
+        elif name not in SIZES:
             return None
-        unit, size = SIZES[name]
-        if unit == "value":
-            config[name] = size
-            continue
-        scale = {"unit": model * batch, "model": max(model, 2), "int": 1}[unit]
-        config[name] = size * scale
+        else:
+            unit, size = SIZES[name]
+            config[name] = size if unit == "value" else size * scale[unit]
     return config
 
 

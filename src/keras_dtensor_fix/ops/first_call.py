@@ -1,17 +1,13 @@
 """A local fast path's first call on each object, checked against DTensor's.
 
-The ``leaves`` family runs a layer on local tensors and the ``layers`` family
-a dense layer, where ``dtensor.planner`` finds that each rank's piece
-computes alone. A recognition that is wrong would raise in the middle of a
-step or, worse, give other numbers than the DTensor path, silently. So the
-first call of each object runs both (:meth:`FirstCall.run`): the fast path,
-then the object's own call on DTensors without gradients, its writes undone
-(variables, ``add_loss`` losses), and compares outputs and written variables
-as every process finds them (one all-reduce: every process decides alike).
-Where the fast path raised or differs, one warning names the object and the
-cause, the call returns the object's own result (upstream's path) and that
-object calls its own from then on. Objects are held weakly; a proven
-object's later calls pay one dictionary lookup.
+A fast path (a layer, a decoder block or a model's token on local tensors)
+that recognised wrongly would raise mid-step or, worse, silently give other
+numbers. So each object's first call runs both (:meth:`FirstCall.run`): the
+fast path, then the object's own call on DTensors without gradients, its
+writes undone, and compares outputs and written variables as every process
+finds them (one all-reduce: every process decides alike). Where the fast path
+raised or differs, one warning names the object and the cause, and the object
+runs its own call from then on. Objects are held weakly.
 """
 
 from __future__ import annotations
@@ -26,16 +22,33 @@ import torch
 from keras_dtensor_fix.dtensor import DTensor, all_reduce_sum
 from keras_dtensor_fix.engine import targets
 
+__all__ = ["PROVEN", "REFUSED", "UNKNOWN", "FirstCall", "first_line"]
+
 #: What :meth:`FirstCall.known` says of an object: not yet checked, its fast
 #: path matched, or it failed (its own call from then on).
 UNKNOWN, PROVEN, REFUSED = None, True, False
 
+_SAY = (
+    "{name} on {owner} {cause}; it runs on DTensors from now on, as upstream "
+    "Keras runs it."
+)
+
 
 class FirstCall:
-    """The first-call check of one fast path (``name``, for the warning)."""
+    """The first-call check of one fast path, and what it learnt per object.
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    ``say`` is the warning (``{name}``, ``{owner}``, ``{cause}``); ``raised``
+    (``{error}``) and ``differs`` the causes :meth:`run` finds.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        say: str = _SAY,
+        raised: str = "raised ({error})",
+        differs: str = "did not match DTensor's path",
+    ) -> None:
+        self.name, self.say, self.raised, self.differs = name, say, raised, differs
         self._known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def known(self, owner: Any) -> bool | None:
@@ -45,7 +58,8 @@ class FirstCall:
         except TypeError:  # no weak reference: never remembered
             return UNKNOWN
 
-    def _remember(self, owner: Any, outcome: bool) -> None:
+    def remember(self, owner: Any, outcome: bool) -> None:
+        """Set ``owner``'s outcome without a warning."""
         try:
             self._known[owner] = outcome
         except TypeError:  # no weak reference: checked again at each call
@@ -53,17 +67,14 @@ class FirstCall:
 
     def refuse(self, owner: Any, cause: str) -> None:
         """``owner`` calls its own from now on: one warning naming ``cause``."""
-        self._remember(owner, REFUSED)
+        self.remember(owner, REFUSED)
         name = getattr(owner, "name", None) or type(owner).__name__
-        warnings.warn(
-            f"keras-dtensor-fix: {self.name} on {name} {cause}; it runs on "
-            "DTensors from now on, as upstream Keras runs it.",
-            stacklevel=4,
-        )
+        message = self.say.format(name=self.name, owner=name, cause=cause)
+        warnings.warn(f"keras-dtensor-fix: {message}", stacklevel=4)
 
     def failed(self, owner: Any, error: BaseException) -> None:
         """:meth:`refuse` for a recognition that raised ``error``."""
-        self.refuse(owner, f"raised ({_first_line(error)})")
+        self.refuse(owner, self.raised.format(error=first_line(error)))
 
     def forget(self) -> None:
         """Forget every outcome (on deactivation)."""
@@ -75,11 +86,14 @@ class FirstCall:
         fast: Callable[[], Any],
         own: Callable[[], Any],
         written: Sequence[Any] = (),
+        compared: Callable[[Any], Any] | None = None,
     ) -> Any:
         """``owner``'s first call: ``fast()`` checked against ``own()``.
 
         ``fast()`` returns None to decline (``own()`` then runs, nothing is
-        learnt); ``written`` are the variables a call may assign.
+        learnt); ``written`` are the variables a call may assign;
+        ``compared`` gives what of the fast result stands for ``own()``'s
+        (the fast result itself by default).
         """
         before, losses = _values(written), _losses(owner)
         try:
@@ -102,24 +116,26 @@ class FirstCall:
             return result
         _set_losses(owner, fast_losses)
         if error is not None:
-            cause = f"raised ({_first_line(error)})"
+            cause = self.raised.format(error=first_line(error))
+            pairs = _pairs(expected, None)
         else:
-            cause = "did not match DTensor's path"
-        pairs = _pairs(expected, result)
+            cause = self.differs
+            pairs = _pairs(expected, result if compared is None else compared(result))
         pairs += list(zip(_values(written), after_fast, strict=True))
         if _agree(pairs, error is None):
-            self._remember(owner, PROVEN)
+            self.remember(owner, PROVEN)
             _restore(written, after_fast)
             return result
-        if error is None and _mine_agree(pairs):
-            cause = "did not match DTensor's path on another process"
+        if error is None and all(close for *_, close in pairs):
+            cause += " on another process"
         _restore(written, before)
         _set_losses(owner, losses)
         self.refuse(owner, cause)
         return own()
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """``error``'s type and first line, for a warning."""
     lines = [line for line in str(error).splitlines() if line.strip()]
     return f"{type(error).__name__}: {(lines or [''])[0][:200]}"
 
@@ -146,17 +162,13 @@ def _set_losses(owner: Any, losses: list[Any] | None) -> None:
 
 def _pairs(expected: Any, result: Any) -> list[tuple[Any, Any]]:
     """(DTensor's, the fast path's) tensors; the fast path's missing or shaped
-    otherwise, DTensor's own in its place (the same gathers on every process)."""
+    otherwise, None in its place (the same gathers on every process)."""
     flatten = targets.keras_object("tree").flatten
     want = [v for v in flatten(expected) if isinstance(v, torch.Tensor)]
     got = [v for v in flatten(result) if isinstance(v, torch.Tensor)]
     if len(got) != len(want):
         return [(a, None) for a in want]
     return list(zip(want, got, strict=True))
-
-
-def _full(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -169,10 +181,6 @@ def _close(a: Any, b: Any) -> bool:
     return bool(torch.allclose(a, b, rtol=rtol, atol=rtol * 0.1 * max(scale, 1.0)))
 
 
-def _mine_agree(pairs: list[tuple[Any, Any]]) -> bool:
-    return all(close for *_, close in pairs)
-
-
 def _agree(pairs: list, ok: bool) -> bool:
     """Whether every process's pairs hold the same values (gathers and one
     all-reduce, alike on every process); ``pairs`` becomes (a, b, close)."""
@@ -181,8 +189,10 @@ def _agree(pairs: list, ok: bool) -> bool:
         for index, (a, b) in enumerate(pairs):
             if mesh is None and isinstance(a, DTensor):
                 mesh = a.device_mesh
-            full_a = _full(a)
-            full_b = _full(a if b is None else b)
+            full_a, full_b = (
+                v.full_tensor() if isinstance(v, DTensor) else v
+                for v in (a, a if b is None else b)
+            )
             close = b is not None and _close(full_a, full_b)
             pairs[index] = (a, b, close)
             ok = ok and close

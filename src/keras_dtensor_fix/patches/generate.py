@@ -1,12 +1,9 @@
 """keras-hub ``generate()`` under ModelParallel: compiled or on local tensors.
 
-``CausalLM.make_generate_function`` is wrapped: under a ModelParallel
-distribution each ``generate()`` call runs with the model's token step
-compiled (``jit_compile=True``: :mod:`keras_dtensor_fix.generation.tokens`)
-or, eagerly, with its decoder blocks and token calls on local tensors where
-their layouts allow (:mod:`keras_dtensor_fix.generation.local`). Without
-ModelParallel keras-hub's own generation stands, so a one-device script
-generates exactly as it does without the plugin.
+``CausalLM.make_generate_function`` is wrapped: each ``generate()`` call runs
+in :func:`keras_dtensor_fix.generation.tokens.generating`'s context (the token
+step compiled, or blocks and tokens on local tensors); without ModelParallel
+keras-hub's own generation stands.
 """
 
 from __future__ import annotations
@@ -15,17 +12,13 @@ import types
 from typing import Any
 
 from keras_dtensor_fix.engine.contract import Implementation, Patch
-from keras_dtensor_fix.engine.state import model_parallel
-from keras_dtensor_fix.generation import local, tokens
+from keras_dtensor_fix.generation import tokens
 
 
 def _make_generate_function(wrapped, instance, args, kwargs):
     function = wrapped(*args, **kwargs)
-    if tokens.compiles(instance):
-        context = tokens.tokens_compiled
-    elif model_parallel() is not None:
-        context = local.eager_local
-    else:
+    context = tokens.generating(instance)
+    if context is None:
         return function
 
     def generate_function(*call_args: Any, **call_kwargs: Any) -> Any:
