@@ -1,34 +1,21 @@
 """Repeated blocks compiled once (``KERAS_DTENSOR_FIX_COMPILE=blocks``).
 
-A compiled step traces every decoder block of a model again, although all
-run the same code: its start grows with the depth. In blocks mode the step
-runs eagerly, as upstream runs it, and each repeated block (the outermost
-layers with sublayers whose class the model holds at least twice: keras-hub's
-decoder blocks) calls one ``torch.compile``'d function shared by every
-instance of its class. dynamo traces it once and guards on what the instances
-share (their shapes, placements and settings), so every block runs the same
-graph, as torchtitan compiles one transformer block at a time.
+A whole compiled step traces every decoder block again: its start grows with the depth.
+In blocks mode the step runs eagerly and each repeated block calls one
+``torch.compile``'d region shared by every instance of its class (as torchtitan compiles
+one transformer block at a time); dynamo guards on what the instances share, so all run
+one graph. Two things would split it:
 
-Two things would make each instance a graph of its own:
+- Keras's name scope: each sublayer's path would be a guard. Inside a region
+  no scope opens (:func:`.region.scopeless`); a block whose sublayers' output
+  layouts depend on a path is refused (:func:`refusal`).
+- Megatron's "f" set on the block's input, a tensor from outside the graph,
+  would be an extra output without gradient. The region's first op is instead
+  the "f" of each DTensor input (:func:`_with_f`), so its all-reduce runs in
+  the block's backward graph.
 
-- Keras's name scope: each sublayer's call pushes its name and reads the
-  path of the layers around it. Inside a region the scope is skipped
-  (:func:`.region.scopeless`) and the path is empty; within a step a path decides
-  only an output's layout (a LayoutMap key ``<path>/output``), so a block with
-  such a layout inside it is not compiled (:func:`refusal`).
-- Megatron's "f" (:func:`~keras_dtensor_fix.dtensor.reducing_gradient`)
-  keeps its op on the value it reads: set inside a region on the block's
-  input, a tensor from outside the graph, it is an extra output that gets no
-  gradient. The region's first op instead is the "f" of each DTensor input
-  (:func:`_with_f`), kept on its own in-graph result, which the block reads:
-  its all-reduce runs in the block's backward graph, not eagerly between two
-  graphs with a DTensor wrapped around it. Where that graph fails to compile,
-  the class's blocks run their own call from then on (warned).
-
-Outside training (``torch.no_grad``: evaluation, prediction, generation),
-inside a compiled step, without a ModelParallel distribution and in Keras's
-symbolic calls the block's own ``call`` runs as it is.
-"""
+Outside training (``torch.no_grad``), inside a compiled step, without ModelParallel and
+in symbolic calls the block's own ``call`` runs."""
 
 from __future__ import annotations
 
@@ -104,14 +91,9 @@ def refusal(block: Any) -> str | None:
 def choose(model: Any, mode: str) -> tuple[str, str]:
     """Which compilation ``model``'s steps get, ``step`` or ``blocks``, and why.
 
-    ``mode`` is the configured one (``engine/config.compile_mode``). ``auto``
-    compiles block by block where the model repeats blocks and none is
-    refused: a training step faster than eager and close to the whole step's,
-    and each block compiled once whatever the depth (figures:
-    ``benchmarks/README.md``). Evaluation and prediction then compile whole
-    (the ``compile`` family: a forward graph); in ``blocks`` mode they run
-    eagerly (their blocks run without gradients: the block's own call).
-    """
+    ``auto`` (the default) goes block by block where the model repeats blocks and none
+    is refused; evaluation and prediction then compile whole (the ``compile`` family).
+    In ``blocks`` mode they run eagerly."""
     if mode != "auto":
         return mode, f"KERAS_DTENSOR_FIX_COMPILE={mode}"
     found = repeated(model)
@@ -146,11 +128,8 @@ def tell(model: Any, building: str | None, mode: str, why: str) -> None:
 
 
 def install(model: Any) -> list[Any]:
-    """Route each repeated block of ``model`` through its class's region.
-
-    Returns the blocks routed; a block refused is named in one warning.
-    Undone by :func:`uninstall` and by deactivation (``compiled/plan``).
-    """
+    """Route each repeated block of ``model`` through its class's region; returns the
+    blocks routed (those refused are named in one warning)."""
     routed, refused = [], []
     for by_class in _COMPILED.values():
         for compiled in by_class.values():
@@ -204,13 +183,9 @@ def _region_call(
 
 
 def _tangents_ready(result: Any) -> Any:
-    """A region's outputs, each given a DTensor gradient where it gets none.
-
-    A block that returns more than its hidden states (Gemma4's KV cache, in
-    training too) leaves the rest without a gradient, and its graph's
-    backward refused the plain zeros autograd filled them with (torch 2.13);
-    the whole step then ran eagerly. One output passes as is.
-    """
+    """A region's outputs, each given a DTensor gradient where it gets none: a block
+    returning more than its hidden states (Gemma4's KV cache) left the rest with plain
+    zeros, which its backward graph refused (torch 2.13)."""
     leaves, spec = pytree.tree_flatten(result)
     if sum(isinstance(v, DTensor) and v.requires_grad for v in leaves) < 2:
         return result
@@ -251,5 +226,5 @@ def _with_f(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def forget() -> None:
-    """Drop the compiled regions and their failures (on deactivation)."""
+    """Drop the compiled regions (deactivation)."""
     _COMPILED.clear()

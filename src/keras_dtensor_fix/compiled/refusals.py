@@ -1,10 +1,6 @@
-"""What a compiled ModelParallel step refuses up front (the step runs eagerly).
-
-Layers torch 2.13 cannot compile over DTensors: Keras's generic RNN loop and
-seeded random layers. The ``compile`` family asks before it builds a step.
-Also whether a model trains with Keras's own ``train_step``, which blocks
-mode's regions after the blocks rely on.
-"""
+"""What a compiled ModelParallel step refuses up front (it then runs eagerly), and
+whether
+a model trains with Keras's own ``train_step``."""
 
 from __future__ import annotations
 
@@ -23,16 +19,9 @@ def keras_train_step(model) -> bool:
 def recurrent_layers(model) -> list[str]:
     """Recurrent layers of ``model`` that run Keras's generic RNN loop.
 
-    LSTM and GRU on their backend path (``use_cudnn`` "auto" or True, no
-    recurrent dropout, GRU's ``reset_after``, no mask) compile, their sharded
-    weights gathered once per call (the ``rnn`` family). The generic loop (any
-    other RNN, those options, or a mask, which Keras's torch LSTM and GRU hand
-    to the generic loop) does not compile under ModelParallel: torch 2.13 fails on
-    the graph it leaves before its first graph break, after tracing for as
-    long as a whole step takes to compile. A mask is seen where the model's
-    graph shows it (functional and Sequential models); a subclassed model's
-    masked LSTM still fails to compile and then runs eagerly.
-    """
+    LSTM and GRU on their backend path (``use_cudnn`` "auto" or True, no recurrent
+    dropout, ``reset_after``, no mask) compile; the generic loop fails under
+    ModelParallel (torch 2.13) after tracing as long as a whole step."""
     rnn = targets.keras_object("RNN")
     fast = (targets.keras_object("LSTM"), targets.keras_object("GRU"))
     found = []
@@ -52,8 +41,7 @@ def recurrent_layers(model) -> list[str]:
 
 
 def _receives_mask(layer) -> bool:
-    """Whether the model's graph feeds ``layer`` a Keras mask (``Masking``,
-    ``Embedding(mask_zero=True)`` before it)."""
+    """Whether the model's graph feeds ``layer`` a Keras mask."""
     for node in getattr(layer, "_inbound_nodes", None) or ():
         for tensor in getattr(node, "input_tensors", None) or ():
             if getattr(tensor, "_keras_mask", None) is not None:

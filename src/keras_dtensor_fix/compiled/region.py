@@ -1,15 +1,11 @@
 """One compiled piece of a step: what every function the plugin compiles shares.
 
-A block's call, the layers after the last block with the loss, the
-optimizer's update per block and generation's token step each run through a
-:class:`Region`: ``torch.compile`` with static shapes (DTensor's sharding
-propagation fails on symbolic sizes: torch 2.13, pytorch/pytorch#152963), the
-process-keyed cache tag (:mod:`.cache_key`), views recomputed in the backward,
-dynamo's guards skipped once its calls settle (:class:`.steady.Steady`), a
-code object of its own (dynamo keeps cache entries and the recompile limit per
-code object), and, where torch.compile fails (:mod:`.failure`), one warning and
-the eager code from then on. :func:`eligible` is when a region may run at all.
-"""
+A block, the tail, the update per block and generation's token step each run through a
+:class:`Region`: ``torch.compile`` with static shapes (DTensor fails on symbolic sizes:
+torch 2.13, pytorch/pytorch#152963), the per-process cache tag (:mod:`.cache_key`),
+views recomputed in the backward, guards skipped once settled (:class:`.steady.Steady`),
+a code object of its own (dynamo counts cache entries per code object) and, where
+torch.compile fails (:mod:`.failure`), one warning and the eager code from then on."""
 
 from __future__ import annotations
 
@@ -41,8 +37,9 @@ SCOPELESS: list[bool] = []
 
 @contextlib.contextmanager
 def scopeless() -> Iterator[None]:
-    """Inside: no Keras name scope is open, and sublayers open none (each
-    sublayer's path would be a guard, a graph per block instance)."""
+    """Inside: no Keras name scope open, and sublayers open none (a sublayer's path
+    would
+    be a guard: a graph per block instance)."""
     stack = targets.keras_object("global_state").get_global_attribute(
         "name_scope_stack"
     )
@@ -66,9 +63,9 @@ def name_scope(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
 
 
 def eligible() -> bool:
-    """Whether a region may run now: training (grad mode on), not inside
-    dynamo's trace, under ModelParallel, outside Keras's symbolic and
-    stateless calls; else the code runs as it is."""
+    """Whether a region may run now: grad mode on, not traced, under ModelParallel,
+    outside
+    Keras's symbolic and stateless calls."""
     return (
         torch.is_grad_enabled()
         and not state.compiling()
@@ -79,8 +76,7 @@ def eligible() -> bool:
 
 
 def renamed(function: Callable[..., Any], qualname: str) -> Any:
-    """``function`` with a code object of its own named ``qualname``: dynamo
-    keeps its cache entries (and counts its recompile limit) per code object."""
+    """``function`` with a code object of its own named ``qualname``."""
     name = qualname.rsplit(".", 1)[-1]
     code = function.__code__.replace(co_qualname=qualname, co_name=name)
     named = types.FunctionType(
@@ -98,8 +94,7 @@ def compile_static(
     fixed: int = 0,
     dynamic: bool | None = False,
 ) -> Steady:
-    """``traced`` compiled as a region (the module), its guards skipped once
-    settled (``interleaved``, ``fixed``: see :class:`.steady.Steady`)."""
+    """``traced`` compiled as a region, its guards skipped once settled."""
     plain = torch.compile(traced, dynamic=dynamic)
     # The two settings matter only where dynamo compiles: settled calls,
     # which cannot, skip setting them around each call.
@@ -116,15 +111,10 @@ def compile_static(
 def _views_recomputed(compiled: Callable[..., Any]) -> Callable[..., Any]:
     """``compiled`` partitioned with views recomputed in the backward.
 
-    A region is a forward and a backward graph, so AOT autograd chooses what
-    the forward saves. Saving a view (a Dense's input seen transposed for its
-    weight's gradient) hides its base: the partitioner then saves relu's
-    boolean mask beside it rather than recompute the mask from the base it
-    keeps anyway, and inductor's CPU code stores and loads boolean masks 16
-    lanes at a time through a slow path (torch 2.13: about 10 ns an element,
-    twenty times relu itself). A whole step traces one graph and never meets
-    this. Only the plugin's regions get the setting, not a user's compile.
-    """
+    Saving a view (a Dense input seen transposed) hides its base, so the partitioner
+    saved relu's boolean mask beside it, which inductor's CPU code stores through a slow
+    path (torch 2.13: twenty times relu itself). Only the plugin's regions get the
+    setting."""
     try:
         patch = torch._functorch.config.patch(recompute_views=True)
     except (AttributeError, TypeError):  # another torch: as it partitions
@@ -133,11 +123,8 @@ def _views_recomputed(compiled: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class Region:
-    """``function`` compiled as a region under the distribution of its first call.
-
-    ``what`` names it in the one warning a compile failure gives, ``then``
-    says what runs from then on. ``interleaved``, ``fixed``: :class:`.steady.Steady`.
-    """
+    """``function`` compiled under the distribution of its first call; ``what`` and
+    ``then`` word the one warning a compile failure gives."""
 
     def __init__(
         self,
@@ -159,7 +146,6 @@ class Region:
         self.failed = False
 
     def compiled(self) -> Steady:
-        """The compiled function (made at the first call)."""
         if self._compiled is None:
             self._compiled = compile_static(
                 self._traced, state.model_parallel(), **self._options

@@ -1,32 +1,17 @@
 """A compiled function called in a loop, its dynamo guards skipped once settled.
 
-Every call of a ``torch.compile``'d function first evaluates dynamo's guards
-on what the trace read: for a keras-hub model's one-token call that is every
-layer attribute and weight on the way, a visible share of each new token's
-time (figures: ``benchmarks/README.md``). Inside one ``generate()`` the
-sampler's loop calls the same function on the same model with arguments of
-the same kind at every position; nothing the guards check changes from one
-token to the next.
+Each call of a compiled function evaluates dynamo's guards on everything its trace read:
+for a one-token call every layer attribute and weight. In a loop nothing they check
+changes. :class:`Steady` runs calls with guards until one with the same
+:func:`signature` as the call before (each tensor's metadata, other arguments' identity,
+grad mode) converted no frame; from then on calls with that signature run under
+``skip_guard_eval_unsafe``, which checks only the guards that tell cache entries apart.
+Another signature must settle again.
 
-:class:`Steady` wraps the compiled function for one such loop. Its calls run
-with guards until a call with the same argument signature as the call before
-it (:func:`signature`: each tensor's type, shape, strides, dtype, device and
-``requires_grad``, each other argument's identity, keyword arguments by
-name, and grad mode) ran without dynamo converting a frame (a guard that
-failed would have: a new graph, or a frame marked to run eagerly). From
-then on calls with that signature run under torch's
-``skip_guard_eval_unsafe`` stance, which
-evaluates only the guards that tell the function's cache entries apart.
-A call with another signature runs with guards again and must settle again.
-
-``interleaved=True`` serves calls that take turns (each repeated block of a
-training step, called with itself as an argument): a signature settles once
-a later guarded call with it converted no frame, whatever came between, and
-several signatures stay settled at once.
-Not used where the function's code has reached dynamo's recompile limit
-(its misses would run eagerly, unseen), nor where the stance is not the
-default (a user's ``force_eager``, say) or is set inside a compiled region.
-"""
+``interleaved=True`` serves calls that take turns (each block of a step): a signature
+settles once a later guarded call with it converted no frame, and several stay settled.
+Not used at dynamo's recompile limit (misses would run eagerly, unseen), nor under a
+stance other than the default."""
 
 from __future__ import annotations
 
@@ -72,7 +57,7 @@ def _meta(value: Any) -> Any:
 
 
 def signature(args: tuple, kwargs: dict | None = None) -> tuple:
-    """What a call's guards depend on from its arguments (see the module)."""
+    """What a call's guards depend on from its arguments."""
     named = tuple((name, _meta(value)) for name, value in (kwargs or {}).items())
     return (torch.is_grad_enabled(), tuple(_meta(arg) for arg in args), named)
 
@@ -91,7 +76,7 @@ def _below_recompile_limit(code: CodeType | None) -> bool:
 
 
 def _unguarded() -> Any:
-    """torch's stance as it is, with guard evaluation skipped; or None."""
+    """torch's stance with guard evaluation skipped, or None."""
     try:
         current = torch._dynamo.eval_frame._stance
         if current.stance != "default" or current.skip_guard_eval_unsafe:
@@ -105,7 +90,9 @@ def _unguarded() -> Any:
 
 
 class Steady:
-    """``compiled`` (a ``torch.compile`` of ``code``'s function) for one loop."""
+    """``compiled`` (a ``torch.compile`` of ``code``'s function) for one loop;
+    ``settled_call`` runs settled calls (without wrappers only compiling needs),
+    ``fixed`` leading arguments are the same objects at every call."""
 
     #: Signatures remembered at most (``interleaved``); more start afresh.
     LIMIT = 256

@@ -1,13 +1,8 @@
 """Whether a model's optimizers counted a step: may a failed step run again?
 
-A compiled step that fails inside torch's runner of its graph (a backward
-whose tangent's DTensor metadata torch 2.13 guessed wrong: pytorch/pytorch#143134)
-can run again eagerly
-only where no optimizer applied an update in it: the eager retry would apply
-that update twice. What the failed attempt did change before it failed, its
-random draws (the seed generators' states) and metric updates, is put back
-first (:func:`kept`, :func:`rewind`): the retry draws what one process draws.
-"""
+A compiled step failing inside torch's runner of its graph (pytorch/pytorch#143134) runs
+again eagerly only where no optimizer updated in it. Its random draws and metric updates
+are put back first (:func:`kept`, :func:`rewind`)."""
 
 from __future__ import annotations
 
@@ -22,12 +17,8 @@ _SEEDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def marks(model: Any) -> Marks:
-    """Each optimizer the model holds, with a copy of its step count.
-
-    ``compile()``'s optimizer and any other attribute with ``iterations``
-    (a custom ``train_step``'s, a GAN's two). The copies stay on the device:
-    nothing synchronises unless a step fails.
-    """
+    """Each optimizer the model holds (any attribute with ``iterations``) with a copy of
+    its step count, kept on the device."""
     found = []
     seen: set[int] = set()
     for value in vars(model).values():
@@ -51,7 +42,7 @@ def none_since(taken: Marks) -> bool:
 
 
 def _state_variables(model: Any) -> list[Any]:
-    """Seed generator states and metric variables (built at the first step)."""
+    """Seed generator states and metric variables."""
     seeds = _SEEDS.get(model)
     if seeds is None:
         seeds = [v for v in model.variables if "seed_generator" in v.path]
@@ -73,7 +64,7 @@ def kept(model: Any) -> Marks:
 
 
 def rewind(taken: Marks) -> None:
-    """Put back what :func:`kept` copied (a failed step's draws and metrics)."""
+    """Put back what :func:`kept` copied."""
     with torch.no_grad():
         for variable, before in taken:
             _local(variable).copy_(before)

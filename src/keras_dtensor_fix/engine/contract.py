@@ -1,11 +1,6 @@
-"""The family contract: what an implementation module exports and asks for.
-
-A family's implementation (``patches/<name>.py``) ends with
-``IMPLEMENTATION = Implementation(patches, ...)``; ``patches(module)`` returns
-:class:`Patch` records. Families import both from here, never from the
-engine that loads them. Standard library only: the engine imports it at
-interpreter start.
-"""
+"""The family contract: ``IMPLEMENTATION = Implementation(patches, ...)`` ends each
+``patches/<name>.py``; families import it from here, never the engine. Standard library
+only."""
 
 from __future__ import annotations
 
@@ -46,14 +41,11 @@ class Patch:
 
 @dataclass(frozen=True)
 class Implementation:
-    """What a family's implementation module exports as ``IMPLEMENTATION``.
+    """What a family exports as ``IMPLEMENTATION``.
 
-    ``patches(module)`` lists the patches for one imported target module
-    (raising :class:`LookupError` means "this Keras has no such target": a
-    one-line warning and a status row). ``after_apply`` runs once per target
-    module after its patches, ``after_revert`` on deactivation once for each
-    ``after_apply`` that ran, and ``notes`` says what the family found about
-    this Keras build (``status``).
+    ``patches(module)`` lists one target module's patches (``LookupError``: not in this
+    Keras, a warning and a status row); ``after_apply`` runs once per module after them,
+    ``after_revert`` on deactivation once per ``after_apply``, ``notes`` for ``status``.
     """
 
     patches: Callable[[types.ModuleType], Iterable[Patch]]

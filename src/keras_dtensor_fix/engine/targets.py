@@ -1,12 +1,6 @@
-"""Every Keras name the plugin knows: modules, aliases, objects, capabilities.
-
-The one owner of ``keras.src`` paths: patch families ask for modules by kind
-(:data:`MODULES`), for the modules that re-bind a kind's functions by name
-(:data:`ALIASES`) and for Keras classes by name (:func:`keras_object`). A new
-nightly layout is a change here plus a row in the README's compatibility
-table. Nothing here imports Keras or torch at module level; module lookups walk
-the import system's path finders without executing any module.
-"""
+"""Every Keras name the plugin knows: modules by kind, aliases, objects, capabilities.
+The one owner of ``keras.src`` paths; nothing here imports Keras or torch at import, and
+module lookups execute no module."""
 
 from __future__ import annotations
 
@@ -58,11 +52,7 @@ OPTIMIZERS: tuple[str, ...] = (
 
 
 def torch_module(kind: str) -> tuple[str, ...]:
-    """Candidate module names for a torch backend op module, newest layout first.
-
-    ``torch_module("numpy")`` gives ``("keras.src.backend.torch.ops.numpy",
-    "keras.src.backend.torch.numpy")``.
-    """
+    """Candidate module names for a torch backend op module, newest layout first."""
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
     return tuple(f"{package}.{kind}" for package in LAYOUTS.values())
@@ -222,11 +212,8 @@ _FOUND: dict[str, Any] = {}
 
 
 def keras_object(name: str) -> Any:
-    """A Keras object of :data:`OBJECTS` (imports its module on first use).
-
-    A plain dict cache, not ``functools.cache``: wrappers that run inside a
-    compiled step call this, and dynamo traces a dict lookup but not an import.
-    """
+    """A Keras object of :data:`OBJECTS`, its module imported on first use; a plain dict
+    cache, which dynamo traces (a compiled step calls this)."""
     found = _FOUND.get(name)
     if found is None:
         modules, attribute = OBJECTS[name]
@@ -280,10 +267,8 @@ def torch_compiles_dtensor_grad() -> bool:
 
 
 def convert_to_numpy_gathers(function: Any) -> bool:
-    """Whether Keras's ``convert_to_numpy`` returns a DTensor's full value.
-
-    Nightlies before 2026-10-27 return ``to_local()``: each process's shard.
-    """
+    """Whether Keras's ``convert_to_numpy`` returns a DTensor's full value (not before
+    2026-10-27)."""
     import inspect
 
     try:
@@ -299,11 +284,7 @@ def initializing(module: object) -> bool:
 
 
 def find_spec(name: str) -> ModuleSpec | None:
-    """The spec of module ``name``, or ``None``; never executes a module.
-
-    Unlike :func:`importlib.util.find_spec` this does not import parent
-    packages: a parent that is not imported yet is searched on disk.
-    """
+    """The spec of module ``name``, or None, without importing parent packages."""
     module = sys.modules.get(name)
     if module is not None:
         return getattr(module, "__spec__", None)
@@ -400,10 +381,8 @@ def _source_value(path: str, name: str) -> str | None:
 
 
 def distribution_support() -> bool | None:
-    """Whether this Keras build has torch distribution support.
-
-    ``None`` when it cannot be told without importing Keras modules.
-    """
+    """Whether this Keras build has torch distribution support (None: cannot tell
+    without importing Keras)."""
     module = sys.modules.get(DISTRIBUTION_LIB)
     if module is not None and not initializing(module):
         return hasattr(module, "distribute_data_input")

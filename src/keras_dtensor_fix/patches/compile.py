@@ -1,18 +1,10 @@
 """Let ``jit_compile=True`` run torch.compile under ModelParallel.
 
-Upstream (keras-nightly 3.16.0.dev2026102704) refuses it ("Running without
-`torch.compile`"): its promotion mode makes dynamo skip every frame. With the
-mode kept off (``promotion`` family) the step compiles like any other. A model
-with repeated blocks (by default; ``KERAS_DTENSOR_FIX_COMPILE=step`` opts out)
-runs its step eagerly and each repeated block compiles once for all its
-instances (:mod:`keras_dtensor_fix.compiled.blocks`).
-
-The step runs eagerly, warned, where torch cannot compile it (torch < 2.12;
-Keras's generic RNN loop, seeded random layers on 2.13). Static shapes: DTensor
-fails on symbolic shard sizes (torch 2.13; pytorch/pytorch#152963). A step that fails to
-compile before an optimizer update runs the batch again eagerly, warned.
-(Gradient accumulation and EMA overwrites compile: the ``optimizers`` family.)
-"""
+Upstream refuses it: its promotion mode makes dynamo skip every frame; with the mode off
+(``promotion`` family) the step compiles. A model with repeated blocks compiles block by
+block by default (:mod:`..compiled.plan`). The step runs eagerly, warned, where torch
+cannot compile it (torch < 2.12, Keras's generic RNN loop, seeded random layers), and a
+step that fails to compile before an optimizer update runs the batch again eagerly."""
 
 from __future__ import annotations
 
@@ -125,12 +117,9 @@ def _check_layout_rules(model) -> None:
 
 
 def _static_shapes(wrapped, instance, args, kwargs):
-    """Compiled ModelParallel steps trace with static shapes.
-
-    Each graph break (a seeded dropout's generator, say) starts a new frame,
-    and dynamo's "automatic dynamic" then makes the batch size symbolic; DTensor
-    fails on symbolic shard sizes (torch 2.13; pytorch/pytorch#152963).
-    """
+    """Compiled ModelParallel steps trace with static shapes: after a graph break
+    "automatic dynamic" made the batch symbolic, which DTensor fails on (torch 2.13;
+    pytorch/pytorch#152963)."""
     _check_layout_rules(instance)
     _BUILDING.append(wrapped.__name__)
     try:
@@ -160,17 +149,11 @@ def _static_shapes(wrapped, instance, args, kwargs):
 
 
 def _losses_consumed(instance) -> None:
-    """A compiled step clears the ``add_loss`` losses once its loss has read them.
+    """A compiled step clears the ``add_loss`` losses once its loss read them.
 
-    A layer's ``add_loss`` tensor (an MoE router's balancing loss) stays in
-    the layer's ``_losses`` after the loss is computed (keras-nightly
-    3.16.0.dev2026102704), so dynamo (torch 2.13) makes it an
-    output of the forward graph whose ``grad_fn`` ``autograd.grad`` then
-    consumes: a graph break on one process, a failed trace over DTensors; and
-    the next call finds the list non-empty and compiles again. Keras clears
-    the list when the next call starts, so clearing it here changes nothing
-    a step reads. Eager calls are left as they are.
-    """
+    Left in ``_losses`` (an MoE router's loss), dynamo made them a forward output whose
+    ``grad_fn`` ``autograd.grad`` consumes (a failed trace over DTensors), and the next
+    call compiled again. Keras clears them at the next call anyway."""
     compute_loss = instance._compute_loss
     if getattr(compute_loss, "_keras_dtensor_fix_clears", False):
         return
@@ -188,14 +171,8 @@ def _losses_consumed(instance) -> None:
 
 
 def _cache_backend_layouts(model) -> None:
-    """Make each variable's backend layout now, before the step is traced.
-
-    Keras (3.16.0.dev2026102704) makes a replicated variable's backend layout
-    (the optimizer's iteration count, a metric's total) on its first
-    assignment and caches it on the layout: made inside the traced step, it
-    fails the guard that it is absent at the next call, and every model
-    compiled twice.
-    """
+    """Make each variable's backend layout now: made on the first assignment inside the
+    traced step, it failed a guard at the next call (every model compiled twice)."""
     optimizer = getattr(model, "optimizer", None)
     variables = [*model.variables, *getattr(model, "metrics_variables", [])]
     variables += list(getattr(optimizer, "variables", None) or [])
@@ -208,15 +185,10 @@ def _cache_backend_layouts(model) -> None:
 def _eager_if_compile_fails(function, instance, make: str):
     """``function``, or the eager step once torch.compile fails on it.
 
-    Upstream runs every ModelParallel step eagerly, so a model it trains must
-    not fail here because torch cannot compile its graph: the step is rebuilt
-    without torch.compile (warned) and the batch runs again. The failure comes
-    while the step is traced, before its graph runs, or inside torch's runner
-    of a compiled graph: on the first batch (a graph ahead of a graph break,
-    before the gradients and the optimizer's update) or, on a later one,
-    where no optimizer counted a step yet (a custom step's backward); after
-    an update it raises, naming ``jit_compile=False``.
-    """
+    Upstream trains every ModelParallel model eagerly, so a compile failure rebuilds the
+    step without torch.compile (warned) and runs the batch again; a failure inside a
+    compiled graph's runner after an optimizer counted a step raises, naming
+    ``jit_compile=False``."""
     import functools
 
     ran = []
@@ -317,12 +289,8 @@ def _build_eagerly(instance, make: str):
 
 
 def _eager_on_early_nightly(wrapped, instance, args, kwargs):
-    """Early nightlies cannot compile a ModelParallel step: build it eagerly.
-
-    Their trainers meet DTensor tangents that torch.compile guessed wrong
-    (``loss.backward()`` inside the graph) or nest ``with`` blocks dynamo 2.13
-    cannot inline; the step fails. Keras is told ``jit_compile=False`` while
-    it builds the step function.
+    """Early nightlies cannot compile a ModelParallel step (wrong DTensor tangents,
+    ``with`` blocks dynamo cannot inline): Keras builds it with ``jit_compile=False``.
     """
     _check_layout_rules(instance)
     if not (instance.jit_compile and model_parallel() is not None):
