@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from keras_dtensor_fix.compiled import region
+from keras_dtensor_fix.compiled import refusals, region
 from keras_dtensor_fix.dtensor import (
     DTensor,
     reducing_gradient,
@@ -38,7 +38,7 @@ from keras_dtensor_fix.dtensor import (
     zero_gradients_if_unused,
 )
 from keras_dtensor_fix.engine import state, targets
-from keras_dtensor_fix.ops.values import flatten_call, output_laid_out
+from keras_dtensor_fix.ops.values import flatten_call
 
 #: Distribution -> (block class, the user's cache key tag, :data:`IN_GRAPH_F`)
 #: -> the class's region (:func:`_region`), shared by every instance.
@@ -77,15 +77,7 @@ def refusal(block: Any) -> str | None:
         return "it is rematerialized"
     if getattr(block, "quantization_mode", None) is not None:
         return "it is quantized"
-    distribution = targets.keras_object("distribution")()
-    if distribution is not None and distribution.get_tensor_layout("/output"):
-        return "the LayoutMap lays out the path '/output'"
-    for layer in block._flatten_layers(include_self=False, recursive=True):
-        if output_laid_out(layer):
-            return f"the LayoutMap lays out {layer.path}/output"
-        if getattr(layer, "activity_regularizer", None) is not None:
-            return f"{layer.name} has an activity regularizer"
-    return None
+    return refusals.layers(block._flatten_layers(include_self=False, recursive=True))
 
 
 def choose(model: Any, mode: str) -> tuple[str, str]:

@@ -13,8 +13,7 @@ _COMPILED_RUNTIME = ("torch/_functorch/_aot_autograd/", "torch/_inductor/")
 
 def compile_failure(error: BaseException) -> bool:
     """Whether ``error`` is dynamo's or inductor's own; an error of the code itself,
-    when
-    traced, raises again at the eager retry."""
+    when traced, raises again at the eager retry."""
     import torch._dynamo.exc as exc
 
     if isinstance(error, exc.TorchDynamoException):

@@ -38,8 +38,7 @@ SCOPELESS: list[bool] = []
 @contextlib.contextmanager
 def scopeless() -> Iterator[None]:
     """Inside: no Keras name scope open, and sublayers open none (a sublayer's path
-    would
-    be a guard: a graph per block instance)."""
+    would be a guard: a graph per block instance)."""
     stack = targets.keras_object("global_state").get_global_attribute(
         "name_scope_stack"
     )
@@ -64,8 +63,7 @@ def name_scope(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
 
 def eligible() -> bool:
     """Whether a region may run now: grad mode on, not traced, under ModelParallel,
-    outside
-    Keras's symbolic and stateless calls."""
+    outside Keras's symbolic and stateless calls."""
     return (
         torch.is_grad_enabled()
         and not state.compiling()

@@ -35,7 +35,6 @@ from keras_dtensor_fix.dtensor import (
     zero_gradients_if_unused,
 )
 from keras_dtensor_fix.engine import state, targets
-from keras_dtensor_fix.ops.values import output_laid_out
 
 #: The instance attributes this module sets (undone by :func:`uninstall`).
 _ATTRIBUTES = ("_run_through_graph", "_compute_loss", "compute_metrics")
@@ -106,8 +105,7 @@ def refusal(model: Any) -> str | None:
 
 def plan(model: Any, routed: list[Any]) -> _Plan | str:
     """Split ``model``'s graph after its last node holding a routed block; the plan, or
-    why
-    there is none."""
+    why there is none."""
     reason = refusal(model)
     if reason is not None:
         return reason
@@ -122,7 +120,12 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
     if last == len(nodes) - 1:
         return "no layer follows its last block"
     front, tail = nodes[: last + 1], nodes[last + 1 :]
-    reason = _nodes_refusal(tail)
+    reason = refusals.layers(
+        layer
+        for node in tail
+        if hasattr(node.operation, "_flatten_layers")
+        for layer in node.operation._flatten_layers(include_self=True, recursive=True)
+    )
     if reason is not None:
         return reason
     boundary = _boundary(tail, model.outputs)
@@ -280,8 +283,7 @@ def _tail(
     metrics: bool,
 ):
     """The region: the tail's nodes, the loss and, where ``metrics``, the compiled
-    metrics'
-    update."""
+    metrics' update."""
     # Megatron's "f" of each input as the graph's first op (as a block's).
     boundary = [reducing_input(value) for value in boundary]
     values = {id(ref): v for ref, v in zip(found.boundary, boundary, strict=True)}
@@ -358,20 +360,3 @@ def _boundary(nodes: list[Any], outputs: list[Any]) -> list[Any]:
             skip.add(id(ref))
             found.append(ref)
     return found
-
-
-def _nodes_refusal(nodes: list[Any]) -> str | None:
-    """Why the region cannot hold ``nodes`` (an output layout, an activity regularizer),
-    or
-    None."""
-    distribution = targets.keras_object("distribution")()
-    for node in nodes:
-        layers = getattr(node.operation, "_flatten_layers", None)
-        for layer in layers(include_self=True, recursive=True) if layers else ():
-            if output_laid_out(layer):
-                return f"the LayoutMap lays out {layer.path}/output"
-            if getattr(layer, "activity_regularizer", None) is not None:
-                return f"{layer.name} has an activity regularizer"
-    if distribution is not None and distribution.get_tensor_layout("/output"):
-        return "the LayoutMap lays out the path '/output'"
-    return None

@@ -81,10 +81,7 @@ def groupable(optimizer: Any) -> str | None:
     update = _update_function(optimizer)
     if update is None or not targets.per_variable_update(update):
         return f"{type(optimizer).__name__}'s update is not per variable"
-    if getattr(optimizer, "gradient_accumulation_steps", None) or (
-        getattr(optimizer, "use_ema", False)
-        and getattr(optimizer, "ema_overwrite_frequency", None)
-    ):
+    if shardwise.selects_branches(optimizer):
         return "its update selects branches"
     return None
 
@@ -138,8 +135,7 @@ class _Entry:
 
 def _group_step(update, proxy, stands, rows, grads, values, slots, learning_rate):
     """The region: the stand-ins take the group's tensors, then the class's update runs
-    on
-    them."""
+    on them."""
     for stand, value in zip(stands, values, strict=True):
         stand.value = value
     for row, row_values in zip(rows, slots, strict=True):
@@ -251,9 +247,8 @@ def _raw(variable: Any) -> Any:
 
 def _slot_rows(optimizer: Any, variables: list) -> dict[str, list[Any]] | None:
     """The optimizer's slot lists (one variable per trainable one), cut to
-    ``variables``'
-    order; None where a variable is not the optimizer's or another list of that length
-    holds anything else."""
+    ``variables``' order; None where a variable is not the optimizer's or another list
+    of that length holds anything else."""
     indices = getattr(optimizer, "_trainable_variables_indices", None)
     trainable = getattr(optimizer, "_trainable_variables", None)
     if not isinstance(indices, dict) or not isinstance(trainable, list):

@@ -62,3 +62,15 @@ def update(
     with local_tensors(list(variables) + list(optimizer.variables)):
         grads, learning_rate = [_local(g) for g in grads], _local(learning_rate)
         return (runner or step)(grads, variables, learning_rate)
+
+
+def selects_branches(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s update branches through ``ops.cond`` (gradient
+    accumulation, EMA overwrites)."""
+    return bool(
+        getattr(optimizer, "gradient_accumulation_steps", None)
+        or (
+            getattr(optimizer, "use_ema", False)
+            and getattr(optimizer, "ema_overwrite_frequency", None)
+        )
+    )

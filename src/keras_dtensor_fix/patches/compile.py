@@ -8,8 +8,10 @@ step that fails to compile before an optimizer update runs the batch again eager
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
+import warnings
 
 from keras_dtensor_fix.checks import layout_rules
 from keras_dtensor_fix.compiled import (
@@ -35,40 +37,11 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
     if not instance.jit_compile or instance.run_eagerly:
         plan.uninstall(instance)
         return False
-    import warnings
-
-    if not targets.torch_compiles_dtensor_grad():
-        import torch
-
+    refused = refusals.step(instance)
+    if refused is not None:
         warnings.warn(
             "keras-dtensor-fix: jit_compile=True is not used for this "
-            f"ModelParallel model: torch {torch.__version__} cannot compile its "
-            "gradient (before torch 2.12 dynamo cannot trace torch.autograd.grad "
-            "over DTensors). The model runs eagerly. Install torch>=2.12 to "
-            "compile it.",
-            stacklevel=2,
-        )
-        return False
-    recurrent = refusals.recurrent_layers(instance)
-    if recurrent:
-        warnings.warn(
-            "keras-dtensor-fix: jit_compile=True is not used for this "
-            f"ModelParallel model: its recurrent layers ({', '.join(recurrent)}) "
-            "run Keras's generic RNN loop, which torch "
-            f"{targets.torch_version()} cannot compile over DTensors. The model runs "
-            "eagerly. LSTM and GRU with their defaults (use_cudnn='auto', no "
-            "recurrent_dropout) and no mask compile.",
-            stacklevel=2,
-        )
-        return False
-    seeded = refusals.seeded_random_layers(instance)
-    if seeded:
-        warnings.warn(
-            "keras-dtensor-fix: jit_compile=True is not used for this "
-            f"ModelParallel model: its seeded random layers ({', '.join(seeded)}) "
-            "draw with a torch.Generator, a graph break, and with torch "
-            "2.13 DTensor gradients across a graph break are wrong. The model "
-            "runs eagerly. To compile it, give those layers seed=None.",
+            f"ModelParallel model: {refused}",
             stacklevel=2,
         )
         return False
@@ -189,8 +162,6 @@ def _eager_if_compile_fails(function, instance, make: str):
     step without torch.compile (warned) and runs the batch again; a failure inside a
     compiled graph's runner after an optimizer counted a step raises, naming
     ``jit_compile=False``."""
-    import functools
-
     ran = []
     told: set[str] = set()
 
@@ -213,8 +184,6 @@ def _eager_if_compile_fails(function, instance, make: str):
                 ) from error
             if not (failure.compile_failure(error) or graph_failed):
                 raise
-            import warnings
-
             warnings.warn(
                 "keras-dtensor-fix: torch.compile failed on this ModelParallel "
                 f"step ({failure.cause(error)}); it runs eagerly from "
@@ -227,8 +196,6 @@ def _eager_if_compile_fails(function, instance, make: str):
         if watch:
             message = break_report(before, dynamo_counts(), len(ran))
             if message is not None and message[:60] not in told:
-                import warnings
-
                 told.add(message[:60])
                 warnings.warn(message, stacklevel=2)
         ran.append(True)
@@ -295,8 +262,6 @@ def _eager_on_early_nightly(wrapped, instance, args, kwargs):
     _check_layout_rules(instance)
     if not (instance.jit_compile and model_parallel() is not None):
         return wrapped(*args, **kwargs)
-    import warnings
-
     warnings.warn(
         "keras-dtensor-fix: this keras-nightly's trainer cannot compile a "
         "ModelParallel step; running without torch.compile. "

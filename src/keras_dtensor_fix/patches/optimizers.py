@@ -55,16 +55,9 @@ def _increment_accumulators(wrapped, instance, args, kwargs):
 _SELECTING: list[list[Any]] = []
 
 
-def _branching(optimizer: Any) -> bool:
-    return bool(
-        optimizer.gradient_accumulation_steps
-        or (optimizer.use_ema and optimizer.ema_overwrite_frequency)
-    )
-
-
 def _apply_gradients(wrapped, instance, args, kwargs):
     """Compiled and sharded, let :func:`_cond` select the step's branches."""
-    if not compiling() or not _branching(instance):
+    if not compiling() or not shardwise.selects_branches(instance):
         return wrapped(*args, **kwargs)
     trainable = list(args[1] if len(args) > 1 else kwargs["trainable_variables"])
     written = [*trainable, *instance._trainable_variables, *instance.variables]
