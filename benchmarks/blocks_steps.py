@@ -13,8 +13,6 @@ train function once, then runs ``--rounds`` rounds of one epoch each
             block its class's compiled graph, guards skipped once settled
   guarded   blocks with every call evaluating dynamo's guards (blocks mode
             before its calls skipped them)
-  eager-f   blocks with Megatron's "f" of each block's inputs made eagerly
-            before its graph (blocks mode before it moved into the graph)
   no-tail   blocks with the layers after the last block and the loss eager
             (blocks mode before they became one compiled region)
   no-opt    blocks with the optimizer's update eager (blocks mode before it
@@ -53,11 +51,10 @@ from pathlib import Path
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 HERE = Path(__file__).resolve().parent
-CONFIGS = ("eager", "step", "blocks", "eager-f")
+CONFIGS = ("eager", "step", "blocks")
 BLOCKS = (
     "blocks",
     "guarded",
-    "eager-f",
     "no-tail",
     "no-opt",
     "no-metrics",
@@ -122,7 +119,6 @@ def worker(args: argparse.Namespace) -> None:
 
     def settings(config: str) -> None:
         """The module switches ``config`` runs with, nothing installed yet."""
-        blocks.IN_GRAPH_F = config != "eager-f"
         tail.ENABLED = config != "no-tail"
         tail.METRICS = config != "no-metrics"
         update_groups.ENABLED = config != "no-opt"

@@ -33,14 +33,12 @@ import torch.utils._pytree as pytree
 from keras_dtensor_fix.compiled import refusals, region
 from keras_dtensor_fix.dtensor import (
     DTensor,
-    reducing_gradient,
     reducing_input,
     zero_gradients_if_unused,
 )
 from keras_dtensor_fix.engine import state, targets
-from keras_dtensor_fix.ops.values import flatten_call
 
-#: Distribution -> (block class, the user's cache key tag, :data:`IN_GRAPH_F`)
+#: Distribution -> (block class, the user's cache key tag)
 #: -> the class's region (:func:`_region`), shared by every instance.
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: The attribute marking a block whose ``call`` this module installed.
@@ -161,11 +159,6 @@ def _region_call(
 ) -> Any:
     if region.SCOPELESS or not region.eligible():
         return original(block, *args, **kwargs)
-    if not IN_GRAPH_F:  # the "f" of each DTensor input before the region
-        leaves, _ = flatten_call(args, kwargs)
-        for value in leaves:
-            if isinstance(value, DTensor):
-                reducing_gradient(value)
     compiled = _region(type(block), original)
     with region.scopeless():
         result = compiled(lambda: None, block, *args, **kwargs)
@@ -186,25 +179,18 @@ def _tangents_ready(result: Any) -> Any:
 
 def _region(cls: type, original: Callable[..., Any]) -> region.Region:
     """The class's region under this distribution, shared by its blocks."""
-    key = (cls, torch.compiler.config.cache_key_tag, IN_GRAPH_F)
+    key = (cls, torch.compiler.config.cache_key_tag)
     by_class = _COMPILED.setdefault(state.model_parallel(), {})
     found = by_class.get(key)
     if found is None:
-        # Every block of the class calls it in turn, once forward per step:
-        # each block's guards run until a step of its calls compiles nothing.
         found = by_class[key] = region.Region(
-            _with_f(original) if IN_GRAPH_F else original,
+            _with_f(original),
             cls.__name__,
             qualname=original.__qualname__,
             then="its blocks run eagerly from now on.",
             interleaved=True,
         )
     return found
-
-
-#: Megatron's "f" of a block's DTensor inputs inside its graph (False: made
-#: eagerly before the region, as the mode did first; benchmarks compare).
-IN_GRAPH_F = True
 
 
 def _with_f(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -304,10 +304,6 @@ def _eager_rest(model: Any, found: _Plan, values: dict) -> Any:
     return _pack(model, values)
 
 
-# -- the graph split after the last block, run as ``Function._run_through_graph``
-# runs it
-
-
 def _nodes_of(model: Any) -> list[Any]:
     return [
         node

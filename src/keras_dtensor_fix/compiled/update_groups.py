@@ -196,8 +196,7 @@ class Grouped:
             return
         values = [read(v) for v in group_vars]
         slots = [[read(rows[row][i]) for i in indices] for row in rows]
-        # Alike blocks share an entry; the compiled call's Steady checks every
-        # tensor's metadata (strides, dtypes, grad mode) before skipping guards.
+        # Alike blocks share an entry (Steady checks each tensor's metadata).
         key = (tuple(rows), tuple((v.shape, v.dtype) for v in values))
         entry = self._entries.get(key)
         if entry is None:

@@ -6,9 +6,8 @@ like one rank's shard is refused (:class:`PromotionError`). Modules: ``spec`` (t
 DTensorSpec cache), ``collectives`` (the one all-reduce path, polled on CPU),
 ``placement`` (placement checks, ``redistributed``, ``placed``, Partial reduction),
 ``planner`` (may a computation run on local tensors), ``local`` (``wrap_local``,
-``unwrap_local``, Megatron's "f"), ``promotion``, ``gather`` (op-specific layouts),
-``region`` (a layer on local tensors), ``einsum``, ``megatron`` and ``world`` (rank and
-world size).
+``unwrap_local``, Megatron's "f", a layer on local tensors), ``promotion``, ``gather``
+(op-specific layouts), ``einsum``, ``megatron`` and ``world`` (rank and world size).
 
 :data:`POLL_SECONDS` lives here only: ``collectives.poll_work`` reads it at each call,
 so setting it on the package takes effect at once."""
@@ -34,6 +33,7 @@ from keras_dtensor_fix.dtensor.gather import (
     vocab_parallel_lookup,
 )
 from keras_dtensor_fix.dtensor.local import (
+    local_region,
     reducing_gradient,
     reducing_input,
     replicate,
@@ -69,7 +69,6 @@ from keras_dtensor_fix.dtensor.promotion import (
     set_implicit_replication,
     to_placements,
 )
-from keras_dtensor_fix.dtensor.region import local_region
 from keras_dtensor_fix.dtensor.spec import forget_meshes
 
 __all__ = [

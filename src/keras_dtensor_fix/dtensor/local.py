@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from keras_dtensor_fix.dtensor import planner
 from keras_dtensor_fix.dtensor.collectives import all_reduce_copy
 from keras_dtensor_fix.dtensor.placement import forget_kept, redistributed, views_leaf
 from keras_dtensor_fix.dtensor.spec import (
@@ -226,3 +227,17 @@ class _ZeroIfUnused(torch.autograd.Function):
                 grad = DTensor(zeros, copy_spec(spec), requires_grad=False)
             filled.append(grad)
         return tuple(filled)
+
+
+def local_region(
+    values: Sequence[Any], mixes: frozenset[int] | None
+) -> tuple[Any, tuple, list[Any]] | None:
+    """``(mesh, placements, locals)`` when a layer's computation may run on each
+    rank's local tensors (:func:`.planner.region`; each rank's backward is its
+    piece's), else None."""
+    found = planner.region(values, mixes)
+    if found is None:
+        return None
+    mesh, placements = found
+    local = [unwrap_local(v) if isinstance(v, DTensor) else v for v in values]
+    return mesh, placements, local

@@ -20,22 +20,16 @@ class Patch:
     attribute: str  # dotted path inside module: "add" or "Adam._parallel_update_step"
     wrapper: Callable[[Any, Any, tuple, dict], Any]  # wrapt wrapper
     also_in: tuple[str, ...] = ()  # modules that bound the same object by name
-    # Gated wrappers run only once sharding is on (``state.note_sharding``);
-    # until then wrapt calls the original at C speed.
+    # Runs only once sharding is on (``state.note_sharding``); until then wrapt
+    # calls the original at C speed.
     gated: bool = False
-    # A method whose wrapper torch.compile must run too (see
-    # ``wrappers.traced_method``); a module function's runs in a graph traced
-    # inside a local call too, though the gate is shut there.
+    # torch.compile runs the wrapper too (``wrappers.traced_method``).
     traced: bool = False
-    # A method whose wrapper only eager code needs: installed as a plain
-    # function too, which points dynamo at the original, so a compiled step
-    # traces no frame of the plugin (``wrappers.traced_method``'s ``inline``).
-    # Every method patch not ``traced`` is installed so; the flag says so
-    # where a reader of the family should know.
+    # Eager code alone needs the wrapper (every method patch not ``traced``
+    # is installed so; the flag tells a reader of the family).
     eager_only: bool = False
-    # An attribute the target lacks: ``wrapper`` is installed as the value
-    # itself (not a wrapper of anything) and deactivation deletes it. Where
-    # the target has one of its own, it is left alone.
+    # An attribute the target lacks, ``wrapper`` its value; deleted on
+    # deactivation, left alone where the target has its own.
     added: bool = False
 
 

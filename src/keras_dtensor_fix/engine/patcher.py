@@ -90,9 +90,6 @@ def _row(family: loader.Family, module: str, attr: str, *why: str | Cause) -> No
     _report.record(family.name, module, attr, *why)
 
 
-# -- families ---------------------------------------------------------------
-
-
 def _implementation(family: loader.Family) -> Implementation | None:
     """The family's implementation, imported on first use; None if unusable."""
     if family.implementation is None and family.error is None:
@@ -116,9 +113,6 @@ def register_family(module: types.ModuleType) -> None:
     with _lock:
         if loader.register(family) and _active:
             _hook_family(family)
-
-
-# -- hooks --------------------------------------------------------------------
 
 
 def _enabled(family: loader.Family) -> bool:
@@ -202,9 +196,6 @@ def _preload(family: loader.Family) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - never break the user's import
             _fail(f"family {family.name}: preloading {name} failed")
-
-
-# -- apply / revert -------------------------------------------------------------
 
 
 def _apply_family(family: loader.Family, module: types.ModuleType) -> None:
@@ -328,9 +319,6 @@ def _revert_one(record: wrappers.Applied) -> None:
         _report.record(*row, SKIPPED, Cause.REPLACED, why)
 
 
-# -- public switches --------------------------------------------------------------
-
-
 def activate(
     cfg: _config.Config | None = None,
     *,
@@ -407,9 +395,6 @@ def original(module: str, attribute: str) -> Any:
     with _lock:
         record = _applied.get((module, attribute))
         return None if record is None else record.original
-
-
-# -- what the status report reads -------------------------------------------------
 
 
 def rows() -> list[dict[str, str]]:

@@ -69,8 +69,6 @@ def promotion_modes() -> list[object]:
     ]
 
 
-# -- attributes set on Keras objects ------------------------------------------------
-
 _ABSENT = object()
 _lock = threading.Lock()
 #: id(object) -> (weak or strong reference, {attribute: value before})

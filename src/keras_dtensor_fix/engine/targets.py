@@ -105,17 +105,12 @@ MODULES: dict[str, tuple[str, ...]] = {
     "file_utils": ("keras.src.utils.file_utils",),
     "rnn": (f"{KERAS_TORCH}.rnn",),
     "epoch_iterator": ("keras.src.trainers.epoch_iterator",),
-    # keras-hub's, where a causal LM builds its generate function.
+    # keras-hub's and torch's:
     "causal_lm": ("keras_hub.src.models.causal_lm",),
-    # keras-hub's, the base class of every backbone (the layouts family).
     "hub_backbone": ("keras_hub.src.models.backbone",),
-    # torch's, where every env:// and tcp:// process group makes its store.
     "rendezvous": ("torch.distributed.rendezvous",),
-    # torch's, where torchrun's agent starts its workers (the rendezvous round).
     "elastic_agent": ("torch.distributed.elastic.agent.server.local_elastic_agent",),
-    # torch's, where the compile caches key the numpy functions a step traces.
     "dynamo_utils": ("torch._dynamo.utils",),
-    # torch's, where inductor and AOT autograd pickle a graph's inputs for a key.
     "inductor_codecache": ("torch._inductor.codecache",),
 }
 
@@ -225,9 +220,6 @@ def keras_object(name: str) -> Any:
             module = candidates[-1]
         found = _FOUND[name] = getattr(importlib.import_module(module), attribute)
     return found
-
-
-# -- capabilities of the Keras build and of torch ---------------------------------
 
 
 def trainer_class(module: ModuleType) -> str:
