@@ -70,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(HERE))
     import hub_worker as hub
 
-    from keras_dtensor_fix.compiled import blocks, steady, tail, update_groups
+    from keras_dtensor_fix.compiled import blocks, region, tail, update_groups
 
     torch.set_num_threads(1)
     keras.distribution.initialize()
@@ -89,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
     ids = ids.astype("int32")
     data = ({"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(ids, -1, 1))
     configs = args.configs.split(",")
-    unguarded = steady._unguarded
+    unguarded = region._unguarded
     # As fit() does before it makes its step: the metrics' variables exist
     # (and get their layouts) before any step is traced.
     first = ({k: v[: args.batch] for k, v in data[0].items()}, data[1][: args.batch])
@@ -130,7 +130,7 @@ def worker(args: argparse.Namespace) -> None:
         # leaves none, and its guards say so: each configuration starts as in
         # its own fit().
         model.zero_grad(set_to_none=True)
-        steady._unguarded = (lambda: None) if config == "guarded" else unguarded
+        region._unguarded = (lambda: None) if config == "guarded" else unguarded
         settings(config)
         if config in BLOCKS:
             routed = blocks.install(model)  # guards settle again

@@ -1,6 +1,7 @@
 """The plugin's source files one steady compiled blocks-mode train step enters.
 
-One 2-rank launch (torchrun, gloo, mesh (1, 2)) trains a small GPT decoder
+One 2-rank launch (torchrun, gloo, mesh (1, 2); ``--ranks 1``: one process, mesh
+(1, 1)) trains a small GPT decoder
 of keras-hub ``TransformerDecoder`` blocks (the shape of
 ``tests/multiprocess/cases_hub.tiny_gpt``, Megatron's layout by hand) with
 ``jit_compile=True`` and ``KERAS_DTENSOR_FIX_COMPILE=blocks``, an accuracy
@@ -13,7 +14,7 @@ function alone) and prints them, each with its number of calls.
 after a change).
 
     flock /tmp/kdf-cpu.lock python benchmarks/step_files.py [--layers 4]
-        [--src /work/wt-old/src] [--json out.json]
+        [--ranks 1] [--src ../old/src] [--functions] [--json out.json]
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def worker(args: argparse.Namespace) -> None:
     import keras_dtensor_fix
 
     torch.set_num_threads(1)
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # --ranks 1: no torchrun
     keras.distribution.initialize()
     mesh = keras.distribution.DeviceMesh(
-        (1, 2), ["batch", "model"], keras.distribution.list_devices()
+        (1, ranks), ["batch", "model"], keras.distribution.list_devices()[:ranks]
     )
     layout_map = keras.distribution.LayoutMap(mesh)
     for key, axes in LAYOUT.items():
@@ -70,22 +72,45 @@ def worker(args: argparse.Namespace) -> None:
     tokens = np.random.default_rng(0).integers(1, 64, size=(4 * steps, args.seq))
     tokens = tokens.astype("int32")
     calls: collections.Counter = collections.Counter()
+    functions: collections.Counter = collections.Counter()
     root = str(Path(keras_dtensor_fix.__file__).parent)
+
+    armed: list[bool] = []
 
     def profile(frame, event, arg):
         if event == "call":
             name = frame.f_code.co_filename
             if name.startswith(root):
                 calls[os.path.relpath(name, root)] += 1
+                functions[f"{os.path.relpath(name, root)}:{frame.f_code.co_name}"] += 1
 
     class Watch(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             if batch == args.warmup:
+                armed.append(True)
                 sys.setprofile(profile)
 
         def on_train_batch_end(self, batch, logs=None):
+            armed.clear()
             sys.setprofile(None)
 
+    # dynamo's C frame hook drops the profile function where a compiled function
+    # runs: off while dynamo's hook is on, on again when it comes off.
+    from torch._dynamo import eval_frame
+
+    def rearmed(original):
+        def set_hook(callback, *a, **k):
+            if armed and callback is not None:
+                sys.setprofile(None)  # on inside a compiled call, dynamo recompiles
+            result = original(callback, *a, **k)
+            if armed and callback is None and result is not None:
+                sys.setprofile(profile)
+            return result
+
+        return set_hook
+
+    for name in ("set_eval_frame", "_maybe_set_eval_frame"):
+        setattr(eval_frame, name, rearmed(getattr(eval_frame, name)))
     model.fit(
         tokens,
         np.roll(tokens, -1, axis=1),
@@ -96,7 +121,11 @@ def worker(args: argparse.Namespace) -> None:
         callbacks=[Watch()],
     )
     if int(os.environ.get("RANK", "0")) == 0:
-        result = {"package": root, "files": dict(sorted(calls.items()))}
+        result = {
+            "package": root,
+            "files": dict(sorted(calls.items())),
+            "functions": dict(sorted(functions.items())),
+        }
         Path(args.out).write_text(json.dumps(result))
 
 
@@ -121,13 +150,16 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--seq", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=2, help="1: one process")
     parser.add_argument("--src", help="import the plugin from this src folder")
     parser.add_argument("--json", help="write the result here too")
+    parser.add_argument("--functions", action="store_true", help="name them too")
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
     out = Path(tempfile.mkdtemp()) / "files.json"
+    one = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     env = {
         **os.environ,
         "KERAS_BACKEND": "torch",
@@ -138,9 +170,13 @@ def main() -> None:
         env["PYTHONPATH"] = os.pathsep.join(
             [args.src, *filter(None, [env.get("PYTHONPATH")])]
         )
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    if args.ranks == 1:
+        env.update(one, LOCAL_RANK="0", MASTER_PORT=str(29500 + os.getpid() % 500))
+        launch = [sys.executable]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc_per_node=2", __file__, "--worker", f"--out={out}",
+        *launch, *([f"--nproc_per_node={args.ranks}"] * (args.ranks > 1)),
+        __file__, "--worker", f"--out={out}",
         f"--layers={args.layers}", f"--hidden={args.hidden}",
         f"--seq={args.seq}", f"--warmup={args.warmup}",
     ]  # fmt: skip
@@ -152,6 +188,10 @@ def main() -> None:
     print(f"{result['package']}: {len(files)} files in one steady step")
     for name, count in files.items():
         print(f"  {name}: {count} calls")
+        if args.functions:
+            for where, n in result["functions"].items():
+                if where.startswith(f"{name}:"):
+                    print(f"      {where.split(':', 1)[1]}: {n}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

@@ -16,7 +16,7 @@ exactly four dynamo graphs: the block's ``call``, the tail and two of
 ``Adam.update``, nothing else compiled (the loss-scaled case: three, its
 whole ``LossScaleOptimizer.apply`` one region). Each
 block's calls skip dynamo's guards once a step of them compiled nothing
-(``compiled/steady.Steady``): the GPT decoder's 4 blocks do by its last steps.
+(``compiled/region.Steady``): the GPT decoder's 4 blocks do by its last steps.
 Megatron's "f" of each block's input runs inside the block's graph, and the
 vocabulary-split head's inside the tail's: none is made eagerly (4 in the GPT
 case's 4 steps with the tail eager, ``tail.ENABLED = False``; 20 with the "f"

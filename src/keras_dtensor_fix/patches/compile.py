@@ -8,7 +8,6 @@ step that fails to compile before an optimizer update runs the batch again eager
 
 from __future__ import annotations
 
-import functools
 import sys
 import types
 import warnings
@@ -17,12 +16,11 @@ from keras_dtensor_fix.checks import layout_rules
 from keras_dtensor_fix.compiled import (
     blocks,
     cache_key,
-    failure,
+    fallback,
     frames,
     plan,
     refusals,
     region,
-    updates,
 )
 from keras_dtensor_fix.engine import config, state, targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
@@ -34,6 +32,14 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
     # would skip every frame: Keras's own answer stands.
     if model_parallel() is None or state.promotion_modes():
         return wrapped(*args, **kwargs)
+    compiles = _compiles(instance)
+    if _BUILDING:
+        _BUILDING[-1][1] = compiles
+    return compiles
+
+
+def _compiles(instance) -> bool:
+    """Whether ``instance``'s step compiles whole (blocks mode: installed, False)."""
     if not instance.jit_compile or instance.run_eagerly:
         plan.uninstall(instance)
         return False
@@ -45,7 +51,7 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
             stacklevel=2,
         )
         return False
-    building = _BUILDING[-1] if _BUILDING else None
+    building = _BUILDING[-1][0] if _BUILDING else None
     configured = config.compile_mode()
     mode, why = blocks.choose(instance, configured)
     if mode == "blocks" and configured == "auto" and building in _FORWARD:
@@ -69,8 +75,9 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
     return True
 
 
-#: The ``make_*_function`` running now (innermost last).
-_BUILDING: list[str] = []
+#: The ``make_*_function`` running now (innermost last), and whether its step
+#: compiles whole.
+_BUILDING: list[list] = []
 #: Steps without a backward: compiled whole even where training goes by blocks.
 _FORWARD = ("make_test_function", "make_predict_function")
 
@@ -90,32 +97,34 @@ def _check_layout_rules(model) -> None:
 
 
 def _static_shapes(wrapped, instance, args, kwargs):
-    """Compiled ModelParallel steps trace with static shapes: after a graph break
-    "automatic dynamic" made the batch symbolic, which DTensor fails on (torch 2.13;
-    pytorch/pytorch#152963)."""
+    """A ModelParallel step with ``jit_compile`` runs eagerly where torch.compile
+    fails on it (:mod:`..compiled.fallback`). Compiled whole, it traces with static
+    shapes (after a graph break "automatic dynamic" made the batch symbolic, which
+    DTensor fails on: pytorch/pytorch#152963) under this process's cache key; in
+    blocks mode each region does both itself."""
     _check_layout_rules(instance)
-    _BUILDING.append(wrapped.__name__)
+    _BUILDING.append([wrapped.__name__, False])
     try:
         result = wrapped(*args, **kwargs)
     finally:
-        _BUILDING.pop()
-
+        _, whole = _BUILDING.pop()
     attribute = STEP_FUNCTIONS[wrapped.__name__]
-    function = getattr(instance, attribute, None)
+    step = getattr(instance, attribute, None)
     if (
-        function is not None
+        step is not None
         and model_parallel() is not None
         and instance.jit_compile
-        and not getattr(function, "_keras_dtensor_fix_static", False)
+        and not getattr(step, "_keras_dtensor_fix_static", False)
     ):
-        import torch
+        if whole:
+            import torch
 
-        static = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(function)
-        static = cache_key.keyed(static, model_parallel())
-        static = _eager_if_compile_fails(static, instance, wrapped.__name__)
-        static._keras_dtensor_fix_static = True
-        state.set_attribute(instance, attribute, static)
-        _losses_consumed(instance)
+            step = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(step)
+            step = cache_key.keyed(step, model_parallel())
+            _losses_consumed(instance)
+        step = fallback.eager_if_compile_fails(step, instance, wrapped.__name__)
+        step._keras_dtensor_fix_static = True
+        state.set_attribute(instance, attribute, step)
         frames.skip()
         _cache_backend_layouts(instance)
     return result
@@ -153,106 +162,6 @@ def _cache_backend_layouts(model) -> None:
         layout = getattr(variable, "_layout", None)
         if layout is not None and hasattr(type(layout), "backend_layout"):
             layout.backend_layout  # noqa: B018  (a cached property)
-
-
-def _eager_if_compile_fails(function, instance, make: str):
-    """``function``, or the eager step once torch.compile fails on it.
-
-    Upstream trains every ModelParallel model eagerly, so a compile failure rebuilds the
-    step without torch.compile (warned) and runs the batch again; a failure inside a
-    compiled graph's runner after an optimizer counted a step raises, naming
-    ``jit_compile=False``."""
-    ran = []
-    told: set[str] = set()
-
-    @functools.wraps(function)
-    def step(*args, **kwargs):
-        watch = len(ran) < WATCHED_CALLS
-        before = dynamo_counts() if watch else None
-        marks, kept = updates.marks(instance), updates.kept(instance)
-        try:
-            result = function(*args, **kwargs)
-        except Exception as error:
-            graph_failed = failure.in_compiled_runtime(error)
-            if graph_failed and ran and not updates.none_since(marks):
-                raise RuntimeError(
-                    "keras-dtensor-fix: a compiled ModelParallel step failed "
-                    "inside torch's compiled graph after an optimizer applied "
-                    f"its update ({type(error).__name__}); it cannot run again "
-                    "eagerly. Compile with jit_compile=False to run it as "
-                    "upstream Keras does."
-                ) from error
-            if not (failure.compile_failure(error) or graph_failed):
-                raise
-            warnings.warn(
-                "keras-dtensor-fix: torch.compile failed on this ModelParallel "
-                f"step ({failure.cause(error)}); it runs eagerly from "
-                "now on, as upstream Keras runs it.",
-                stacklevel=2,
-            )
-            eager = _build_eagerly(instance, make)
-            updates.rewind(kept)
-            return eager(*args, **kwargs)
-        if watch:
-            message = break_report(before, dynamo_counts(), len(ran))
-            if message is not None and message[:60] not in told:
-                told.add(message[:60])
-                warnings.warn(message, stacklevel=2)
-        ran.append(True)
-        return result
-
-    return step
-
-
-#: The first calls of a compiled step, whose graph breaks and recompilations
-#: are reported (once each); later calls pay nothing for it.
-WATCHED_CALLS = 3
-
-
-def dynamo_counts() -> tuple[dict[str, int], int]:
-    """dynamo's graph breaks by reason, and its count of graphs compiled."""
-    from torch._dynamo.utils import counters
-
-    return dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
-
-
-def break_report(
-    before: tuple[dict[str, int], int], after: tuple[dict[str, int], int], call: int
-) -> str | None:
-    """What a user should hear about call ``call`` (from 0) of a compiled step."""
-    (breaks, graphs), (breaks_now, graphs_now) = before, after
-    new = {
-        reason: count - breaks.get(reason, 0)
-        for reason, count in breaks_now.items()
-        if count > breaks.get(reason, 0)
-    }
-    parts = []
-    if new:
-        reasons = "; ".join(reason.splitlines()[0][:160] for reason in list(new)[:3])
-        parts.append(f"has {sum(new.values())} graph break(s) ({reasons})")
-    if call > 0 and graphs_now > graphs:
-        parts.append(f"compiled again on call {call + 1} (new shapes or guards)")
-    if not parts:
-        return None
-    return (
-        "keras-dtensor-fix: this compiled ModelParallel step "
-        + " and ".join(parts)
-        + ". Each costs time, and DTensor gradients across a graph break have "
-        "come out wrong with torch 2.13: compare with jit_compile=False. "
-        "TORCH_LOGS=graph_breaks,recompiles shows where."
-    )
-
-
-def _build_eagerly(instance, make: str):
-    """The step function ``make`` builds with ``jit_compile`` off."""
-    attribute = STEP_FUNCTIONS[make]
-    jit_compile = instance._jit_compile
-    instance._jit_compile = False
-    try:
-        getattr(instance, make)(force=True)
-    finally:
-        instance._jit_compile = jit_compile
-    return getattr(instance, attribute)
 
 
 def _eager_on_early_nightly(wrapped, instance, args, kwargs):
