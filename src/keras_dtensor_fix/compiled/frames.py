@@ -21,21 +21,15 @@ HELPERS = (
 _SKIPPED: list[types.CodeType] = []
 
 
-def helper_codes() -> list[types.CodeType]:
-    """The code objects of :data:`HELPERS` that this torch's DTensor has."""
-    from torch.distributed.tensor import DTensor
-
-    functions = [getattr(DTensor, name, None) for name in HELPERS]
-    return [f.__code__ for f in functions if hasattr(f, "__code__")]
-
-
 def skip() -> None:
     """Dynamo runs :data:`HELPERS` without compiling them; set again at each step built
     (``torch._dynamo.reset()`` clears it)."""
     from torch._dynamo.eval_frame import set_code_exec_strategy
     from torch._dynamo.types import FrameAction, FrameExecStrategy
+    from torch.distributed.tensor import DTensor
 
-    for code in helper_codes():
+    functions = [getattr(DTensor, name, None) for name in HELPERS]
+    for code in [f.__code__ for f in functions if hasattr(f, "__code__")]:
         strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
         set_code_exec_strategy(code, strategy)
         if code not in _SKIPPED:

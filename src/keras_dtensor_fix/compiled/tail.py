@@ -113,7 +113,7 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
         targets.keras_object(name)  # imported now: the region's trace cannot
     ids = {id(block) for block in routed}
     nodes = _nodes_of(model)
-    held = _holding(nodes, ids)
+    held = [i for i, node in enumerate(nodes) if _holds(node.operation, ids)]
     if not held:
         return "no layer follows its last block"
     last = held[-1]
@@ -311,10 +311,6 @@ def _nodes_of(model: Any) -> list[Any]:
         for node in model._nodes_by_depth[depth]
         if node.operation is not None and not node.is_input
     ]
-
-
-def _holding(nodes: list[Any], ids: set[int]) -> list[int]:
-    return [i for i, node in enumerate(nodes) if _holds(node.operation, ids)]
 
 
 def _holds(operation: Any, ids: set[int]) -> bool:

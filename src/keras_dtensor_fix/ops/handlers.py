@@ -268,11 +268,6 @@ HANDLERS: tuple[Handler, ...] = (
 )
 
 
-def chain_for(op: Op) -> tuple[Handler, ...]:
-    """The handlers that apply to ``op``, in table order."""
-    return tuple(handler for handler in HANDLERS if handler.applies(op))
-
-
 def handle(chain: tuple[Handler, ...], call: Call) -> Any:
     """Run ``chain`` on one call: the first result wins."""
     args, kwargs = call.args, call.kwargs
@@ -294,7 +289,7 @@ def make_wrapper(op: Op) -> Callable[..., Any]:
     from keras_dtensor_fix.dtensor import DTensor
 
     keras_variable = variable_class()
-    chain = chain_for(op)
+    chain = tuple(handler for handler in HANDLERS if handler.applies(op))
 
     def distributed(value: Any) -> bool:
         if isinstance(value, DTensor):

@@ -210,9 +210,9 @@ def promote_call(
     # hand back a Replicate result (correct, but it gathers sharded operands).
     try:
         full_kw = dict(
-            zip(kw_resolved, _full(list(kw_resolved.values())), strict=False)
+            zip(kw_resolved, full_value(list(kw_resolved.values())), strict=False)
         )
-        result = wrapped(*_full(resolved), **full_kw)
+        result = wrapped(*full_value(resolved), **full_kw)
     except Exception as err:
         hint = HINT_RULE.format(fallback=f"{type(err).__name__}: {err}")
         raise mix_error(op, values, failure, hint) from failure
@@ -227,10 +227,6 @@ def full_value(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(full_value(v) for v in value)
     return value
-
-
-def _full(values: list[Any]) -> list[Any]:
-    return [full_value(v) for v in values]
 
 
 _WARNED: set[str] = set()
