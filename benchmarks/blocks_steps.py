@@ -70,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(HERE))
     import hub_worker as hub
 
-    from keras_dtensor_fix.compiled import blocks, region, tail, update_groups
+    from keras_dtensor_fix.compiled import plan, region, tail, update_groups
 
     torch.set_num_threads(1)
     keras.distribution.initialize()
@@ -122,8 +122,7 @@ def worker(args: argparse.Namespace) -> None:
         tail.ENABLED = config != "no-tail"
         tail.METRICS = config != "no-metrics"
         update_groups.ENABLED = config != "no-opt"
-        tail.uninstall(model)
-        update_groups.uninstall(model)
+        plan.uninstall(model)
 
     def switch(config: str) -> None:
         # An eager step leaves the gradients on the weights; a compiled one
@@ -133,12 +132,7 @@ def worker(args: argparse.Namespace) -> None:
         region._unguarded = (lambda: None) if config == "guarded" else unguarded
         settings(config)
         if config in BLOCKS:
-            routed = blocks.install(model)  # guards settle again
-            if phase == "fit":
-                tail.install(model, routed)
-                update_groups.install(model, routed)
-        else:
-            blocks.uninstall(model)
+            plan.install(model, phase == "fit")  # guards settle again
         setattr(model, f"{made}_function", functions[config])
 
     def profile(config: str) -> str:

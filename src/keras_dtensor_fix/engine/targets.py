@@ -28,8 +28,6 @@ DISTRIBUTION_API = "keras.src.distribution.distribution_lib"
 COMPILE_UTILS = "keras.src.trainers.compile_utils"
 EINSUM_DENSE = "keras.src.layers.core.einsum_dense"
 
-#: Kinds of torch backend op modules :func:`torch_module` knows.
-KINDS: tuple[str, ...] = ("numpy", "core", "nn", "math", "linalg", "image")
 
 #: Layout name -> package that holds the op modules in that layout: ``ops``
 #: from about 2026-10, ``flat`` before.
@@ -51,14 +49,8 @@ OPTIMIZERS: tuple[str, ...] = (
 )
 
 
-def torch_module(kind: str) -> tuple[str, ...]:
-    """Candidate module names for a torch backend op module, newest layout first."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
-    return tuple(f"{package}.{kind}" for package in LAYOUTS.values())
-
-
 def _each_layout(*kinds: str) -> tuple[str, ...]:
+    """The torch backend's modules of ``kinds`` in every layout, newest first."""
     return tuple(f"{package}.{kind}" for package in LAYOUTS.values() for kind in kinds)
 
 
@@ -86,9 +78,9 @@ def per_variable_update(function: object) -> bool:
 
 #: Module kind -> the modules of that kind, in every layout.
 MODULES: dict[str, tuple[str, ...]] = {
-    "numpy": torch_module("numpy"),
+    "numpy": _each_layout("numpy"),
     "ops": _each_layout("nn", "math", "linalg", "image", "core"),
-    "core": torch_module("core"),
+    "core": _each_layout("core"),
     "distribution_lib": (DISTRIBUTION_LIB,),
     "distribution_api": (DISTRIBUTION_API,),
     "trainer": (TRAINER,),
@@ -184,7 +176,7 @@ OBJECTS: dict[str, tuple[str | tuple[str, ...], str]] = {
         "keras.src.layers.core.reversible_embedding",
         "ReversibleEmbedding",
     ),
-    "get_device": (torch_module("core"), "get_device"),
+    "get_device": (_each_layout("core"), "get_device"),
 }
 
 
