@@ -25,6 +25,7 @@ from keras_dtensor_fix.dtensor import (
     unwrap_local,
     wrap_local,
 )
+from keras_dtensor_fix.dtensor.placement import without_partials
 
 __all__ = [
     "linear_equation",
@@ -197,7 +198,7 @@ def local_dense(
     if found is None:
         return None
     out, (x_grad, w_grad), summed = found
-    reduced = tuple(Replicate() if p.is_partial() else p for p in out)
+    reduced = without_partials(out)
     out_shape = _output_shape(equation, tuple(x.shape), tuple(w.shape))
     if b is not None:
         if not isinstance(b, DTensor) or b.dtype != w.dtype or not _same_mesh(b, mesh):
@@ -286,7 +287,7 @@ class _LocalEinsum(torch.autograd.Function):
         out_placements, grad_placements, _ = ctx.found
         mesh = ctx.mesh
         # A Partial output's gradient is the full (replicated) gradient.
-        want = tuple(Replicate() if p.is_partial() else p for p in out_placements)
+        want = without_partials(out_placements)
         if not isinstance(grad, DTensor):
             grad = replicate(grad, mesh)
         grad = redistributed(grad, want)

@@ -11,7 +11,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from keras_dtensor_fix.dtensor import planner
 from keras_dtensor_fix.dtensor.collectives import all_reduce_copy
-from keras_dtensor_fix.dtensor.placement import forget_kept, redistributed, views_leaf
+from keras_dtensor_fix.dtensor.placement import (
+    forget_kept,
+    redistributed,
+    views_leaf,
+    without_partials,
+)
 from keras_dtensor_fix.dtensor.spec import (
     INTERNALS,
     SPECS,
@@ -162,7 +167,7 @@ class _ReduceGradient(torch.autograd.Function):
         if not axes:
             return grad
         total = all_reduce_copy(grad._local_tensor, ctx.mesh, axes)
-        reduced = tuple(Replicate() if p.is_partial() else p for p in placements)
+        reduced = without_partials(placements)
         return wrap_local(total, ctx.mesh, reduced)
 
 
