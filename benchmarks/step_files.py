@@ -45,11 +45,11 @@ def worker(args: argparse.Namespace) -> None:
     mesh = keras.distribution.DeviceMesh(
         (1, ranks), ["batch", "model"], keras.distribution.list_devices()[:ranks]
     )
-    layout_map = keras.distribution.LayoutMap(mesh)
-    for key, axes in LAYOUT.items():
-        layout_map[key] = axes
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import hub_worker  # Megatron's layout of the GPT decoder
+
     distribution = keras.distribution.ModelParallel(
-        layout_map=layout_map, batch_dim_name="batch"
+        layout_map=hub_worker.layout_map("gpt", mesh), batch_dim_name="batch"
     )
     distribution.auto_shard_dataset = False
     keras.distribution.set_distribution(distribution)
@@ -127,19 +127,6 @@ def worker(args: argparse.Namespace) -> None:
             "functions": dict(sorted(functions.items())),
         }
         Path(args.out).write_text(json.dumps(result))
-
-
-#: Megatron's layout of the decoder (``cases_hub.GPT_LAYOUT``).
-LAYOUT = {
-    r".*self_attention/(query|key|value)/kernel": (None, "model", None),
-    r".*self_attention/(query|key|value)/bias": ("model", None),
-    r".*self_attention/attention_output/kernel": ("model", None, None),
-    r".*feedforward_intermediate_dense/kernel": (None, "model"),
-    r".*feedforward_intermediate_dense/bias": ("model",),
-    r".*feedforward_output_dense/kernel": ("model", None),
-    r".*lm_head/kernel": (None, "model"),
-    r".*lm_head/bias": ("model",),
-}
 
 
 def main() -> None:
