@@ -117,7 +117,7 @@ import importlib, json
 import keras
 import keras_dtensor_fix as k
 from keras_dtensor_fix.engine import patcher, targets
-name = next(m for m in targets.modules("numpy") if targets.find_spec(m))
+name = next(m for m in targets.torch_module("numpy") if targets.find_spec(m))
 tnp = importlib.import_module(name)
 s = k.status()
 print(json.dumps({"active": k.is_active(), "why": s["why"],

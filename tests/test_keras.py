@@ -10,9 +10,9 @@ from support import FAKE_DATA_FAMILY, last_json
 # and one that wraps distribute_data_input (also bound in the trainer).
 COUNTING = """
 from keras_dtensor_fix.engine.contract import Patch
-from keras_dtensor_fix.engine.targets import modules
+from keras_dtensor_fix.engine.targets import torch_module
 FAMILY = "fakeops"
-MODULES = modules("numpy")
+MODULES = torch_module("numpy")
 CALLS = []
 def count(wrapped, instance, args, kwargs):
     CALLS.append(wrapped.__name__)

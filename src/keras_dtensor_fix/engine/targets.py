@@ -49,7 +49,7 @@ OPTIMIZERS: tuple[str, ...] = (
 )
 
 
-def _each_layout(*kinds: str) -> tuple[str, ...]:
+def torch_module(*kinds: str) -> tuple[str, ...]:
     """The torch backend's modules of ``kinds`` in every layout, newest first."""
     return tuple(f"{package}.{kind}" for package in LAYOUTS.values() for kind in kinds)
 
@@ -78,9 +78,9 @@ def per_variable_update(function: object) -> bool:
 
 #: Module kind -> the modules of that kind, in every layout.
 MODULES: dict[str, tuple[str, ...]] = {
-    "numpy": _each_layout("numpy"),
-    "ops": _each_layout("nn", "math", "linalg", "image", "core"),
-    "core": _each_layout("core"),
+    "numpy": torch_module("numpy"),
+    "ops": torch_module("nn", "math", "linalg", "image", "core"),
+    "core": torch_module("core"),
     "distribution_lib": (DISTRIBUTION_LIB,),
     "distribution_api": (DISTRIBUTION_API,),
     "trainer": (TRAINER,),
@@ -121,12 +121,12 @@ MIXING_LAYERS: dict[tuple[str, str], str] = {
 #: Module kind -> modules that bind that kind's functions by name (``from
 #: .numpy import add``, ``from .core import *``): a patch replaces them there too.
 ALIASES: dict[str, tuple[str, ...]] = {
-    "numpy": _each_layout("nn", "math", "core", "linalg", "image")
+    "numpy": torch_module("nn", "math", "core", "linalg", "image")
     + tuple(f"{KERAS_TORCH}.{kind}" for kind in ("random", "rnn")),
     "core": tuple(LAYOUTS.values()),
     "core_star": (*LAYOUTS.values(), "keras.src.backend"),
     # ``from ...core import convert_to_tensor`` in every op module and more.
-    "core_by_name": _each_layout("numpy", "nn", "math", "linalg", "image")
+    "core_by_name": torch_module("numpy", "nn", "math", "linalg", "image")
     + tuple(
         f"{KERAS_TORCH}.{name}"
         for name in ("random", "rnn", "trainer", "distribution_lib", "layer")
@@ -176,7 +176,7 @@ OBJECTS: dict[str, tuple[str | tuple[str, ...], str]] = {
         "keras.src.layers.core.reversible_embedding",
         "ReversibleEmbedding",
     ),
-    "get_device": (_each_layout("core"), "get_device"),
+    "get_device": (torch_module("core"), "get_device"),
 }
 
 
