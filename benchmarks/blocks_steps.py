@@ -13,8 +13,6 @@ train function once, then runs ``--rounds`` rounds of one epoch each
             block its class's compiled graph, guards skipped once settled
   guarded   blocks with every call evaluating dynamo's guards (blocks mode
             before its calls skipped them)
-  eager-f   blocks with Megatron's "f" of each block's inputs made eagerly
-            before its graph (blocks mode before it moved into the graph)
   no-tail   blocks with the layers after the last block and the loss eager
             (blocks mode before they became one compiled region)
   no-opt    blocks with the optimizer's update eager (blocks mode before it
@@ -53,11 +51,10 @@ from pathlib import Path
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
 HERE = Path(__file__).resolve().parent
-CONFIGS = ("eager", "step", "blocks", "eager-f")
+CONFIGS = ("eager", "step", "blocks")
 BLOCKS = (
     "blocks",
     "guarded",
-    "eager-f",
     "no-tail",
     "no-opt",
     "no-metrics",
@@ -73,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(HERE))
     import hub_worker as hub
 
-    from keras_dtensor_fix.compiled import blocks, steady, tail, update_groups
+    from keras_dtensor_fix.compiled import plan, region, tail, update_groups
 
     torch.set_num_threads(1)
     keras.distribution.initialize()
@@ -92,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
     ids = ids.astype("int32")
     data = ({"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(ids, -1, 1))
     configs = args.configs.split(",")
-    unguarded = steady._unguarded
+    unguarded = region._unguarded
     # As fit() does before it makes its step: the metrics' variables exist
     # (and get their layouts) before any step is traced.
     first = ({k: v[: args.batch] for k, v in data[0].items()}, data[1][: args.batch])
@@ -122,27 +119,20 @@ def worker(args: argparse.Namespace) -> None:
 
     def settings(config: str) -> None:
         """The module switches ``config`` runs with, nothing installed yet."""
-        blocks.IN_GRAPH_F = config != "eager-f"
         tail.ENABLED = config != "no-tail"
         tail.METRICS = config != "no-metrics"
         update_groups.ENABLED = config != "no-opt"
-        tail.uninstall(model)
-        update_groups.uninstall(model)
+        plan.uninstall(model)
 
     def switch(config: str) -> None:
         # An eager step leaves the gradients on the weights; a compiled one
         # leaves none, and its guards say so: each configuration starts as in
         # its own fit().
         model.zero_grad(set_to_none=True)
-        steady._unguarded = (lambda: None) if config == "guarded" else unguarded
+        region._unguarded = (lambda: None) if config == "guarded" else unguarded
         settings(config)
         if config in BLOCKS:
-            routed = blocks.install(model)  # guards settle again
-            if phase == "fit":
-                tail.install(model, routed)
-                update_groups.install(model, routed)
-        else:
-            blocks.uninstall(model)
+            plan.install(model, phase == "fit")  # guards settle again
         setattr(model, f"{made}_function", functions[config])
 
     def profile(config: str) -> str:

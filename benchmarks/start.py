@@ -349,7 +349,7 @@ def report(runs: dict[str, dict[int, dict[str, list[dict]]]]) -> None:
     for model, depths in runs.items():
         shallowest = min(depths)
         for layers, configs in sorted(depths.items()):
-            eager, whole = configs["eager"], configs.get("warm")
+            eager, whole = configs.get("eager"), configs.get("warm")
             order = CONFIGS + BLOCKS + SINGLE + BASE
             for config in [c for c in order if c in configs]:
                 rows = configs[config]

@@ -1,10 +1,10 @@
 """A compiled step whose graph fails while it runs, after its first batch.
 
-``compile._eager_if_compile_fails`` reruns a batch eagerly when the failure
+``compiled/fallback.eager_if_compile_fails`` reruns a batch eagerly when the failure
 comes from inside torch's runner of a compiled graph (a custom step's
 ``backward()``: the guide's GAN met "Expected a DTensor tangent but got a
 plain Tensor" after a few batches) and no optimizer of the model counted a
-step in that batch (``compiled/updates.py``); after one it raises, naming
+step in that batch (``fallback.marks``); after one it raises, naming
 ``jit_compile=False``, since the rerun would apply that update twice. Here the
 "graph" is a function compiled with a file name inside AOT autograd's
 runtime, so the test needs no sharded compile.
@@ -18,8 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from keras_dtensor_fix.compiled import updates
-from keras_dtensor_fix.patches.compile import _eager_if_compile_fails
+from keras_dtensor_fix.compiled import fallback
 
 RUNTIME = "/site/torch/_functorch/_aot_autograd/runtime_wrappers.py"
 
@@ -56,7 +55,7 @@ def _compiled(model: Model, *, update_first: bool):
         _in_runtime("\nExpected a DTensor tangent but got a plain Tensor")
 
     train_function.__name__ = "train_function"
-    return _eager_if_compile_fails(train_function, model, "make_train_function")
+    return fallback.eager_if_compile_fails(train_function, model, "make_train_function")
 
 
 def test_a_later_batch_reruns_eagerly_where_nothing_was_applied() -> None:
@@ -87,8 +86,8 @@ def test_marks_see_every_optimizer_and_copy_the_count() -> None:
         g_optimizer=SimpleNamespace(iterations=SimpleNamespace(value=torch.ones(()))),
         other=3,
     )
-    taken = updates.marks(model)
+    taken = fallback.marks(model)
     assert len(taken) == 2
-    assert updates.none_since(taken)
+    assert fallback.none_since(taken)
     counter += 1
-    assert not updates.none_since(taken)
+    assert not fallback.none_since(taken)

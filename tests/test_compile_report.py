@@ -1,6 +1,6 @@
 """A compiled ModelParallel step says once when it breaks or compiles again.
 
-``compile.break_report`` turns dynamo's counters before and after one call of
+``fallback.break_report`` turns dynamo's counters before and after one call of
 the step into the warning; the end-to-end case fits a one-process
 ModelParallel model (a 1 x 1 mesh on a gloo group of one) whose custom layer
 makes a graph break. Upstream (plugin off) runs the step eagerly, so it has
@@ -9,7 +9,7 @@ nothing to report.
 
 from __future__ import annotations
 
-from keras_dtensor_fix.patches.compile import break_report
+from keras_dtensor_fix.compiled.fallback import break_report
 from support import last_json
 
 

@@ -265,14 +265,14 @@ import json, sys, warnings
 import keras, numpy as np, torch, torch.distributed as dist
 import torch._inductor.compile_fx as inductor
 import keras_dtensor_fix
-from keras_dtensor_fix.patches import compile as compile_family
+from keras_dtensor_fix.compiled import fallback
 
 def broken_backend(*args, **kwargs):
     raise RuntimeError("inductor is broken here")
 
 inductor.compile_fx = broken_backend
 if sys.argv[2] == "off":
-    compile_family._eager_if_compile_fails = lambda function, instance, make: function
+    fallback.eager_if_compile_fails = lambda function, instance, make: function
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0,
                         world_size=1)
 mesh = keras.distribution.DeviceMesh(

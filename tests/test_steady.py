@@ -1,4 +1,4 @@
-"""``compiled.steady.Steady``: a compiled function's guards skipped once it settles.
+"""``compiled.region.Steady``: a compiled function's guards skipped once it settles.
 
 The generate family wraps each generation's compiled token call in it. A
 global the function reads is one of dynamo's guards: changed after the calls
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from keras_dtensor_fix.compiled.steady import Steady, code_of
+from keras_dtensor_fix.compiled.region import Steady, code_of
 
 SCALE = 1.0
 

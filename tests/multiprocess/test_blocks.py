@@ -16,11 +16,11 @@ exactly four dynamo graphs: the block's ``call``, the tail and two of
 ``Adam.update``, nothing else compiled (the loss-scaled case: three, its
 whole ``LossScaleOptimizer.apply`` one region). Each
 block's calls skip dynamo's guards once a step of them compiled nothing
-(``compiled/steady.Steady``): the GPT decoder's 4 blocks do by its last steps.
+(``compiled/region.Steady``): the GPT decoder's 4 blocks do by its last steps.
 Megatron's "f" of each block's input runs inside the block's graph, and the
 vocabulary-split head's inside the tail's: none is made eagerly (4 in the GPT
 case's 4 steps with the tail eager, ``tail.ENABLED = False``; 20 with the "f"
-of each block made before its region too, ``blocks.IN_GRAPH_F = False``).
+of each block made before its region too, as the mode did before).
 
 Can it fail: with Keras's name scope left open inside the region each block
 compiles its own graph (its sublayers' paths are guarded), 4 graphs for the

@@ -1,34 +1,21 @@
 """Repeated blocks compiled once (``KERAS_DTENSOR_FIX_COMPILE=blocks``).
 
-A compiled step traces every decoder block of a model again, although all
-run the same code: its start grows with the depth. In blocks mode the step
-runs eagerly, as upstream runs it, and each repeated block (the outermost
-layers with sublayers whose class the model holds at least twice: keras-hub's
-decoder blocks) calls one ``torch.compile``'d function shared by every
-instance of its class. dynamo traces it once and guards on what the instances
-share (their shapes, placements and settings), so every block runs the same
-graph, as torchtitan compiles one transformer block at a time.
+A whole compiled step traces every decoder block again: its start grows with the depth.
+In blocks mode the step runs eagerly and each repeated block calls one
+``torch.compile``'d region shared by every instance of its class (as torchtitan compiles
+one transformer block at a time); dynamo guards on what the instances share, so all run
+one graph. Two things would split it:
 
-Two things would make each instance a graph of its own:
+- Keras's name scope: each sublayer's path would be a guard. Inside a region
+  no scope opens (:func:`.region.scopeless`); a block whose sublayers' output
+  layouts depend on a path is refused (:func:`refusal`).
+- Megatron's "f" set on the block's input, a tensor from outside the graph,
+  would be an extra output without gradient. The region's first op is instead
+  the "f" of each DTensor input (:func:`_with_f`), so its all-reduce runs in
+  the block's backward graph.
 
-- Keras's name scope: each sublayer's call pushes its name and reads the
-  path of the layers around it. Inside a region the scope is skipped
-  (:func:`.region.scopeless`) and the path is empty; within a step a path decides
-  only an output's layout (a LayoutMap key ``<path>/output``), so a block with
-  such a layout inside it is not compiled (:func:`refusal`).
-- Megatron's "f" (:func:`~keras_dtensor_fix.dtensor.reducing_gradient`)
-  keeps its op on the value it reads: set inside a region on the block's
-  input, a tensor from outside the graph, it is an extra output that gets no
-  gradient. The region's first op instead is the "f" of each DTensor input
-  (:func:`_with_f`), kept on its own in-graph result, which the block reads:
-  its all-reduce runs in the block's backward graph, not eagerly between two
-  graphs with a DTensor wrapped around it. Where that graph fails to compile,
-  the class's blocks run their own call from then on (warned).
-
-Outside training (``torch.no_grad``: evaluation, prediction, generation),
-inside a compiled step, without a ModelParallel distribution and in Keras's
-symbolic calls the block's own ``call`` runs as it is.
-"""
+Outside training (``torch.no_grad``), inside a compiled step, without ModelParallel and
+in symbolic calls the block's own ``call`` runs."""
 
 from __future__ import annotations
 
@@ -43,18 +30,16 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from keras_dtensor_fix.compiled import region
+from keras_dtensor_fix.compiled import refusals, region
 from keras_dtensor_fix.dtensor import (
     DTensor,
-    reducing_gradient,
     reducing_input,
     zero_gradients_if_unused,
 )
 from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.hub import generation as hub
-from keras_dtensor_fix.ops.values import flatten_call, output_laid_out
 
-#: Distribution -> (block class, the user's cache key tag, :data:`IN_GRAPH_F`)
+#: Distribution -> (block class, the user's cache key tag)
 #: -> the class's region (:func:`_region`), shared by every instance.
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: The attribute marking a block whose ``call`` this module installed.
@@ -96,28 +81,15 @@ def refusal(block: Any) -> str | None:
         return "it is rematerialized"
     if getattr(block, "quantization_mode", None) is not None:
         return "it is quantized"
-    distribution = targets.keras_object("distribution")()
-    if distribution is not None and distribution.get_tensor_layout("/output"):
-        return "the LayoutMap lays out the path '/output'"
-    for layer in block._flatten_layers(include_self=False, recursive=True):
-        if output_laid_out(layer):
-            return f"the LayoutMap lays out {layer.path}/output"
-        if getattr(layer, "activity_regularizer", None) is not None:
-            return f"{layer.name} has an activity regularizer"
-    return None
+    return refusals.layers(block._flatten_layers(include_self=False, recursive=True))
 
 
 def choose(model: Any, mode: str) -> tuple[str, str]:
     """Which compilation ``model``'s steps get, ``step`` or ``blocks``, and why.
 
-    ``mode`` is the configured one (``engine/config.compile_mode``). ``auto``
-    compiles block by block where the model repeats blocks and none is
-    refused: a training step faster than eager and close to the whole step's,
-    and each block compiled once whatever the depth (figures:
-    ``benchmarks/README.md``). Evaluation and prediction then compile whole
-    (the ``compile`` family: a forward graph); in ``blocks`` mode they run
-    eagerly (their blocks run without gradients: the block's own call).
-    """
+    ``auto`` (the default) goes block by block where the model repeats blocks and none
+    is refused; evaluation and prediction then compile whole (the ``compile`` family).
+    In ``blocks`` mode they run eagerly."""
     if mode != "auto":
         return mode, f"KERAS_DTENSOR_FIX_COMPILE={mode}"
     found = repeated(model)
@@ -152,11 +124,8 @@ def tell(model: Any, building: str | None, mode: str, why: str) -> None:
 
 
 def install(model: Any) -> list[Any]:
-    """Route each repeated block of ``model`` through its class's region.
-
-    Returns the blocks routed; a block refused is named in one warning.
-    Undone by :func:`uninstall` and by deactivation (``compiled/plan``).
-    """
+    """Route each repeated block of ``model`` through its class's region; returns the
+    blocks routed (those refused are named in one warning)."""
     routed, refused = [], []
     for by_class in _COMPILED.values():
         for compiled in by_class.values():
@@ -196,11 +165,6 @@ def _region_call(
 ) -> Any:
     if region.SCOPELESS or not region.eligible():
         return original(block, *args, **kwargs)
-    if not IN_GRAPH_F:  # the "f" of each DTensor input before the region
-        leaves, _ = flatten_call(args, kwargs)
-        for value in leaves:
-            if isinstance(value, DTensor):
-                reducing_gradient(value)
     compiled = _region(type(block), original)
     with region.scopeless():
         result = compiled(lambda: None, block, *args, **kwargs)
@@ -210,13 +174,9 @@ def _region_call(
 
 
 def _tangents_ready(result: Any) -> Any:
-    """A region's outputs, each given a DTensor gradient where it gets none.
-
-    A block that returns more than its hidden states (Gemma4's KV cache, in
-    training too) leaves the rest without a gradient, and its graph's
-    backward refused the plain zeros autograd filled them with (torch 2.13);
-    the whole step then ran eagerly. One output passes as is.
-    """
+    """A region's outputs, each given a DTensor gradient where it gets none: a block
+    returning more than its hidden states (Gemma4's KV cache) left the rest with plain
+    zeros, which its backward graph refused (torch 2.13)."""
     leaves, spec = pytree.tree_flatten(result)
     if sum(isinstance(v, DTensor) and v.requires_grad for v in leaves) < 2:
         return result
@@ -225,25 +185,18 @@ def _tangents_ready(result: Any) -> Any:
 
 def _region(cls: type, original: Callable[..., Any]) -> region.Region:
     """The class's region under this distribution, shared by its blocks."""
-    key = (cls, torch.compiler.config.cache_key_tag, IN_GRAPH_F)
+    key = (cls, torch.compiler.config.cache_key_tag)
     by_class = _COMPILED.setdefault(state.model_parallel(), {})
     found = by_class.get(key)
     if found is None:
-        # Every block of the class calls it in turn, once forward per step:
-        # each block's guards run until a step of its calls compiles nothing.
         found = by_class[key] = region.Region(
-            _with_f(original) if IN_GRAPH_F else original,
+            _with_f(original),
             cls.__name__,
             qualname=original.__qualname__,
             then="its blocks run eagerly from now on.",
             interleaved=True,
         )
     return found
-
-
-#: Megatron's "f" of a block's DTensor inputs inside its graph (False: made
-#: eagerly before the region, as the mode did first; benchmarks compare).
-IN_GRAPH_F = True
 
 
 def _with_f(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -257,5 +210,5 @@ def _with_f(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def forget() -> None:
-    """Drop the compiled regions and their failures (on deactivation)."""
+    """Drop the compiled regions (deactivation)."""
     _COMPILED.clear()

@@ -1,13 +1,9 @@
 """The compile caches' key tag: which process a compiled graph belongs to.
 
-AOT autograd keys its on-disk cache on dynamo's graph, which is the same on
-every process, but the graph it compiles from a DTensor program holds this
-process's own shard offsets and process group names. The caches are shared by
-the processes of a machine and by every launch, so without the process in the
-key one process runs a graph compiled for another (a (2, 2) mesh: "Could not
-resolve the process group registered under the name 3"). Every function the
-plugin compiles (the step, a block, generation's token step) is keyed here.
-"""
+AOT autograd keys its on-disk cache on dynamo's graph, the same on every process, but
+the compiled graph holds this process's shard offsets and group names: without the
+process in the key, one process ran another's graph ("Could not resolve the process
+group registered under the name 3")."""
 
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ def cache_key_tag(dist: Any, user_tag: str = "") -> str:
 
 
 def keyed(function: Callable[..., Any], dist: Any) -> Callable[..., Any]:
-    """``function`` run with this process's tag set around each call (as it
-    is without a distribution: its graphs hold nothing of one process)."""
+    """``function`` run with this process's tag set around each call."""
     import torch
 
     if dist is None:

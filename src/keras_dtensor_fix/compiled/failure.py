@@ -1,9 +1,4 @@
-"""Whether an error comes from torch.compile itself, and how a warning names it.
-
-Every compiled piece (a block, the tail, the optimizer's update, the whole
-step, generation's token step) steps aside to its eager code on these errors
-and raises every other one as it is.
-"""
+"""Whether an error comes from torch.compile itself, and how a warning names it."""
 
 from __future__ import annotations
 
@@ -17,12 +12,8 @@ _COMPILED_RUNTIME = ("torch/_functorch/_aot_autograd/", "torch/_inductor/")
 
 
 def compile_failure(error: BaseException) -> bool:
-    """Whether ``error`` comes from torch.compile itself, not from the code.
-
-    dynamo's and inductor's own errors (a torch bug on some DTensor graph).
-    An error in the code itself is among them when traced; the eager retry
-    then raises it as it is.
-    """
+    """Whether ``error`` is dynamo's or inductor's own; an error of the code itself,
+    when traced, raises again at the eager retry."""
     import torch._dynamo.exc as exc
 
     if isinstance(error, exc.TorchDynamoException):
@@ -41,14 +32,12 @@ def in_compiled_runtime(error: BaseException) -> bool:
 
 
 def cause(error: BaseException) -> str:
-    """``Type: first line`` of a compile failure's cause, for a warning
-    (dynamo's BackendCompilerFailed holds the backend's own error)."""
+    """``Type: first line`` of a compile failure's cause, for a warning."""
     inner = getattr(error, "inner_exception", None) or error
     lines = [line for line in str(inner).splitlines() if line.strip()]
     return f"{type(inner).__name__}: {(lines or [''])[0][:200]}"
 
 
 def _traceback_files(error: BaseException) -> list[str]:
-    """The files of ``error``'s traceback, outermost first, with ``/`` separators."""
     frames = traceback.extract_tb(error.__traceback__)
     return [frame.filename.replace("\\", "/") for frame in frames]

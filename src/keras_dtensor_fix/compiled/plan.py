@@ -1,13 +1,9 @@
 """Blocks mode for one model, built and undone in one place, in order.
 
-:func:`install` routes the model's repeated blocks through their classes'
-regions (:mod:`.blocks`), then, for a training step, runs the layers after
-the last block with the loss as one region (:mod:`.tail`) and the
-optimizer's update per block (:mod:`.update_groups`). One :class:`Plan` per
-model, the one registry; :func:`uninstall` undoes it in the reverse order
-(the mode or ``jit_compile`` changed before a step was built again), and
-deactivation drops every plan with what it set.
-"""
+:func:`install` routes the repeated blocks through their classes' regions
+(:mod:`.blocks`), then, for a training step, the tail and loss (:mod:`.tail`) and the
+optimizer's update per block (:mod:`.update_groups`). One :class:`Plan` per model;
+:func:`uninstall` undoes it in reverse."""
 
 from __future__ import annotations
 
@@ -44,8 +40,8 @@ def _plan_of(model: Any) -> Plan | None:
 
 
 def install(model: Any, training: bool) -> Plan | None:
-    """Blocks mode for ``model`` (``training``: its tail and update too);
-    None where it repeats no block it can compile alone."""
+    """Blocks mode for ``model`` (``training``: its tail and update too); None where it
+    repeats no block it can compile alone."""
     routed = blocks.install(model)  # a new step: every block's guards run again
     if not routed:
         uninstall(model)
@@ -75,8 +71,8 @@ def uninstall(model: Any) -> None:
 
 
 def step(train_step: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
-    """Keras's ``train_step`` (the ``compile`` family's wrapper of it), its
-    batch kept for the model's tail while it runs (:func:`.tail.step`)."""
+    """Keras's ``train_step``, its batch kept for the model's tail
+    (:func:`.tail.step`)."""
     found = _plan_of(model)
     if found is None or found.split is None:
         return train_step(*args, **kwargs)
@@ -89,7 +85,6 @@ wrappers.not_a_frame(step.__code__)
 
 
 def forget() -> None:
-    """Drop every plan and compiled block (on deactivation; the attributes
-    are undone by ``engine/state``)."""
+    """Drop every plan and compiled block (deactivation)."""
     _PLANS.clear()
     blocks.forget()

@@ -1,16 +1,14 @@
-"""What a compiled ModelParallel step refuses up front (the step runs eagerly).
-
-Layers torch 2.13 cannot compile over DTensors: Keras's generic RNN loop and
-seeded random layers. The ``compile`` family asks before it builds a step.
-Also whether a model trains with Keras's own ``train_step``, which blocks
-mode's regions after the blocks rely on.
-"""
+"""What a compiled ModelParallel step refuses up front (it then runs eagerly), and
+whether a model trains with Keras's own ``train_step``."""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
+from typing import Any
 
 from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.ops.values import output_laid_out
 
 
 def keras_train_step(model) -> bool:
@@ -20,19 +18,41 @@ def keras_train_step(model) -> bool:
     return getattr(type(model), "train_step", None) is trainer.train_step
 
 
+def step(model: Any) -> str | None:
+    """Why ``model``'s compiled ModelParallel step runs eagerly, or None."""
+    if not targets.torch_compiles_dtensor_grad():
+        import torch
+
+        return (
+            f"torch {torch.__version__} cannot compile its gradient (before torch "
+            "2.12 dynamo cannot trace torch.autograd.grad over DTensors). The model "
+            "runs eagerly. Install torch>=2.12 to compile it."
+        )
+    recurrent = recurrent_layers(model)
+    if recurrent:
+        return (
+            f"its recurrent layers ({', '.join(recurrent)}) run Keras's generic RNN "
+            f"loop, which torch {targets.torch_version()} cannot compile over "
+            "DTensors. The model runs eagerly. LSTM and GRU with their defaults "
+            "(use_cudnn='auto', no recurrent_dropout) and no mask compile."
+        )
+    seeded = seeded_random_layers(model)
+    if seeded:
+        return (
+            f"its seeded random layers ({', '.join(seeded)}) draw with a "
+            "torch.Generator, a graph break, and with torch 2.13 DTensor gradients "
+            "across a graph break are wrong. The model runs eagerly. To compile "
+            "it, give those layers seed=None."
+        )
+    return None
+
+
 def recurrent_layers(model) -> list[str]:
     """Recurrent layers of ``model`` that run Keras's generic RNN loop.
 
-    LSTM and GRU on their backend path (``use_cudnn`` "auto" or True, no
-    recurrent dropout, GRU's ``reset_after``, no mask) compile, their sharded
-    weights gathered once per call (the ``rnn`` family). The generic loop (any
-    other RNN, those options, or a mask, which Keras's torch LSTM and GRU hand
-    to the generic loop) does not compile under ModelParallel: torch 2.13 fails on
-    the graph it leaves before its first graph break, after tracing for as
-    long as a whole step takes to compile. A mask is seen where the model's
-    graph shows it (functional and Sequential models); a subclassed model's
-    masked LSTM still fails to compile and then runs eagerly.
-    """
+    LSTM and GRU on their backend path (``use_cudnn`` "auto" or True, no recurrent
+    dropout, ``reset_after``, no mask) compile; the generic loop fails under
+    ModelParallel (torch 2.13) after tracing as long as a whole step."""
     rnn = targets.keras_object("RNN")
     fast = (targets.keras_object("LSTM"), targets.keras_object("GRU"))
     found = []
@@ -52,8 +72,7 @@ def recurrent_layers(model) -> list[str]:
 
 
 def _receives_mask(layer) -> bool:
-    """Whether the model's graph feeds ``layer`` a Keras mask (``Masking``,
-    ``Embedding(mask_zero=True)`` before it)."""
+    """Whether the model's graph feeds ``layer`` a Keras mask."""
     for node in getattr(layer, "_inbound_nodes", None) or ():
         for tensor in getattr(node, "input_tensors", None) or ():
             if getattr(tensor, "_keras_mask", None) is not None:
@@ -72,3 +91,17 @@ def seeded_random_layers(model) -> list[str]:
                     found.append(layer.name)
                 break
     return found
+
+
+def layers(found: Iterable[Any]) -> str | None:
+    """Why a region cannot hold these layers, or None: an output layout (a path,
+    which a region's guards would tell apart) or an activity regularizer."""
+    distribution = targets.keras_object("distribution")()
+    if distribution is not None and distribution.get_tensor_layout("/output"):
+        return "the LayoutMap lays out the path '/output'"
+    for layer in found:
+        if output_laid_out(layer):
+            return f"the LayoutMap lays out {layer.path}/output"
+        if getattr(layer, "activity_regularizer", None) is not None:
+            return f"{layer.name} has an activity regularizer"
+    return None

@@ -1,14 +1,21 @@
 """One compiled piece of a step: what every function the plugin compiles shares.
 
-A block's call, the layers after the last block with the loss, the
-optimizer's update per block and generation's token step each run through a
-:class:`Region`: ``torch.compile`` with static shapes (DTensor's sharding
-propagation fails on symbolic sizes: torch 2.13, pytorch/pytorch#152963), the
-process-keyed cache tag (:mod:`.cache_key`), views recomputed in the backward,
-dynamo's guards skipped once its calls settle (:class:`.steady.Steady`), a
-code object of its own (dynamo keeps cache entries and the recompile limit per
-code object), and, where torch.compile fails (:mod:`.failure`), one warning and
-the eager code from then on. :func:`eligible` is when a region may run at all.
+A block, the tail, the update per block and generation's token step each run through a
+:class:`Region`: ``torch.compile`` with static shapes (DTensor fails on symbolic sizes:
+torch 2.13, pytorch/pytorch#152963), the per-process cache tag (:mod:`.cache_key`),
+views recomputed in the backward, guards skipped once settled (:class:`Steady`), a code
+object of its own (dynamo counts cache entries per code object) and, where
+torch.compile fails (:mod:`.failure`), one warning and the eager code from then on.
+
+Each call of a compiled function evaluates dynamo's guards on everything its trace
+read: for a one-token call every layer attribute and weight, none of which changes in
+a loop. :class:`Steady` runs calls with guards until one with the same
+:func:`signature` as the call before (each tensor's metadata, other arguments'
+identity, grad mode) converted no frame; from then on calls with that signature run
+under ``skip_guard_eval_unsafe``, which checks only the guards that tell cache entries
+apart. ``interleaved=True`` serves calls that take turns (each block of a step):
+several signatures stay settled. Not used at dynamo's recompile limit (misses would
+run eagerly, unseen), nor under a stance other than the default.
 """
 
 from __future__ import annotations
@@ -17,22 +24,25 @@ import contextlib
 import types
 import warnings
 from collections.abc import Callable, Iterator
+from types import CodeType
 from typing import Any
 
 import torch
 
 from keras_dtensor_fix.compiled import cache_key, failure
-from keras_dtensor_fix.compiled.steady import Steady, code_of
 from keras_dtensor_fix.engine import state, targets
 
 __all__ = [
     "SCOPELESS",
     "Region",
+    "Steady",
+    "code_of",
     "compile_static",
     "eligible",
     "name_scope",
     "renamed",
     "scopeless",
+    "signature",
 ]
 
 #: True while a block's or the tail's region runs: its sublayers open no name scope.
@@ -41,8 +51,8 @@ SCOPELESS: list[bool] = []
 
 @contextlib.contextmanager
 def scopeless() -> Iterator[None]:
-    """Inside: no Keras name scope is open, and sublayers open none (each
-    sublayer's path would be a guard, a graph per block instance)."""
+    """Inside: no Keras name scope open, and sublayers open none (a sublayer's path
+    would be a guard: a graph per block instance)."""
     stack = targets.keras_object("global_state").get_global_attribute(
         "name_scope_stack"
     )
@@ -66,9 +76,8 @@ def name_scope(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
 
 
 def eligible() -> bool:
-    """Whether a region may run now: training (grad mode on), not inside
-    dynamo's trace, under ModelParallel, outside Keras's symbolic and
-    stateless calls; else the code runs as it is."""
+    """Whether a region may run now: grad mode on, not traced, under ModelParallel,
+    outside Keras's symbolic and stateless calls."""
     return (
         torch.is_grad_enabled()
         and not state.compiling()
@@ -79,8 +88,7 @@ def eligible() -> bool:
 
 
 def renamed(function: Callable[..., Any], qualname: str) -> Any:
-    """``function`` with a code object of its own named ``qualname``: dynamo
-    keeps its cache entries (and counts its recompile limit) per code object."""
+    """``function`` with a code object of its own named ``qualname``."""
     name = qualname.rsplit(".", 1)[-1]
     code = function.__code__.replace(co_qualname=qualname, co_name=name)
     named = types.FunctionType(
@@ -88,6 +96,145 @@ def renamed(function: Callable[..., Any], qualname: str) -> Any:
     )
     named.__qualname__ = qualname
     return named
+
+
+#: Tensor classes with no placements: their metadata is read directly (an
+#: update group's call passes about a hundred such tensors).
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def _meta(value: Any) -> Any:
+    cls = type(value)
+    if cls in _PLAIN and value.layout is torch.strided:
+        return (
+            cls,
+            value.shape,
+            value.stride(),
+            value.dtype,
+            value.device,
+            value.requires_grad,
+        )
+    if isinstance(value, torch.Tensor):
+        return (
+            cls,
+            tuple(value.shape),
+            value.stride() if value.layout == torch.strided else None,
+            value.dtype,
+            value.device,
+            value.requires_grad,
+            getattr(value, "placements", None),
+            id(getattr(value, "device_mesh", None)),
+        )
+    if isinstance(value, (tuple, list)):
+        return (cls, tuple([_meta(item) for item in value]))
+    return (cls, id(value))
+
+
+def signature(args: tuple, kwargs: dict | None = None) -> tuple:
+    """What a call's guards depend on from its arguments."""
+    named = tuple((name, _meta(value)) for name, value in (kwargs or {}).items())
+    return (torch.is_grad_enabled(), tuple(_meta(arg) for arg in args), named)
+
+
+def _frames_converted() -> int:
+    return torch._dynamo.utils.counters["frames"]["total"]
+
+
+def _below_recompile_limit(code: CodeType | None) -> bool:
+    try:
+        entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)
+        limit = torch._dynamo.config.recompile_limit
+    except (AttributeError, TypeError):  # another torch: guards stay on
+        return False
+    return 0 < len(entries) < limit
+
+
+def _unguarded() -> Any:
+    """torch's stance with guard evaluation skipped, or None."""
+    try:
+        current = torch._dynamo.eval_frame._stance
+        if current.stance != "default" or current.skip_guard_eval_unsafe:
+            return None
+        stance = torch.compiler.set_stance(
+            "default", skip_guard_eval_unsafe=True, force_backend=current.backend
+        )
+    except (AttributeError, RuntimeError, TypeError):
+        return None  # another torch, or inside a compiled region
+    return stance
+
+
+class Steady:
+    """``compiled`` (a ``torch.compile`` of ``code``'s function) for one loop;
+    ``settled_call`` runs settled calls (without wrappers only compiling needs),
+    ``fixed`` leading arguments are the same objects at every call."""
+
+    #: Signatures remembered at most (``interleaved``); more start afresh.
+    LIMIT = 256
+
+    def __init__(
+        self,
+        compiled: Callable[..., Any],
+        code: CodeType | None,
+        *,
+        interleaved: bool = False,
+        settled_call: Callable[..., Any] | None = None,
+        fixed: int = 0,
+    ) -> None:
+        self._compiled = compiled
+        #: What a settled call runs: ``compiled`` without wrappers that only
+        #: matter when dynamo compiles (a settled call never compiles: a
+        #: failed guard raises under the stance).
+        self._settled_call = settled_call or compiled
+        #: Leading positional arguments that are the same objects at every
+        #: call (the caller's promise): left out of the signature.
+        self._fixed = fixed
+        self._code = code
+        self._interleaved = interleaved
+        self._last: tuple | None = None
+        self._seen: set[tuple] = set()
+        self._settled: set[tuple] = set()
+
+    @property
+    def settled(self) -> bool:
+        """Whether calls with the last signature skip their guards."""
+        return self._last in self._settled
+
+    def reset(self) -> None:
+        """Evaluate every signature's guards again until it settles again."""
+        self._last = None
+        self._seen.clear()
+        self._settled.clear()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = signature(args[self._fixed :], kwargs)
+        if key in self._settled:
+            stance = _unguarded()
+            if stance is not None:
+                self._last = key
+                with stance:
+                    return self._settled_call(*args, **kwargs)
+        before = _frames_converted()
+        result = self._compiled(*args, **kwargs)
+        repeated = key in self._seen if self._interleaved else key == self._last
+        if (
+            repeated
+            and _frames_converted() == before
+            and _below_recompile_limit(self._code)
+        ):
+            if not self._interleaved:
+                self._settled.clear()
+            self._settled.add(key)
+        if len(self._seen) >= self.LIMIT:
+            self.reset()
+        self._seen.add(key)
+        self._last = key
+        return result
+
+
+def code_of(function: Any) -> CodeType | None:
+    """The code object ``torch.compile`` keys its cache entries by."""
+    function = getattr(function, "__func__", function)
+    return getattr(function, "__code__", None)
 
 
 def compile_static(
@@ -98,8 +245,7 @@ def compile_static(
     fixed: int = 0,
     dynamic: bool | None = False,
 ) -> Steady:
-    """``traced`` compiled as a region (the module), its guards skipped once
-    settled (``interleaved``, ``fixed``: see :class:`.steady.Steady`)."""
+    """``traced`` compiled as a region, its guards skipped once settled."""
     plain = torch.compile(traced, dynamic=dynamic)
     # The two settings matter only where dynamo compiles: settled calls,
     # which cannot, skip setting them around each call.
@@ -116,15 +262,10 @@ def compile_static(
 def _views_recomputed(compiled: Callable[..., Any]) -> Callable[..., Any]:
     """``compiled`` partitioned with views recomputed in the backward.
 
-    A region is a forward and a backward graph, so AOT autograd chooses what
-    the forward saves. Saving a view (a Dense's input seen transposed for its
-    weight's gradient) hides its base: the partitioner then saves relu's
-    boolean mask beside it rather than recompute the mask from the base it
-    keeps anyway, and inductor's CPU code stores and loads boolean masks 16
-    lanes at a time through a slow path (torch 2.13: about 10 ns an element,
-    twenty times relu itself). A whole step traces one graph and never meets
-    this. Only the plugin's regions get the setting, not a user's compile.
-    """
+    Saving a view (a Dense input seen transposed) hides its base, so the partitioner
+    saved relu's boolean mask beside it, which inductor's CPU code stores through a slow
+    path (torch 2.13: twenty times relu itself). Only the plugin's regions get the
+    setting."""
     try:
         patch = torch._functorch.config.patch(recompute_views=True)
     except (AttributeError, TypeError):  # another torch: as it partitions
@@ -133,11 +274,8 @@ def _views_recomputed(compiled: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class Region:
-    """``function`` compiled as a region under the distribution of its first call.
-
-    ``what`` names it in the one warning a compile failure gives, ``then``
-    says what runs from then on. ``interleaved``, ``fixed``: :class:`.steady.Steady`.
-    """
+    """``function`` compiled under the distribution of its first call; ``what`` and
+    ``then`` word the one warning a compile failure gives."""
 
     def __init__(
         self,
@@ -159,7 +297,6 @@ class Region:
         self.failed = False
 
     def compiled(self) -> Steady:
-        """The compiled function (made at the first call)."""
         if self._compiled is None:
             self._compiled = compile_static(
                 self._traced, state.model_parallel(), **self._options

@@ -1,37 +1,20 @@
 """The layers after a model's last repeated block and the loss, one compiled region.
 
-In blocks mode (:mod:`keras_dtensor_fix.compiled.blocks`) the training step
-runs eagerly and only the blocks are compiled. What follows the last block
-(a language model's head) and the loss then run eagerly on DTensors: the
-redistribution of the vocabulary-split logits, the log-softmax on them and
-their backward, each a dispatch through DTensor, where the whole step's graph
-fuses them. Here they run as one ``torch.compile``'d region per model, as the
-whole step would compile them, at a fixed cost whatever the depth.
+In blocks mode the head after the last block and the loss would run eagerly on DTensors
+(the logits' redistribution, the log-softmax and its backward) where a whole step fuses
+them. Here they run as one region per model. The region crosses the model's call, so
+while Keras's ``train_step`` runs (:func:`step` keeps its batch) three instance
+attributes are set on a functional model:
 
-The region crosses the model's call: Keras's ``train_step`` calls the model,
-then computes the loss on its output. For a functional model trained by
-Keras's own ``train_step``, the compile family's wrapper of that method
-(:func:`step`) keeps the batch's ``x``, ``y`` and ``sample_weight`` while the step runs
-and two attributes of the instance are set:
+- ``_run_through_graph`` runs the nodes up to the last one holding a block
+  eagerly, then the rest with the loss (and the compiled metrics' update,
+  where built) in the region;
+- ``_compute_loss`` returns the region's loss for that output and batch;
+- ``compute_metrics`` then only collects the results.
 
-- ``_run_through_graph`` (what ``Functional.call`` runs) runs the graph's
-  nodes up to the last one holding a block eagerly, as Keras does, then the
-  rest and ``_compute_loss`` in the region (a nested backbone holding the
-  blocks runs whole, eagerly: its final norm in the region gained 0-8 ms a
-  Gemma step, ``benchmarks/results/2026-12-05-one-region.md``);
-- ``_compute_loss`` returns the region's loss when called with that output
-  and that batch; otherwise it computes the loss itself;
-- ``compute_metrics``: where the class keeps Keras's, the region also updates
-  the metrics given to ``compile()`` (their reading of the logits, an
-  accuracy's argmax, fuses with the loss's), and a call with that output and
-  that batch only collects the results.
-
-The region's outputs pass through one autograd op
-(:func:`~keras_dtensor_fix.dtensor.zero_gradients_if_unused`): the model's
-output, which the standard step does not differentiate, gets zeros for a
-gradient, and a loss Keras computes itself from that output still has its
-gradient. A region torch.compile fails on runs eagerly from then on (warned).
-"""
+The outputs pass :func:`~keras_dtensor_fix.dtensor.zero_gradients_if_unused`: the
+model's output gets zeros for a gradient, and a loss Keras computes itself from it still
+has its gradient."""
 
 from __future__ import annotations
 
@@ -52,7 +35,6 @@ from keras_dtensor_fix.dtensor import (
     zero_gradients_if_unused,
 )
 from keras_dtensor_fix.engine import state, targets
-from keras_dtensor_fix.ops.values import output_laid_out
 
 #: The instance attributes this module sets (undone by :func:`uninstall`).
 _ATTRIBUTES = ("_run_through_graph", "_compute_loss", "compute_metrics")
@@ -99,7 +81,7 @@ METRICS = True
 
 
 def refusal(model: Any) -> str | None:
-    """Why ``model``'s tail cannot be a region, or None (before any plan)."""
+    """Why ``model``'s tail cannot be a region, or None."""
     functional = targets.keras_object("Functional")
     function = targets.keras_object("Function")
     base = targets.keras_object("BaseTrainer")
@@ -122,10 +104,8 @@ def refusal(model: Any) -> str | None:
 
 
 def plan(model: Any, routed: list[Any]) -> _Plan | str:
-    """Split ``model``'s graph after its last node holding a routed block.
-
-    Returns the plan, or why there is none.
-    """
+    """Split ``model``'s graph after its last node holding a routed block; the plan, or
+    why there is none."""
     reason = refusal(model)
     if reason is not None:
         return reason
@@ -133,14 +113,19 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
         targets.keras_object(name)  # imported now: the region's trace cannot
     ids = {id(block) for block in routed}
     nodes = _nodes_of(model)
-    held = _holding(nodes, ids)
+    held = [i for i, node in enumerate(nodes) if _holds(node.operation, ids)]
     if not held:
         return "no layer follows its last block"
     last = held[-1]
     if last == len(nodes) - 1:
         return "no layer follows its last block"
     front, tail = nodes[: last + 1], nodes[last + 1 :]
-    reason = _nodes_refusal(tail)
+    reason = refusals.layers(
+        layer
+        for node in tail
+        if hasattr(node.operation, "_flatten_layers")
+        for layer in node.operation._flatten_layers(include_self=True, recursive=True)
+    )
     if reason is not None:
         return reason
     boundary = _boundary(tail, model.outputs)
@@ -157,10 +142,8 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
 
 
 def install(model: Any, routed: list[Any]) -> _Plan | str:
-    """Run ``model``'s tail and loss as one region in its training steps.
-
-    Returns the plan installed, else why not. Undone by :func:`uninstall`.
-    """
+    """Run ``model``'s tail and loss as one region in its training steps; the plan, else
+    why not."""
     if not ENABLED:
         return "turned off"
     found = plan(model, routed)
@@ -278,8 +261,8 @@ def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
 
 
 def _metrics_in_region(model: Any) -> bool:
-    """Whether the region updates ``model``'s compiled metrics: Keras's own
-    ``compute_metrics``, with its metrics built (none is made in a graph)."""
+    """Whether the region updates the compiled metrics: Keras's own ``compute_metrics``,
+    its metrics built (none is made in a graph)."""
     metrics = getattr(model, "_compile_metrics", None)
     base = targets.keras_object("BaseTrainer")
     return (
@@ -299,9 +282,8 @@ def _tail(
     weight: Any,
     metrics: bool,
 ):
-    """The region: the tail's nodes, then the loss on the model's output and,
-    where ``metrics``, the compiled metrics' update (the loss and the metrics
-    read the same values: the step's order changes no result)."""
+    """The region: the tail's nodes, the loss and, where ``metrics``, the compiled
+    metrics' update."""
     # Megatron's "f" of each input as the graph's first op (as a block's).
     boundary = [reducing_input(value) for value in boundary]
     values = {id(ref): v for ref, v in zip(found.boundary, boundary, strict=True)}
@@ -318,28 +300,17 @@ def _tail(
 
 
 def _eager_rest(model: Any, found: _Plan, values: dict) -> Any:
-    """The tail run eagerly, as Keras runs it."""
     _run_nodes(model, found.tail, values)
     return _pack(model, values)
 
 
-# -- the graph split after the last block, run as ``Function._run_through_graph``
-# runs it
-
-
 def _nodes_of(model: Any) -> list[Any]:
-    """``model``'s operation nodes in the order Keras runs them."""
     return [
         node
         for depth in sorted(model._nodes_by_depth, reverse=True)
         for node in model._nodes_by_depth[depth]
         if node.operation is not None and not node.is_input
     ]
-
-
-def _holding(nodes: list[Any], ids: set[int]) -> list[int]:
-    """The positions of the nodes whose operation is or holds a routed block."""
-    return [i for i, node in enumerate(nodes) if _holds(node.operation, ids)]
 
 
 def _holds(operation: Any, ids: set[int]) -> bool:
@@ -366,15 +337,13 @@ def _run_nodes(model: Any, nodes: list[Any], values: dict[int, Any]) -> None:
 
 
 def _pack(model: Any, values: dict[int, Any]) -> Any:
-    """``model``'s outputs from ``values``, in its output structure."""
     tree = targets.keras_object("tree")
     found = [values[id(ref)] for ref in model.outputs]
     return tree.pack_sequence_as(model._outputs_struct, found)
 
 
 def _boundary(nodes: list[Any], outputs: list[Any]) -> list[Any]:
-    """What ``nodes`` read and ``outputs`` need that ``nodes`` do not make:
-    the tensors a region takes in, in order, each once."""
+    """The tensors ``nodes`` read and ``outputs`` need that ``nodes`` do not make."""
     wanted = [ref for node in nodes for ref in node.input_tensors] + list(outputs)
     skip = {id(ref) for node in nodes for ref in node.outputs}
     found = []
@@ -383,19 +352,3 @@ def _boundary(nodes: list[Any], outputs: list[Any]) -> list[Any]:
             skip.add(id(ref))
             found.append(ref)
     return found
-
-
-def _nodes_refusal(nodes: list[Any]) -> str | None:
-    """Why the region cannot hold ``nodes``: an output layout (which Keras
-    applies in a layer's call) or an activity regularizer; else None."""
-    distribution = targets.keras_object("distribution")()
-    for node in nodes:
-        layers = getattr(node.operation, "_flatten_layers", None)
-        for layer in layers(include_self=True, recursive=True) if layers else ():
-            if output_laid_out(layer):
-                return f"the LayoutMap lays out {layer.path}/output"
-            if getattr(layer, "activity_regularizer", None) is not None:
-                return f"{layer.name} has an activity regularizer"
-    if distribution is not None and distribution.get_tensor_layout("/output"):
-        return "the LayoutMap lays out the path '/output'"
-    return None

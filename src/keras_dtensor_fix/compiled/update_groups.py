@@ -1,36 +1,17 @@
 """Blocks mode's optimizer update compiled per block, one graph for alike blocks.
 
-Blocks mode (:mod:`keras_dtensor_fix.compiled.blocks`) runs the training
-step eagerly around its compiled blocks, so the optimizer's update ran op by
-op: on CPU each ``torch._foreach_*`` of Keras's torch optimizers is one op per
-variable, which the whole step's graph fuses into a few kernels. For most of
-them each variable's update reads only that variable, its gradient and its
-own slots: the update of one block's variables is the same program for every
-block of the same shapes.
+Eager ``_foreach_*`` updates are one op per variable, which a whole step's graph fuses.
+Here ``apply`` runs eagerly on DTensors (clipping, weight decay, the step count) and the
+optimizer's ``_parallel_update_step`` (set on the instance) runs the shard-wise update
+(:mod:`..ops.shardwise`) through a :class:`Grouped`: the variables split by owning
+block, each group through a region keyed by its shapes. The region gets stand-ins (an
+optimizer with its slot lists cut to the group, variables whose ``value`` it sets), so
+one graph serves every alike block. (Tracing the whole ``apply`` made the start grow
+with the depth: ``benchmarks/results/2026-11-29-update-per-block.md``.)
 
-Here ``apply`` runs eagerly (on DTensors, as in eager training: clipping,
-weight decay, the step count, Keras's branches), and the optimizer's own
-``_parallel_update_step`` (an instance attribute, :func:`install`) runs the
-shard-wise update (:mod:`keras_dtensor_fix.ops.shardwise`) through a
-:class:`Grouped`: the variables split by the routed block that owns them (the
-rest in one group), and each group runs the class's own update through a
-compiled region keyed by the group's shapes. That function never sees the
-real optimizer or variables: it gets a stand-in optimizer (the real one's
-attributes, with its slot lists and variable indices cut to the group) and
-stand-in variables whose ``value`` it sets to the tensors passed in, so a
-graph traced for one block serves every block alike, and its guards (the
-tensors' metadata, the stand-ins' identity) are what ``Steady`` checks.
-Tracing the whole ``apply`` instead made the compile grow with the depth
-(14% of the start a layer against 1-3%) for the same step time
-(``benchmarks/results/2026-11-29-update-per-block.md``).
-
-Only for a model trained by Keras's own ``train_step`` and Keras's own torch
-optimizers whose update is per variable
-(:func:`keras_dtensor_fix.engine.targets.per_variable_update`: not Nadam,
-whose update also advances a shared product) and that select no branch
-(gradient accumulation, EMA overwrites): the others update eagerly. A compile
-failure runs the update eagerly from then on (warned).
-"""
+Only Keras's own ``train_step`` and torch optimizers whose update is per variable
+(:func:`..engine.targets.per_variable_update`: not Nadam) and that select no branch
+(gradient accumulation, EMA overwrites)."""
 
 from __future__ import annotations
 
@@ -49,8 +30,7 @@ ENABLED = True
 
 
 def install(model: Any, routed: list[Any]) -> str | None:
-    """Give ``model``'s optimizer its update per block (``routed``: the blocks
-    compiled); None, or why not. Undone by :func:`uninstall`."""
+    """Give ``model``'s optimizer its update per block; None, or why not."""
     optimizer = getattr(model, "optimizer", None)
     if not ENABLED:
         return "turned off"
@@ -69,7 +49,6 @@ def install(model: Any, routed: list[Any]) -> str | None:
 
 
 def uninstall(model: Any) -> None:
-    """Give ``model``'s optimizer its class's update back."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and vars(optimizer).pop(_INSTALLED, None):
         vars(optimizer).pop("_parallel_update_step", None)
@@ -80,8 +59,8 @@ _INSTALLED = "_keras_dtensor_fix_grouped"
 
 
 def _update(grouped: Grouped, optimizer: Any, grads, variables, learning_rate) -> Any:
-    """The optimizer's ``_parallel_update_step``: per group where it runs
-    eagerly on DTensors under ModelParallel, else the class's (the family's)."""
+    """The optimizer's ``_parallel_update_step``: per group when eager on DTensors under
+    ModelParallel, else the class's."""
     grads, variables = list(grads), list(variables)
     if (
         state.compiling()
@@ -102,16 +81,12 @@ def groupable(optimizer: Any) -> str | None:
     update = _update_function(optimizer)
     if update is None or not targets.per_variable_update(update):
         return f"{type(optimizer).__name__}'s update is not per variable"
-    if getattr(optimizer, "gradient_accumulation_steps", None) or (
-        getattr(optimizer, "use_ema", False)
-        and getattr(optimizer, "ema_overwrite_frequency", None)
-    ):
+    if shardwise.selects_branches(optimizer):
         return "its update selects branches"
     return None
 
 
 def _update_function(optimizer: Any) -> Any:
-    """The class's ``_parallel_update_step`` function, unwrapped."""
     update = getattr(type(optimizer), "_parallel_update_step", None)
     return getattr(update, "__wrapped__", update)  # the family's wrapper
 
@@ -126,7 +101,7 @@ class _Stand:
 
 
 class _Entry:
-    """One group shape: its stand-ins and compiled function."""
+    """One group shape: its stand-ins and region."""
 
     def __init__(self, optimizer: Any, rows: list[str], size: int, name: str) -> None:
         self.stands = [_Stand() for _ in range(size)]
@@ -159,8 +134,8 @@ class _Entry:
 
 
 def _group_step(update, proxy, stands, rows, grads, values, slots, learning_rate):
-    """The region: the stand-ins take this group's tensors, then the class's
-    update runs on them (its in-place writes land on those tensors)."""
+    """The region: the stand-ins take the group's tensors, then the class's update runs
+    on them."""
     for stand, value in zip(stands, values, strict=True):
         stand.value = value
     for row, row_values in zip(rows, slots, strict=True):
@@ -170,7 +145,7 @@ def _group_step(update, proxy, stands, rows, grads, values, slots, learning_rate
 
 
 class Grouped:
-    """The shard-wise update of one optimizer, group by group (the module)."""
+    """The shard-wise update of one optimizer, group by group."""
 
     def __init__(self, optimizer: Any, routed: list[Any]) -> None:
         #: The class's own update (:func:`groupable` checked it per variable).
@@ -188,8 +163,8 @@ class Grouped:
     def __call__(
         self, bound: Any, optimizer: Any, grads: list, variables: list, lr: Any
     ) -> None:
-        """Run the class's ``_parallel_update_step`` (``bound``: bound to
-        ``optimizer``) on the local ``grads`` and ``variables``, per group."""
+        """Run ``bound`` (the class's update) on local ``grads`` and ``variables``, per
+        group."""
         rows = _slot_rows(optimizer, variables)
         if self.failed or rows is None:
             bound(grads, variables, lr)
@@ -214,7 +189,6 @@ class Grouped:
             done += 1
 
     def _run(self, context: tuple, indices: list[int], group: tuple, lr: Any) -> None:
-        """One group's update."""
         bound, optimizer, rows, read = context
         group_vars, group_grads = group
         if self.failed:
@@ -222,8 +196,7 @@ class Grouped:
             return
         values = [read(v) for v in group_vars]
         slots = [[read(rows[row][i]) for i in indices] for row in rows]
-        # Alike blocks share an entry; the compiled call's Steady checks every
-        # tensor's metadata (strides, dtypes, grad mode) before skipping guards.
+        # Alike blocks share an entry (Steady checks each tensor's metadata).
         key = (tuple(rows), tuple((v.shape, v.dtype) for v in values))
         entry = self._entries.get(key)
         if entry is None:
@@ -251,9 +224,8 @@ class Grouped:
 
 
 def _reader() -> Callable[[Any], Any]:
-    """How this update reads a variable's tensor: its ``_value``, what Keras's
-    ``value`` returns outside a stateless scope, an autocast scope and a
-    symbolic (meta-device) call, without those checks for each variable."""
+    """How this update reads a variable: its ``_value`` (what ``value`` returns outside
+    stateless, autocast and symbolic scopes) without those checks."""
     if (
         targets.keras_object("in_stateless_scope")()
         or targets.keras_object("get_autocast_scope")() is not None
@@ -273,13 +245,9 @@ def _raw(variable: Any) -> Any:
 
 
 def _slot_rows(optimizer: Any, variables: list) -> dict[str, list[Any]] | None:
-    """The optimizer's slot lists (a list with one variable for each trainable
-    one, by ``_trainable_variables_indices``), cut to ``variables``' order.
-
-    None where a variable is not the optimizer's, or where another list of
-    that length holds anything else: the stand-in optimizer would keep it
-    whole, and an update indexing it by a group's positions would be wrong.
-    """
+    """The optimizer's slot lists (one variable per trainable one), cut to
+    ``variables``' order; None where a variable is not the optimizer's or another list
+    of that length holds anything else."""
     indices = getattr(optimizer, "_trainable_variables_indices", None)
     trainable = getattr(optimizer, "_trainable_variables", None)
     if not isinstance(indices, dict) or not isinstance(trainable, list):

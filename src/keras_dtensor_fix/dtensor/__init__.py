@@ -1,42 +1,16 @@
-"""Pure-torch DTensor helpers: find a DTensor among arguments, promote plain tensors.
+"""Pure-torch DTensor helpers (no Keras), re-exported here: import the names from the
+package, not its modules.
 
-Nothing here knows Keras. A plain tensor is promoted only as the *full logical
-value* (a Replicate DTensor on the partner's mesh); a tensor that looks like one
-rank's shard of the partner is refused with :class:`PromotionError`.
+A plain tensor is promoted only as the full value (a Replicate DTensor); one that looks
+like one rank's shard is refused (:class:`PromotionError`). Modules: ``spec`` (the
+DTensorSpec cache), ``collectives`` (the one all-reduce path, polled on CPU),
+``placement`` (placement checks, ``redistributed``, ``placed``, Partial reduction),
+``planner`` (may a computation run on local tensors), ``local`` (``wrap_local``,
+``unwrap_local``, Megatron's "f", a layer on local tensors), ``promotion``, ``gather``
+(op-specific layouts), ``einsum``, ``megatron`` and ``world`` (rank and world size).
 
-Modules, by job (each imports only those above it; collectives reads its
-setting from the package):
-
-- :mod:`.spec`: the DTensorSpec cache; ``forget_meshes`` empties it and
-  torch's sharding caches when a new mesh is made.
-- :mod:`.collectives`: the one all-reduce path (and generation's all-gather,
-  ``all_gather_ints``), polled on CPU.
-- :mod:`.placement`: mesh and placement checks, ``redistributed``, ``placed``,
-  reducing Partial values.
-- :mod:`.planner`: the one rule for running on local tensors: may a layer,
-  an op, a loss or an optimizer update run on each rank's local tensors, and
-  with which collectives on the way out (pure: placements in, a plan out;
-  imported as a module, ``planner.region``; ``whole`` is also here).
-- :mod:`.local`: ``wrap_local``, ``unwrap_local``, ``replicate``,
-  ``reducing_gradient``, ``reducing_input``.
-- :mod:`.promotion`: finding DTensors, promotion, ``PromotionError``,
-  ``replicated_locals``, ``to_placements``, ``replicate_plain``.
-- :mod:`.gather`: op-specific layouts (embedding lookups, index reductions,
-  batch-only calls, per-element ops, slice updates, gathering outputs).
-- :mod:`.region`: a layer's computation on local tensors (``local_region``).
-- :mod:`.einsum`: einsum and dense layers as one local einsum per rank.
-- :mod:`.megatron`: a tensor-parallel block on local tensors
-  (``local_part``, ``with_split``; imported as a module).
-- :mod:`.world`: this process's rank and the group's size, the one lookup
-  (imported as a module: it is about processes, not tensors).
-
-Import the names below from the package (``from keras_dtensor_fix.dtensor
-import redistributed``); the modules are its layout, not its interface.
-
-:data:`POLL_SECONDS` is a setting, and it lives here only: ``poll_work`` in
-:mod:`.collectives` reads ``keras_dtensor_fix.dtensor.POLL_SECONDS`` at each
-call, so ``keras_dtensor_fix.dtensor.POLL_SECONDS = 0`` takes effect at once.
-"""
+:data:`POLL_SECONDS` lives here only: ``collectives.poll_work`` reads it at each call,
+so setting it on the package takes effect at once."""
 
 from __future__ import annotations
 
@@ -59,6 +33,7 @@ from keras_dtensor_fix.dtensor.gather import (
     vocab_parallel_lookup,
 )
 from keras_dtensor_fix.dtensor.local import (
+    local_region,
     reducing_gradient,
     reducing_input,
     replicate,
@@ -94,7 +69,6 @@ from keras_dtensor_fix.dtensor.promotion import (
     set_implicit_replication,
     to_placements,
 )
-from keras_dtensor_fix.dtensor.region import local_region
 from keras_dtensor_fix.dtensor.spec import forget_meshes
 
 __all__ = [

@@ -1,17 +1,5 @@
-"""The one all-reduce path: c10d all-reduces, polled on CPU (gloo) eagerly.
-
-Also the one all-gather of generation's vocabulary-split logits
-(``all_gather_last``), polled alike eagerly, a functional all-gather in a
-compiled token step, and every process's few integers (``all_gather_ints``:
-what each feeds an epoch), polled alike.
-
-``all_reduce_sum`` (Megatron's "g") and ``all_reduce_sums`` (one all-reduce
-per dtype) go through ``_reduce_in_place``, as do the plugin's reductions of
-Partial values and gradients (:mod:`.placement`, :mod:`.local`). An eager CPU
-all-reduce is polled for :data:`keras_dtensor_fix.dtensor.POLL_SECONDS`
-before its thread blocks; that setting lives in the package and is read from
-there at each call, so setting it on the package takes effect.
-"""
+"""The one all-reduce path (c10d, polled on CPU eagerly), generation's all-gather of
+logits and ``all_gather_ints``."""
 
 from __future__ import annotations
 
@@ -27,11 +15,8 @@ import keras_dtensor_fix.dtensor as _package
 
 
 def all_reduce_sum(value: torch.Tensor, mesh: Any, axes: Sequence[int]) -> torch.Tensor:
-    """Sum a plain tensor (one rank's partial sum) over ``mesh`` axes ``axes``.
-
-    Autograd sees the identity: every rank's partial sum gets the (replicated)
-    gradient of the total. Megatron's row-parallel "g" operator.
-    """
+    """Sum a plain tensor over ``mesh`` axes ``axes``; autograd sees the identity
+    (Megatron's row-parallel "g")."""
     if torch.is_grad_enabled() and value.requires_grad:
         return _AllReduceSum.apply(value, mesh, tuple(axes))
     return all_reduce_copy(value, mesh, axes)
@@ -49,10 +34,7 @@ def all_reduce_copy(
 
 
 def all_reduce_sums(values: Sequence[torch.Tensor], group: Any) -> list[torch.Tensor]:
-    """``values`` (plain tensors) summed over ``group``: one all-reduce per dtype.
-
-    Each dtype's values are concatenated into one copy, reduced, and split.
-    """
+    """``values`` summed over ``group``: one all-reduce per dtype."""
     out = list(values)
     for dtype in dict.fromkeys(v.dtype for v in values):
         picked = [i for i, v in enumerate(values) if v.dtype == dtype]
@@ -67,8 +49,8 @@ def all_reduce_sums(values: Sequence[torch.Tensor], group: Any) -> list[torch.Te
 
 
 def all_gather_last(value: torch.Tensor, mesh: Any, axis: int) -> torch.Tensor:
-    """Every rank's ``value`` (plain, no gradient) side by side along its last
-    dim, in their order along mesh ``axis``: vocabulary-split logits made whole."""
+    """Every rank's ``value`` side by side along its last dim, in mesh ``axis`` order:
+    vocabulary-split logits made whole."""
     size = mesh.size(axis)
     if size == 1:
         return value
@@ -88,8 +70,7 @@ def all_gather_last(value: torch.Tensor, mesh: Any, axis: int) -> torch.Tensor:
 
 
 def all_gather_ints(values: Sequence[int], device: Any) -> list[list[int]]:
-    """Every process's ``values`` (as many on each), indexed by rank, over the
-    default group; ``device`` is where the group's backend takes tensors."""
+    """Every process's ``values``, indexed by rank, over the default group."""
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     parts = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
     work = torch.distributed.all_gather(parts, mine, async_op=True)
@@ -113,13 +94,9 @@ def _reduce_in_place(value: torch.Tensor, group: Any) -> None:
 def poll_work(work: Any) -> None:
     """Wait for gloo work by polling it, yielding the core between polls.
 
-    Blocked on the work's condition variable, the thread leaves its core idle,
-    and waking it again took most of the wait on a VM (in-process A/B, eager
-    MLP on 2 gloo ranks: -23% and -26% wall per step). Polling stops after
-    :data:`keras_dtensor_fix.dtensor.POLL_SECONDS` (read from the package
-    now); ``work.wait()`` then blocks (and raises a failure).
-    CUDA work is never polled: its wait only orders streams.
-    """
+    A thread blocked on the work leaves its core idle, and waking it took most of the
+    wait on a VM. Polling stops after ``POLL_SECONDS``; ``work.wait()`` then blocks (and
+    raises a failure)."""
     deadline = time.perf_counter() + _package.POLL_SECONDS
     while not work.is_completed() and time.perf_counter() < deadline:
         _yield()

@@ -1,15 +1,9 @@
-"""Einsum on DTensors as one local einsum per rank (pure torch, no Keras).
+"""Einsum on DTensors as one local einsum per rank (pure torch).
 
-DTensor runs ``einsum`` as the ops it decomposes into (views, permutes, bmm),
-each through sharding propagation; a view of a sharded tensor takes DTensor's
-Python slow path. Where the placements say what each rank holds (every mesh
-axis either replicated everywhere, or sharded on one subscript letter in every
-operand that has it: :func:`.planner.product` decides, after
-:func:`.planner.aligned`), the result is one local ``torch.einsum``: sharded on
-that letter's output dim, or ``Partial("sum")`` when the letter is summed.
-The backward is local too; an operand replicated on an axis where another is
-sharded gets a ``Partial("sum")`` gradient, as DTensor's own einsum gives.
-"""
+DTensor runs ``einsum`` as views, permutes and bmm, each through sharding propagation
+(views take its slow path). Where :func:`.planner.product` finds a local form, the
+result is one local ``torch.einsum``, sharded on a letter's dim or ``Partial("sum")``
+where it is summed, with a local backward."""
 
 from __future__ import annotations
 
@@ -31,6 +25,7 @@ from keras_dtensor_fix.dtensor import (
     unwrap_local,
     wrap_local,
 )
+from keras_dtensor_fix.dtensor.placement import without_partials
 
 __all__ = [
     "linear_equation",
@@ -43,14 +38,9 @@ Placements = tuple[Any, ...]
 
 
 def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
-    """``torch.einsum(equation, *operands)`` computed on local shards, or None.
-
-    None where the operands are not all DTensors of one float dtype on one
-    mesh, or where :func:`.planner.product` finds no local form. Under
-    torch.compile too: DTensor's own einsum reshapes a head-sharded operand
-    into strided shards that its ``bmm`` has no rule for (torch 2.13; grouped-query
-    attention's ``"btkgh,bskh->bkgts"``), where the local form needs none.
-    """
+    """``torch.einsum(equation, *operands)`` on local shards, or None. Compiled too:
+    DTensor's einsum makes strided shards its ``bmm`` has no rule for (torch 2.13;
+    grouped-query attention)."""
     if len(operands) < 2:
         return None
     first = operands[0]
@@ -87,11 +77,8 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
 def _align_shards(
     equation: str, operands: Sequence[DTensor], mesh: Any, compiling: bool
 ) -> Sequence[DTensor]:
-    """``operands`` placed as :func:`.planner.aligned` says (the way in).
-
-    Traced, the plan's functions are called without their ``lru_cache``: dynamo
-    traces through the cache anyway, and warns the user of it at each trace.
-    """
+    """``operands`` placed as :func:`.planner.aligned` says; traced, without the
+    ``lru_cache`` (dynamo warns at each trace through it)."""
     aligned = planner.aligned
     wanted = (aligned.__wrapped__ if compiling else aligned)(
         equation, tuple(tuple(o.placements) for o in operands), tuple(mesh.shape)
@@ -105,12 +92,7 @@ def _align_shards(
 def _traced_einsum(
     equation: str, found: tuple, operands: Sequence[DTensor], mesh: Any
 ) -> DTensor:
-    """:class:`_LocalEinsum` in the DTensor calls dynamo traces.
-
-    ``to_local`` hands each operand's gradient back with the plan's gradient
-    placements; ``from_local``'s backward gives a Partial output a replicated
-    gradient, as :class:`_LocalEinsum`'s backward takes it.
-    """
+    """:class:`_LocalEinsum` as the DTensor calls dynamo traces."""
     out_placements, grad_placements, _ = found
     locals_ = [
         (reducing_gradient(o) if any(p.is_partial() for p in g) else o).to_local(
@@ -123,16 +105,9 @@ def _traced_einsum(
 
 
 def local_matmul(x: Any, w: Any) -> DTensor | None:
-    """``x @ w`` as :func:`local_einsum`: a ``(..., k)`` by ``(k, n)``
-    product, or a batched one (both 3 or more dims, their batch dims
-    broadcast as matmul does: :func:`batched_equation`).
-
-    Only where ``x`` has batch dims of its own (3 or more dims): DTensor's
-    matmul flattens them with views, which take its slow path (and, compiled,
-    strided shards its ``bmm`` has no rule for: the head-split attention
-    logits of Gemma4). A 2-d product is one cached ``mm`` for DTensor,
-    cheaper than this.
-    """
+    """``x @ w`` as :func:`local_einsum`, where ``x`` has batch dims (3 or more):
+    DTensor's matmul flattens them with views (its slow path; compiled, strided shards).
+    A 2-d product is one cached ``mm`` for DTensor."""
     if not (isinstance(x, DTensor) and isinstance(w, DTensor)):
         return None
     if not 3 <= x.ndim <= 10:
@@ -144,10 +119,8 @@ def local_matmul(x: Any, w: Any) -> DTensor | None:
 
 
 def batched_equation(left: tuple[int, ...], right: tuple[int, ...]) -> str | None:
-    """The einsum of ``matmul`` on a ``left`` by a ``right`` shape (both 3 to
-    10 dims), or None. A batch dim of size 1 that the other operand holds
-    larger gets a letter of its own, summed away (a sum over one element):
-    the planner refuses a letter of two sizes."""
+    """The einsum of ``matmul`` on ``left`` by ``right`` shapes (3 to 10 dims), or None;
+    a broadcast batch dim of size 1 gets a letter of its own."""
     if not (3 <= len(left) <= 10 and 3 <= len(right) <= 10):
         return None
     if left[-1] != right[-2]:
@@ -181,10 +154,7 @@ _LINEAR = {
 
 
 def linear_equation(ndim: int) -> str | None:
-    """The einsum of a ``(..., k)`` input of ``ndim`` dims by a ``(k, n)`` kernel.
-
-    None outside 1 to 10 dims.
-    """
+    """The einsum of a ``(..., k)`` input of ``ndim`` dims by a ``(k, n)`` kernel."""
     return _LINEAR.get(ndim)
 
 
@@ -202,17 +172,10 @@ def local_dense(
 ) -> DTensor | None:
     """``activation(einsum(equation, x, w) + b)`` on local tensors, or None.
 
-    A dense layer (Keras ``Dense``, ``EinsumDense``). ``x`` is a DTensor or a
-    plain tensor holding the full value (no gradient), ``w`` a DTensor kernel,
-    ``b`` a DTensor bias that broadcasts against the output's trailing dims,
-    sharded where they are. The product is planned by :func:`.planner.product`; a summed
-    sharded letter is all-reduced before the bias (Megatron's row-parallel
-    layer). Between the unwrapped inputs and the wrapped output every op,
-    forward and backward, is a plain torch op: no DTensor dispatch. None where
-    anything does not fit: a traced step, mixed dtypes or meshes, placements
-    with no local form, a bias placed otherwise, an activation whose ``scope``
-    the output's sharding splits.
-    """
+    A dense layer: a summed sharded letter is all-reduced before the bias (Megatron's
+    row-parallel layer), every op between plain torch. None for a trace, mixed dtypes or
+    meshes, no local form, a bias placed otherwise, an activation whose ``scope`` the
+    output's sharding splits."""
     if torch.compiler.is_compiling() or not isinstance(w, DTensor):
         return None
     mesh = w.device_mesh
@@ -235,7 +198,7 @@ def local_dense(
     if found is None:
         return None
     out, (x_grad, w_grad), summed = found
-    reduced = tuple(Replicate() if p.is_partial() else p for p in out)
+    reduced = without_partials(out)
     out_shape = _output_shape(equation, tuple(x.shape), tuple(w.shape))
     if b is not None:
         if not isinstance(b, DTensor) or b.dtype != w.dtype or not _same_mesh(b, mesh):
@@ -280,13 +243,8 @@ def _output_shape(
 def _bias_plan(
     out_shape: tuple[int, ...], out: Placements, bias_shape: tuple[int, ...]
 ) -> tuple[Placements, Placements] | None:
-    """A bias's placements and its gradient's, next to an output placed ``out``.
-
-    The bias lines up with the output's trailing dims: sharded where the
-    output is, on a dim it does not broadcast; else replicated, with a
-    Partial gradient where it broadcasts over a sharded dim (each rank sums
-    its rows). None where it does not line up.
-    """
+    """A bias's placements and its gradient's beside an output placed ``out`` (Partial
+    where it broadcasts over a sharded dim), or None."""
     offset = len(out_shape) - len(bias_shape)
     if offset < 0 or any(
         size not in (1, out_shape[offset + i]) for i, size in enumerate(bias_shape)
@@ -305,11 +263,8 @@ def _bias_plan(
 
 
 def _scope_fits(scope: str, placements: Placements, ndim: int) -> bool:
-    """Whether an activation of ``scope`` runs locally on an output so placed.
-
-    ``"elementwise"``: each element alone; ``"last"``: along the last dim;
-    anything else needs the whole value.
-    """
+    """Whether an activation of ``scope`` (``elementwise``, ``last``) runs locally on an
+    output so placed."""
     if scope == "elementwise":
         return True
     if scope == "last":
@@ -332,7 +287,7 @@ class _LocalEinsum(torch.autograd.Function):
         out_placements, grad_placements, _ = ctx.found
         mesh = ctx.mesh
         # A Partial output's gradient is the full (replicated) gradient.
-        want = tuple(Replicate() if p.is_partial() else p for p in out_placements)
+        want = without_partials(out_placements)
         if not isinstance(grad, DTensor):
             grad = replicate(grad, mesh)
         grad = redistributed(grad, want)
@@ -364,11 +319,8 @@ class _LocalEinsum(torch.autograd.Function):
 
 @functools.lru_cache(maxsize=512)
 def _grad_equations(equation: str) -> tuple[str, ...] | None:
-    """Per operand, the einsum of the output gradient and the other operands.
-
-    ``"abk,kn->abn"`` gives ``("abn,kn->abk", "abn,abk->kn")``. None where an
-    operand has a letter that neither the output nor another operand has.
-    """
+    """Per operand, the einsum of its gradient (``"abk,kn->abn"``: ``("abn,kn->abk",
+    "abn,abk->kn")``); None where a letter is only that operand's."""
     subscripts, output = planner.parse_equation(equation)  # product() parsed it already
     found = []
     for i, letters in enumerate(subscripts):

@@ -1,10 +1,4 @@
-"""Op-specific layouts: what an op needs gathered or split to run correctly.
-
-A vocabulary-parallel embedding lookup with no mask state, tables gathered on
-the axes that split their ids, an index reduction's axis gathered, batch-only
-calls (convolutions), per-element ops (``one_hot``), in-place slice updates
-(a KV cache), and a model output's non-batch axes gathered for ``predict``.
-"""
+"""Op-specific layouts: what an op needs gathered or split to run correctly."""
 
 from __future__ import annotations
 
@@ -26,18 +20,11 @@ from keras_dtensor_fix.dtensor.placement import (
 def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
     """``embedding(ids, table)`` for a table split on its rows, with no mask state.
 
-    DTensor's own lookup returns a ``_MaskPartial`` value that carries its mask
-    from the lookup to the reduction in a Python buffer. A traced step cannot
-    hold that: dynamo runs an autograd.Function's forward twice (once to trace
-    it, once for its output), the first run releases the mask and the second
-    finds none, and inductor meets the traced run's fake mask in its own fake
-    mode. Here each rank looks its ids up in its own rows, zeroes the rows it
-    does not hold and the partial sums are reduced: Megatron's
-    vocabulary-parallel embedding, the same values and gradients, all in
-    traceable DTensor calls. Negative ids count from the end, as Keras's
-    ``take`` does. Returns ``None`` when ``table`` is not a 2-D DTensor split on
-    its rows by exactly one mesh axis (DTensor's own rule then runs).
-    """
+    DTensor's ``_MaskPartial`` keeps its mask in a Python buffer that a trace cannot
+    hold (dynamo runs the forward twice; the first run releases it). Here each rank
+    looks up its own rows and zeroes the rest, then the partial sums are reduced:
+    Megatron's vocabulary-parallel embedding. Negative ids count from the end. None
+    unless ``table`` is 2-D split on its rows by one mesh axis."""
     if not isinstance(table, DTensor) or table.ndim != 2:
         return None
     mesh = table.device_mesh
@@ -94,11 +81,7 @@ def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
 
 
 def gather_non_batch_axes(value: Any, batch_dim_name: str | None) -> Any:
-    """This process's rows of ``value``: sharded on the batch mesh axis only.
-
-    Every other mesh axis is gathered, so a model-axis-sharded output comes
-    back whole. Non-DTensors pass through.
-    """
+    """This process's rows of ``value``: every mesh axis but the batch gathered."""
     if not isinstance(value, DTensor):
         return value
     mesh = value.device_mesh
@@ -111,13 +94,8 @@ def gather_non_batch_axes(value: Any, batch_dim_name: str | None) -> Any:
 
 
 def per_element_call(fn: Any, value: Any) -> DTensor | None:
-    """``fn(value)`` on each rank's shard, for an op that maps each element alone.
-
-    ``fn`` may add trailing dims (``one_hot``), which no mesh axis splits.
-    DTensor has no rule for such ops under torch.compile (``one_hot`` checks
-    its values, which a trace cannot), and none is needed: each shard's
-    result is the result's shard. Returns ``None`` for a Partial value.
-    """
+    """``fn(value)`` on each rank's shard, for an op mapping each element alone
+    (``one_hot``, which DTensor cannot trace); None for a Partial value."""
     if not isinstance(value, DTensor):
         return None
     if any(p.is_partial() for p in value.placements):
@@ -143,17 +121,9 @@ def per_element_call(fn: Any, value: Any) -> DTensor | None:
 def batch_parallel_call(
     fn: Any, value: Any, weights: Sequence[Any], mesh: Any
 ) -> DTensor:
-    """``fn(value, *weights)`` per rank: weights gathered, ``value`` only batch-split.
-
-    For ops DTensor has no rule for on the placements at hand (a convolution
-    whose kernel or input channels are sharded: torch's conv handler knows
-    only replicated and width-sharded operands and mislabels the rest). Each
-    mesh axis that splits ``value`` on dim 0 keeps splitting it; every other
-    axis is gathered, and the result has the batch placements. A weight's
-    gradient is a Partial sum over the batch axes (reduced by autograd where
-    its redistribution back to the weight's placements runs). Plain operands
-    are taken as full values.
-    """
+    """``fn(value, *weights)`` per rank: weights gathered, ``value`` only batch-split (a
+    convolution with sharded channels, which torch's rule mislabels); a weight's
+    gradient is a Partial sum over the batch axes."""
     batch = (
         tuple(
             Shard(0) if isinstance(p, Shard) and p.dim == 0 else Replicate()
@@ -178,17 +148,10 @@ def batch_parallel_call(
 def update_in_place_of(
     inputs: Any, updates: Any
 ) -> tuple[Any, torch.Tensor, torch.Tensor, tuple] | None:
-    """Local operands for writing ``updates`` into a copy of ``inputs``.
-
-    For ops that write one tensor into another (a KV cache's slice update):
-    with a plain or differently placed target, DTensor's in-place copy would
-    need to change the target's placements, which it refuses. Both take the
-    placements of ``updates`` (a plain ``inputs`` is the full value, split
-    locally with no communication) wherever ``updates`` spans every sharded
-    dim whole, so each rank writes its own part; otherwise both are gathered.
-    Returns ``(mesh, local inputs, local updates, placements)`` or ``None``
-    when neither is a DTensor. A Partial ``updates`` is reduced first.
-    """
+    """Local operands for writing ``updates`` into a copy of ``inputs`` (a KV cache's
+    slice update, where DTensor refuses to change the target's placements): both take
+    ``updates``' placements where it spans every sharded dim whole, else both are
+    gathered. ``(mesh, inputs, updates, placements)``, or None without a DTensor."""
     partner = updates if isinstance(updates, DTensor) else inputs
     if not isinstance(partner, DTensor):
         return None
@@ -209,15 +172,8 @@ def update_in_place_of(
 
 
 def gather_axes_splitting(table: Any, ids: Any) -> Any:
-    """``table`` gathered on every mesh axis that also splits ``ids``.
-
-    A layout that shards a weight on the batch axis too (keras-hub's 2-D
-    layouts, FSDP style) splits an embedding table's columns on the axis
-    that splits the ids' rows: no placement of the lookup holds both, and
-    DTensor's embedding rule then pairs a mask of the local rows with the
-    global rows (IndexError). Gathering those columns first is what FSDP does
-    before a weight is used; its gradient is reduce-scattered back.
-    """
+    """``table`` gathered on every mesh axis that also splits ``ids`` (FSDP-style 2-D
+    layouts: DTensor's embedding rule failed with an IndexError)."""
     if not (isinstance(table, DTensor) and isinstance(ids, DTensor)):
         return table
     if not same_mesh(table.device_mesh, ids.device_mesh):
@@ -232,13 +188,8 @@ def gather_axes_splitting(table: Any, ids: Any) -> Any:
 
 
 def gather_axis(value: Any, axis: int | None) -> Any:
-    """``value`` gathered on the mesh axes that shard tensor dim ``axis``.
-
-    ``axis=None`` gathers every sharded dim. An index reduction (``argmax``)
-    over a sharded dim needs the whole dim: DTensor's own rule for it reads a
-    scalar back from the tensor, a graph break that leaves DTensors as the
-    outputs of a compiled graph.
-    """
+    """``value`` gathered on the mesh axes that shard dim ``axis`` (None: all): an index
+    reduction's rule reads a scalar back, a graph break."""
     if not isinstance(value, DTensor):
         return value
     dim = None if axis is None else axis % max(value.ndim, 1)

@@ -1,10 +1,5 @@
-"""Crossing between local tensors and DTensors, cheaper than torch's own.
-
-``wrap_local`` and ``unwrap_local`` are ``DTensor.from_local`` and
-``to_local`` built from cached specs (:mod:`.spec`) with smaller autograd ops;
-``replicate`` wraps a full value; ``reducing_gradient`` (Megatron's "f") sums
-an activation's Partial gradient once in backward (:mod:`.collectives`).
-"""
+"""Crossing between local tensors and DTensors, cheaper than torch's own: specs cached
+(:mod:`.spec`), smaller autograd ops, Megatron's "f"."""
 
 from __future__ import annotations
 
@@ -14,8 +9,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from keras_dtensor_fix.dtensor import planner
 from keras_dtensor_fix.dtensor.collectives import all_reduce_copy
-from keras_dtensor_fix.dtensor.placement import forget_kept, redistributed, views_leaf
+from keras_dtensor_fix.dtensor.placement import (
+    forget_kept,
+    redistributed,
+    views_leaf,
+    without_partials,
+)
 from keras_dtensor_fix.dtensor.spec import (
     INTERNALS,
     SPECS,
@@ -26,14 +27,9 @@ from keras_dtensor_fix.dtensor.spec import (
 
 
 def wrap_local(value: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> DTensor:
-    """``DTensor.from_local(value, mesh, placements, run_check=False)``, cheaper.
-
-    The DTensor is built as ``from_local`` builds it, from a cached spec. A
-    tensor that needs no gradient (a batch, a metric input) skips the autograd
-    op; one that does takes :class:`_WrapLocal`, a smaller one. A Partial
-    value that needs a gradient, a negative shard dim, a traced step and any
-    torch without those internals go through ``from_local``.
-    """
+    """``DTensor.from_local(value, mesh, placements, run_check=False)``, cheaper: from a
+    cached spec, with a smaller autograd op (none without gradient). A Partial value
+    with gradient, a negative dim and a trace take ``from_local``."""
     if value.device.type != mesh.device_type:
         value = value.to(mesh.device_type)
     placements = tuple(placements)
@@ -59,11 +55,7 @@ def wrap_local(value: torch.Tensor, mesh: Any, placements: Sequence[Any]) -> DTe
 
 
 class _WrapLocal(torch.autograd.Function):
-    """``from_local``'s autograd op for Replicate and Shard placements.
-
-    The gradient goes back as the local tensor of a gradient with the forward
-    placements (redistributed to them first if it has others).
-    """
+    """``from_local``'s autograd op for Replicate and Shard placements."""
 
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor, spec: Any) -> DTensor:
@@ -83,13 +75,8 @@ class _WrapLocal(torch.autograd.Function):
 def unwrap_local(
     value: DTensor, grad_placements: Sequence[Any] | None = None
 ) -> torch.Tensor:
-    """``value.to_local(grad_placements=...)``, cheaper when it needs a gradient.
-
-    The gradient comes back as :func:`wrap_local` of the plain gradient with
-    ``grad_placements`` (default: the forward placements), from a cached spec,
-    where ``to_local``'s backward builds a new one. A Partial ``value``, a
-    traced step and any torch without those internals go through ``to_local``.
-    """
+    """``value.to_local(grad_placements=...)``, its gradient wrapped from a cached spec;
+    a Partial value and a trace take ``to_local``."""
     if not (value.requires_grad and torch.is_grad_enabled()):
         return value._local_tensor.view_as(value._local_tensor)
     if (
@@ -105,18 +92,11 @@ def unwrap_local(
 def reducing_gradient(value: Any) -> Any:
     """``value``, whose gradient is summed over its Partial mesh axes once.
 
-    Megatron's "f" operator. A replicated activation read by column-parallel
-    products (Q, K and V, an FFN's gates, a vocabulary-sharded head) gets a
-    Partial gradient from each; autograd adds those up (no communication) and
-    this op's backward all-reduces the total once. Handed on as Partial, the
-    gradient ran through the ops before as Partial: a replicated weight there
-    (a norm's scale) got a Partial gradient, and every later reader of the
-    residual stream reduced its own copy. One op per DTensor (cached on it: its
-    readers share the reduction). Traced, the op is ``redistribute`` to the
-    same placements: identity forward, and a backward that reduces a Partial
-    gradient to the input's placements. Leaves (weights), values that need no
-    gradient and a torch without the spec internals pass as is.
-    """
+    Megatron's "f": a replicated activation read by column-parallel products gets a
+    Partial gradient from each; autograd adds them and this op's backward all-reduces
+    the total once. Handed on as Partial, every earlier reader of the residual stream
+    reduced its own copy. Cached on the value (its readers share it); traced, a
+    ``redistribute`` to the same placements."""
     if (
         not isinstance(value, DTensor)
         or value.is_leaf  # dynamo reads no grad_fn; an activation is no leaf
@@ -141,12 +121,8 @@ def reducing_gradient(value: Any) -> Any:
 
 
 def reducing_input(value: Any) -> Any:
-    """:func:`reducing_gradient` of a compiled region's input, traced.
-
-    Kept on its own result, not on ``value``: set on a tensor from outside
-    the graph it would be an extra output that gets no gradient. The
-    region's ops read the result, whose readers share the one reduction.
-    """
+    """:func:`reducing_gradient` of a compiled region's input, kept on its own result
+    (on an input from outside the graph it would be an extra output)."""
     if (
         not isinstance(value, DTensor)
         or value.is_leaf
@@ -160,14 +136,8 @@ def reducing_input(value: Any) -> Any:
 
 
 def without_kept(value: Any) -> Any:
-    """A compiled region's output, without what its readers kept on it.
-
-    Inside the region, a reader of the output (a loss gathering the logits:
-    ``placement.placed``) may keep its result on it; returned with the
-    output, that result becomes one more output of the graph, which needs a
-    gradient and gets none, and torch 2.13's compiled backward refuses the
-    plain zeros autograd gives it (pytorch/pytorch#173123). Traced.
-    """
+    """A compiled region's output without what readers kept on it: kept, it would be one
+    more graph output that gets no gradient (pytorch/pytorch#173123)."""
     if isinstance(value, DTensor):
         forget_kept(value)
         if getattr(value, _REDUCING, None) is not None:
@@ -197,7 +167,7 @@ class _ReduceGradient(torch.autograd.Function):
         if not axes:
             return grad
         total = all_reduce_copy(grad._local_tensor, ctx.mesh, axes)
-        reduced = tuple(Replicate() if p.is_partial() else p for p in placements)
+        reduced = without_partials(placements)
         return wrap_local(total, ctx.mesh, reduced)
 
 
@@ -225,15 +195,10 @@ def replicate(value: torch.Tensor, mesh: Any) -> DTensor:
 
 
 def zero_gradients_if_unused(values: Sequence[Any]) -> list[Any]:
-    """``values``, each DTensor's gradient zeros of its spec where none comes.
+    """``values``, each DTensor's missing gradient zeros of its spec.
 
-    A compiled function's backward takes one tangent per output, guessed from
-    the forward output's DTensor metadata; autograd fills an output that got
-    no gradient (a decoder block's KV cache in training) with plain zeros,
-    which torch 2.13 refuses ("Expected a DTensor tangent but got a plain
-    Tensor", pytorch/pytorch#173123). One autograd op for all of them, which
-    the used ones reach; values that need no gradient pass as is.
-    """
+    Autograd fills an output that got no gradient with plain zeros, which a compiled
+    backward refuses (torch 2.13, pytorch/pytorch#173123). One autograd op for all."""
     values = list(values)
     at = [i for i, v in enumerate(values) if isinstance(v, DTensor) and v.requires_grad]
     if not at:
@@ -267,3 +232,17 @@ class _ZeroIfUnused(torch.autograd.Function):
                 grad = DTensor(zeros, copy_spec(spec), requires_grad=False)
             filled.append(grad)
         return tuple(filled)
+
+
+def local_region(
+    values: Sequence[Any], mixes: frozenset[int] | None
+) -> tuple[Any, tuple, list[Any]] | None:
+    """``(mesh, placements, locals)`` when a layer's computation may run on each
+    rank's local tensors (:func:`.planner.region`; each rank's backward is its
+    piece's), else None."""
+    found = planner.region(values, mixes)
+    if found is None:
+        return None
+    mesh, placements = found
+    local = [unwrap_local(v) if isinstance(v, DTensor) else v for v in values]
+    return mesh, placements, local

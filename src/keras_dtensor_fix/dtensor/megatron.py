@@ -1,15 +1,6 @@
-"""A tensor-parallel block on local tensors: Megatron's layout, from placements.
-
-A decoder block whose weights are split on one mesh axis only (column-parallel
-products in, row-parallel products out) computes on each rank's local
-tensors with one all-reduce after each row-parallel product, as Megatron's
-decoder does: its input is whole on that axis, its attention runs on the
-rank's own heads, and its key/value cache stays split by heads. This module
-cuts a block's inputs to one rank's part (``local_part``) and names the
-placements of what it returns (``with_split``); whether the block's weights
-are split so is the planner's (``planner.split_axis``). Pure torch: the
-Keras side is ``generation/decoder.py``.
-"""
+"""A tensor-parallel block on local tensors (Megatron's layout), pure torch: its inputs
+cut to one rank's part (``local_part``) and the placements of what it returns
+(``with_split``). The Keras side is ``generation/decoder.py``."""
 
 from __future__ import annotations
 
@@ -26,16 +17,9 @@ from keras_dtensor_fix.dtensor.planner import shard_dim
 def local_part(
     value: Any, mesh: Any, axis: int, dim: int | None, like: DTensor | None = None
 ) -> Any:
-    """This rank's part of a block input, or None where it has no local form.
-
-    ``dim`` None: the value must be whole along mesh ``axis`` (a replicated
-    DTensor, whatever its other axes hold, or a plain tensor). Otherwise the
-    rank's slice of ``dim`` along ``axis``: a DTensor split there already, or
-    a replicated one or a plain tensor cut to it. A plain tensor beside a
-    ``like`` (the block's input) split on other mesh axes is cut as ``like``
-    on dim 0 (the batch) when ``dim`` is given (a cache); any other such
-    plain tensor has no known local form (a scalar has one: itself).
-    """
+    """This rank's part of a block input, or None where it has no local form: whole
+    along mesh ``axis`` (``dim`` None), or the rank's slice of ``dim``; a plain tensor
+    beside a ``like`` split on other axes is cut as ``like`` on the batch dim."""
     if isinstance(value, DTensor):
         if not same_mesh(value.device_mesh, mesh):
             return None

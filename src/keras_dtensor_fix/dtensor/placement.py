@@ -1,12 +1,4 @@
-"""Placements of a DTensor on its mesh: compare, move, share, reduce.
-
-``redistributed`` redistributes, a relabel only on mesh axes of one rank;
-``placed`` keeps an activation's redistribution for all its readers;
-``reduce_partial`` and ``reduce_masked`` turn pending (Partial) reductions
-into Replicate, with plain c10d all-reduces where they can
-(:mod:`.collectives`). Also the mesh and placement predicates the rest of the
-package uses (``same_mesh``, ``is_replicated``, ``without_partials``).
-"""
+"""Placements of a DTensor on its mesh: compare, move, share, reduce."""
 
 from __future__ import annotations
 
@@ -21,15 +13,11 @@ from keras_dtensor_fix.dtensor.spec import INTERNALS, cached_spec, copy_spec
 
 
 def same_mesh(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` are the same DeviceMesh.
+    """Whether ``a`` and ``b`` are the same DeviceMesh (identity, else equality).
 
-    Identity is the usual case (one torch mesh per Keras mesh) and the cheap
-    test; DeviceMesh's equality covers a mesh built twice. Traced, the answer
-    is yes: dynamo's identity test on a DeviceMesh can change between the
-    analysis of a frame and its restart after a graph break (a
-    SpeculationLogDivergence), and a Keras distribution has one mesh, which
-    the eager steps before have checked.
-    """
+    Traced, yes: dynamo's identity test on a mesh can change between a frame's analysis
+    and its restart after a graph break, and a Keras distribution has one mesh, which
+    the eager steps checked."""
     if torch.compiler.is_compiling():
         return True
     return a is b or a == b
@@ -42,12 +30,8 @@ def _trivial_taken(mesh: Any, have: tuple, want: tuple) -> tuple:
 
 
 class _Relabel(torch.autograd.Function):
-    """New placements on one-rank mesh axes only: the same local tensor.
-
-    On a mesh axis of one rank every placement holds the same data (a sum of
-    one term is the total, one shard is the whole), yet ``redistribute``
-    issues a collective over that one-rank group for a Partial one.
-    """
+    """New placements on one-rank mesh axes only: the same local tensor (where
+    ``redistribute`` would issue a collective over a one-rank group)."""
 
     @staticmethod
     def forward(ctx: Any, value: DTensor, placements: tuple) -> DTensor:
@@ -66,12 +50,7 @@ class _Relabel(torch.autograd.Function):
 
 
 def redistributed(value: DTensor, placements: Sequence[Any]) -> DTensor:
-    """``value.redistribute`` to ``placements`` on its mesh, free on one-rank axes.
-
-    Placements that differ only on mesh axes of one rank are relabelled
-    (:class:`_Relabel`, or ``from_local`` when traced); the rest is
-    redistributed. A torch without the spec internals redistributes as is.
-    """
+    """``value.redistribute`` to ``placements``, a relabel only on one-rank axes."""
     placements = tuple(placements)
     have = tuple(value.placements)
     if have == placements:
@@ -100,12 +79,8 @@ def redistributed(value: DTensor, placements: Sequence[Any]) -> DTensor:
 
 
 def one_rank_replicated(value: Any) -> Any:
-    """``value`` labelled Replicate on its mesh axes of one rank (no data moves).
-
-    A batch sharded over a one-rank "batch" axis and the same batch made
-    replicated hold the same local tensor, yet a compiled graph guards on the
-    placements: one label for both keeps one graph.
-    """
+    """``value`` labelled Replicate on its one-rank mesh axes (no data moves): a
+    compiled graph guards on placements, and one label keeps one graph."""
     if not isinstance(value, DTensor):
         return value
     have = tuple(value.placements)
@@ -114,15 +89,10 @@ def one_rank_replicated(value: Any) -> Any:
 
 
 def on_mesh(value: Any, mesh: Any) -> Any:
-    """``value`` on the ``mesh`` object where it sits on an equal one (no
-    data moves).
+    """``value`` on the ``mesh`` object where it sits on an equal one.
 
-    DeviceMesh compares by value, so caches keyed by a spec (DTensor's
-    sharding propagation) can hand back an earlier equal mesh, say one
-    a re-run notebook cell made; a compiled graph guards on the mesh's
-    identity and would compile again (torch 2.13; equality guards were
-    proposed in pytorch/pytorch#124401).
-    """
+    Sharding propagation's caches may hand back an earlier equal mesh; a compiled graph
+    guards on the mesh's identity and would compile again."""
     if (
         not isinstance(value, DTensor)
         or value.device_mesh is mesh
@@ -142,15 +112,11 @@ def on_mesh(value: Any, mesh: Any) -> Any:
 def placed(value: DTensor, placements: Sequence[Any]) -> DTensor:
     """:func:`redistributed`, once per activation and placements.
 
-    An activation (not a leaf: nothing assigns to it) keeps what it was
-    redistributed to, so its readers share one redistribution and its
-    backward: a loss and an accuracy metric on the same vocabulary-sharded
-    logits gather them once, and Q, K and V sharding one replicated input on
-    the axis they contract sum their gradients before the one all-gather. A
-    compiled graph needs this too: inductor does not merge collectives. A
-    result made without gradient serves only callers without; one made before
-    an in-place change to the activation (eager: its version) is not reused.
-    A view of a weight is no activation (:func:`views_leaf`): never kept.
+    An activation keeps what it was redistributed to, so its readers share one
+    redistribution and its backward (a loss and an accuracy gather the logits once; Q, K
+    and V sum their gradients before one all-gather); inductor does not merge
+    collectives either. A result without gradient serves only callers without; one made
+    before an in-place change is not reused; leaves and views of leaves are never kept.
     """
     placements = tuple(placements)
     if value.is_leaf or views_leaf(value):
@@ -174,26 +140,15 @@ def placed(value: DTensor, placements: Sequence[Any]) -> DTensor:
 
 
 def views_leaf(value: torch.Tensor) -> bool:
-    """Whether ``value`` is a view of a leaf (a weight's transpose).
-
-    Such a value may outlive a step (keras-hub Gemma3n's tied logits read a
-    transpose of the embedding made once, at construction, a constant of the
-    functional graph) while the optimizer writes its weight's local shard in
-    place, unseen by the view's version counters (both stay 0): anything kept
-    on it would be the weight as it was.
-    """
+    """Whether ``value`` is a view of a leaf: the optimizer writes the weight in place
+    unseen by the view's version counter, so nothing is kept on it."""
     base = value._base
     return base is not None and base.is_leaf
 
 
 def kept_detached(value: Any) -> list[tuple[bool, Any]]:
-    """What :func:`placed` kept on ``value``, each result detached (traced).
-
-    A compiled region returns these beside ``value`` (kept on it, they would
-    be outputs that need a gradient): eager readers of the region's output (a
-    metric gathering the logits the loss gathered inside) reuse them through
-    :func:`keep`.
-    """
+    """What :func:`placed` kept on ``value``, detached: a compiled region returns them
+    beside ``value`` for eager readers (:func:`keep`)."""
     kept = getattr(value, _PLACED, None) or []
     # Placements do not leave a graph as themselves: :func:`keep` reads them
     # off each result.
@@ -201,9 +156,8 @@ def kept_detached(value: Any) -> list[tuple[bool, Any]]:
 
 
 def keep(value: Any, entries: list[tuple[bool, Any]]) -> None:
-    """Give ``value`` (eager) what :func:`kept_detached` took from a region's
-    output. Their results have no gradient path: a reader whose result is
-    differentiated must not find them (:func:`forget_kept` first)."""
+    """Give ``value`` what :func:`kept_detached` took from a region's output (no
+    gradient path: :func:`forget_kept` before a differentiated reader)."""
     if entries:
         version = value._version
         kept = [(tuple(r.placements), version, grad, r) for grad, r in entries]
@@ -231,14 +185,8 @@ def without_partials(placements: Sequence[Any]) -> tuple:
 
 
 def reduce_partial(value: Any) -> Any:
-    """``value`` with its ``Partial`` mesh axes reduced to ``Replicate``.
-
-    What Megatron's row-parallel layer does with its output. Left Partial, the
-    first nonlinear op reduces it in the forward pass and its backward reduces
-    the saved Partial input a second time. Eager sums take one c10d
-    all-reduce per axis (:class:`_SumPartial`); anything else (another reduce
-    op, a traced step) goes through ``redistribute``.
-    """
+    """``value`` with its ``Partial`` mesh axes reduced to ``Replicate`` (Megatron's
+    row-parallel output); eager sums by plain c10d all-reduces."""
     if not isinstance(value, DTensor):
         return value
     placements = tuple(value.placements)
@@ -263,14 +211,9 @@ def reduce_partial(value: Any) -> Any:
 
 
 def reduce_masked(value: Any) -> Any:
-    """``value`` reduced at once if it is partial with a one-shot mask.
-
-    A lookup in a table sharded on its rows (an embedding sharded on the
-    vocabulary) gives a ``_MaskPartial`` value whose mask torch releases at
-    its first reduction: a second use of the unreduced value (a layer norm
-    that reads it twice) fails. Reduced where it is made, it is plain
-    Replicate, as Megatron's vocabulary-parallel embedding returns it.
-    """
+    """``value`` reduced at once if it is partial with a one-shot mask: torch releases a
+    ``_MaskPartial``'s mask at its first reduction, so a second reader of the unreduced
+    value failed."""
     if isinstance(value, DTensor) and any(
         p.is_partial() and type(p) is not Partial for p in value.placements
     ):
@@ -280,11 +223,8 @@ def reduce_masked(value: Any) -> Any:
 
 
 class _ReduceMasked(torch.autograd.Function):
-    """Reduce a masked partial value; its gradient goes back replicated.
-
-    ``redistribute``'s own backward would turn a Partial gradient into the
-    mask placement, which torch does not support (tied embeddings give one).
-    """
+    """Reduce a masked partial value; its gradient goes back replicated (torch has no
+    Partial-to-mask redistribution)."""
 
     @staticmethod
     def forward(ctx: Any, value: DTensor, reduced: tuple) -> DTensor:
@@ -299,12 +239,8 @@ class _ReduceMasked(torch.autograd.Function):
 
 
 class _SumPartial(torch.autograd.Function):
-    """Partial("sum") to Replicate with plain c10d all-reduces.
-
-    The same result and gradient as ``redistribute`` (whose backward keeps a
-    replicated gradient replicated), without its functional-collective
-    machinery, which on a CPU (gloo) step costs more than the all-reduce.
-    """
+    """Partial("sum") to Replicate with plain c10d all-reduces, cheaper on gloo than the
+    functional collectives."""
 
     @staticmethod
     def forward(ctx: Any, value: DTensor, reduced: tuple) -> DTensor:

@@ -1,43 +1,18 @@
 """The one answer to "may this run on each rank's local tensors, and how?".
 
-Pure decisions, as DTensor's sharding propagation decides a placement apart
-from running the op: operands' meshes, placements and shapes in, a plan (or
-None: keep the DTensor path) out. The callers execute: ``region.local_region``
-(a layer), ``einsum`` (a product op), ``promotion.replicated_locals`` (any
-other op), ``patches/replicated`` (a loss or a metric update) and
-``patches/optimizers`` (an optimizer update).
+Pure decisions: meshes, placements and shapes in, a plan (or None: keep the DTensor
+path) out. The rules for every kind: one mesh; a one-rank mesh axis holds everything; a
+Partial value is a pending sum no local computation reads (except a caller reducing it
+first, ``partial=True``); a plain tensor is the full value; ``gradients=False`` refuses
+a value that needs one.
 
-One set of rules for every kind:
-
-- **One mesh.** Every DTensor operand sits on one mesh.
-- **A mesh axis of one rank holds everything.** Whatever its placement there,
-  each rank's local tensor is whole along it (keras-hub's layouts shard on the
-  "batch" axis of a (1, n) mesh): it counts as replicated.
-- **A Partial value is a pending sum** that no local computation may read.
-  Refused, except by a caller that reduces it on the way in (``partial=True``:
-  a loss or metric update, whose first op would reduce it anyway). An op
-  refuses it: DTensor keeps a linear op's Partial pending, which is cheaper
-  than reducing it first.
-- **A plain tensor is the full value** (as promotion takes it); one with dims
-  must sit on the mesh's device type.
-- **Gradients** pass where the caller's execution carries them
-  (``gradients=False``: a value that needs one is refused).
-
-The kinds, and the collectives each needs on the way out:
-
-=============  ===============================================  ==================
-kind           runs locally when                                collectives out
-=============  ===============================================  ==================
-replicated     every operand is whole on every rank             none (replicated)
-region         operands are split alike, only on dims the       none (the split
-               computation does not read across (``mixes``)     operands' layout)
-product        an einsum's sharded letters are sharded alike    all-reduce of the
-               in every operand that has them                   summed axes
-shardwise      an elementwise update over operands split alike  none
-megatron       a block's weights split on one mesh axis only    one all-reduce per
-               (``split_axis``; the block's shape is checked    row-parallel
-               by its caller, ``generation/decoder.py``)               product
-=============  ===============================================  ==================
+- ``replicated``: every operand whole; no collective out.
+- ``region``: operands split alike on dims the computation does not read
+  across (``mixes``); the result keeps their layout.
+- ``product``: an einsum whose sharded letters are sharded alike; summed
+  axes all-reduced on the way out.
+- ``shardwise``: an elementwise update over operands split alike.
+- ``split_axis``: a Megatron block's weights split on one mesh axis.
 """
 
 from __future__ import annotations
@@ -69,11 +44,8 @@ Placements = tuple[Any, ...]
 
 
 def split_dims(value: DTensor, *, partial: bool = False) -> frozenset[int] | None:
-    """The dims ``value`` is split on over mesh axes of more than one rank.
-
-    None for a Partial value (a pending sum), unless ``partial`` (the caller
-    reduces it first: what is left split is its Shard dims).
-    """
+    """The dims ``value`` is split on over mesh axes of more than one rank; None for a
+    Partial value unless ``partial``."""
     mesh, dims = value.device_mesh, set()
     for axis, placement in enumerate(value.placements):
         if placement.is_partial():
@@ -99,8 +71,8 @@ def _effective(value: DTensor) -> Placements:
 
 
 def _one_mesh(values: Sequence[Any], mesh: Any = None) -> tuple[bool, Any]:
-    """``(ok, mesh)``: whether every DTensor in ``values`` sits on ``mesh``
-    (the first one's when None), and that mesh (None: no DTensor, none given)."""
+    """``(ok, mesh)``: whether every DTensor in ``values`` sits on ``mesh`` (the first
+    one's when None), and that mesh."""
     for value in values:
         if isinstance(value, DTensor):
             if mesh is None:
@@ -126,12 +98,8 @@ def replicated(
     gradients: bool = True,
     partial: bool = False,
 ) -> Any | None:
-    """The mesh when a computation on ``values`` may run whole on every rank.
-
-    ``mesh``: the mesh of the caller's variables, for calls whose arguments
-    may hold no DTensor (a metric update on plain labels). A list or tuple
-    leaf holding a DTensor is refused (its tensors would stay distributed).
-    """
+    """The mesh when a computation on ``values`` may run whole on every rank (``mesh``:
+    for calls that may hold no DTensor)."""
     ok, mesh = _one_mesh(values, mesh)
     if not ok or mesh is None:
         return None
@@ -154,14 +122,8 @@ def region(
 ) -> tuple[Any, Placements] | None:
     """``(mesh, placements)`` when a layer's computation may run locally.
 
-    ``values`` are the leaves of the call's arguments; ``mixes`` the dims the
-    computation reads across (None: unknown, so every DTensor must be whole).
-    Every split operand must be split alike (same shape and placements, mesh
-    axes of one rank aside) and every other tensor whole along the split dims
-    (size 1 there: a mask broadcast over heads). ``placements`` are what a
-    result with the operands' shape gets: the split operands' placements, or
-    Replicate everywhere.
-    """
+    Every split operand split alike, every other tensor whole (or of size 1) along the
+    split dims, none split on ``mixes`` (None: every DTensor whole)."""
     ok, mesh = _one_mesh(values)
     if not ok or mesh is None:
         return None
@@ -198,14 +160,8 @@ def region(
 
 
 def shardwise(values: Sequence[Any], states: Sequence[Any]) -> Any | None:
-    """The mesh when an elementwise update may run on each rank's shards.
-
-    An optimizer update: ``values`` (the variables and their gradients,
-    aligned to the variables' placements first) must all be DTensors on one
-    mesh without Partial placements, and so must every ``states`` entry with
-    dims (the optimizer's slots, which Keras lays out as their variables).
-    Scalars (the step count, the learning rate) may be anything.
-    """
+    """The mesh when an optimizer update may run on each rank's shards: values and slots
+    DTensors on one mesh without Partial, scalars anything."""
     if not all(isinstance(v, DTensor) and split_dims(v) is not None for v in values):
         return None
     ok, mesh = _one_mesh([*values, *states])
@@ -232,10 +188,8 @@ class Product(NamedTuple):
 
 
 def parse_equation(equation: str) -> tuple[list[str], str] | None:
-    """Operand subscripts and output of an explicit einsum equation, or None.
-
-    None for an implicit output (no ``->``) or an ellipsis.
-    """
+    """Operand subscripts and output of an explicit einsum equation without an ellipsis,
+    or None."""
     equation = equation.replace(" ", "")
     if "..." in equation or "->" not in equation:
         return None
@@ -249,16 +203,9 @@ def aligned(
 ) -> tuple[Placements, ...]:
     """The operands' placements for :func:`product`: the collectives on the way in.
 
-    Where operands shard different letters on one mesh axis (keras-hub's 2-D
-    layouts shard a kernel on "batch" next to batch-split activations), the
-    first operand's letter stays and the others are gathered on that axis
-    (FSDP's all-gather of the weight; its backward reduce-scatters the
-    gradient). Then a replicated operand is split where another shards a
-    letter it holds: Llama's attention output (replicated) meets a kernel
-    sharded on the heads it contracts, and each rank takes its own slice (no
-    communication; the split's backward gathers the gradient). Unchanged
-    where the equation does not parse.
-    """
+    Operands sharding different letters on one mesh axis: the first keeps its letter,
+    the others are gathered there (FSDP's all-gather). Then a replicated operand is
+    split where another shards a letter it holds (its own slice, no communication)."""
     parsed = parse_equation(equation)
     if parsed is None or len(parsed[0]) != len(placements):
         return placements
@@ -294,14 +241,10 @@ def product(
 ) -> Product | None:
     """The local form of ``einsum(equation, ...)`` on operands so placed, or None.
 
-    Each mesh axis is either replicated in every operand, or shards one
-    letter in every operand that has it: the output is sharded on that
-    letter's dim, or Partial where it is summed (then all-reduced on the way
-    out); an operand without the letter gets a Partial gradient. None for an
-    ellipsis, a repeated or broadcast letter, Partial, uneven or strided
-    shards, two letters sharded on one mesh axis, or a sharded letter that
-    some operand holds unsharded.
-    """
+    Each mesh axis is replicated everywhere or shards one letter in every operand
+    holding it: the output is sharded on it, or Partial where it is summed. None for an
+    ellipsis, a repeated or broadcast letter, Partial, uneven shards or two letters on
+    one axis."""
     parsed = parse_equation(equation)
     if parsed is None:
         return None
@@ -351,10 +294,8 @@ def product(
 
 
 def split_axis(values: Sequence[DTensor]) -> tuple[Any, int] | None:
-    """``(mesh, axis)``: the one mesh axis (of more than one rank) ``values``
-    are split on, each on at most one dim; None for anything else (two split
-    axes, a Partial value, two meshes, nothing split). An axis of one rank
-    splits nothing."""
+    """``(mesh, axis)``: the one mesh axis (of more than one rank) ``values`` are split
+    on, each on at most one dim; else None."""
     if not values:
         return None
     mesh, axis = values[0].device_mesh, None

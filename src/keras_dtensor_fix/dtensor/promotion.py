@@ -1,12 +1,6 @@
-"""Find a DTensor among arguments and promote plain tensors next to it.
-
-A plain tensor is promoted only as the *full logical value* (a Replicate
-DTensor on the partner's mesh); a tensor that looks like one rank's shard of
-the partner is refused with :class:`PromotionError`. Also DTensor's implicit
-replication switch, ``replicated_locals`` (when an op may run on local tensors),
-``to_placements`` and ``describe`` for error messages; ``replicate_plain``
-(a loop's plain carries, for a body that reads DTensors).
-"""
+"""Find a DTensor among arguments and promote plain tensors next to it (only as the full
+value: a shard-like tensor raises :class:`PromotionError`), and DTensor's implicit
+replication switch."""
 
 from __future__ import annotations
 
@@ -23,10 +17,7 @@ from keras_dtensor_fix.dtensor.placement import redistributed, same_mesh
 
 
 class PromotionError(RuntimeError):
-    """A plain tensor met a DTensor and could not be promoted safely.
-
-    ``problem`` says what was found, ``hint`` what to do; the message is both.
-    """
+    """A plain tensor met a DTensor and could not be promoted safely."""
 
     def __init__(self, problem: str, hint: str = "") -> None:
         super().__init__(f"{problem} {hint}".strip())
@@ -35,21 +26,13 @@ class PromotionError(RuntimeError):
 
 
 def implicit_replication() -> bool:
-    """Whether DTensor treats a plain tensor operand as a replicated value here.
-
-    torch keeps the switch per thread (C++ thread-local state, carried into
-    autograd's backward threads).
-    """
+    """Whether DTensor treats a plain tensor operand as replicated (per thread)."""
     return bool(DTensor._op_dispatcher._allow_implicit_replication)
 
 
 def set_implicit_replication(on: bool) -> None:
-    """Turn DTensor's implicit replication of plain tensors on or off (this thread).
-
-    It lives in DTensor's dispatcher, in C: an op that mixes a plain tensor
-    with a DTensor costs no Python beyond DTensor's own dispatch, and an op
-    without a DTensor is not touched at all.
-    """
+    """Turn DTensor's implicit replication on or off (this thread; in C, no Python cost
+    per op)."""
     DTensor._op_dispatcher._allow_implicit_replication = bool(on)
 
 
@@ -105,14 +88,9 @@ def describe(value: Any) -> str:
 
 
 def replicated_locals(values: Sequence[Any]) -> tuple[Any, list[Any]] | None:
-    """The mesh and ``values`` with each DTensor as its local tensor, or None.
-
-    For an op with no gradient to carry, where :func:`.planner.replicated`
-    says every operand is whole on every rank (a Partial one is refused: the
-    DTensor path keeps a linear op's pending sum) and nothing is being
-    traced. Each rank then computes the full result, the same everywhere,
-    with no DTensor dispatch.
-    """
+    """The mesh and ``values`` with each DTensor as its local tensor, where every
+    operand is whole (:func:`.planner.replicated`), nothing needs a gradient and nothing
+    is traced; else None."""
     if torch.compiler.is_compiling():
         return None
     mesh = planner.replicated(values, gradients=False)
@@ -131,12 +109,8 @@ def replicate_result(result: Any, mesh: Any) -> Any:
 
 
 def local_shard_dim(value: torch.Tensor, partner: DTensor) -> int | None:
-    """The dim where ``value`` has the partner's *local* size, not its global one.
-
-    Such a tensor is most likely one rank's shard of a sharded value (a per-rank
-    data batch, a ``to_local()`` result): promoting it as Replicate would be
-    wrong. Only meaningful for elementwise (broadcasting) ops.
-    """
+    """The dim where ``value`` has the partner's local size, not its global one: likely
+    one rank's shard, wrong to promote as Replicate."""
     if value.ndim != partner.ndim:
         return None
     local_shape = partner._local_tensor.shape
@@ -152,10 +126,7 @@ def local_shard_dim(value: torch.Tensor, partner: DTensor) -> int | None:
 def promote(
     value: torch.Tensor, partner: DTensor, *, op: str = "op", elementwise: bool = True
 ) -> DTensor:
-    """Promote plain ``value`` next to ``partner`` as a Replicate DTensor.
-
-    Raises :class:`PromotionError` when ``value`` looks like a per-rank shard.
-    """
+    """Promote plain ``value`` next to ``partner`` as a Replicate DTensor."""
     if elementwise:
         dim = local_shard_dim(value, partner)
         if dim is not None:
@@ -195,12 +166,8 @@ def promote_args(
 
 
 def to_placements(value: torch.Tensor, like: DTensor) -> DTensor:
-    """Return ``value`` with ``like``'s mesh and placements.
-
-    A plain tensor of ``like``'s global shape is taken as the full value; one of
-    its local shape as this rank's shard. A DTensor is redistributed (a
-    ``Partial`` gradient becomes reduced, for instance).
-    """
+    """``value`` with ``like``'s mesh and placements (a plain tensor of its global shape
+    is the full value, of its local shape this rank's shard)."""
     mesh, placements = like.device_mesh, tuple(like.placements)
     if isinstance(value, DTensor):
         if not same_mesh(value.device_mesh, mesh):

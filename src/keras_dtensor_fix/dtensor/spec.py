@@ -1,11 +1,6 @@
 """The DTensorSpec cache: building a spec costs more than the rest of a small op.
-
-:func:`~keras_dtensor_fix.dtensor.local.wrap_local` and the relabelling and
-reducing autograd ops of :mod:`.placement` build DTensors from cached specs
-(``cached_spec``) and give each its own shallow copy (``copy_spec``).
-``INTERNALS`` holds torch's spec internals, or ``None`` on a torch that moved
-them (callers then take torch's public, slower path); it is fixed at import.
-"""
+``INTERNALS`` holds torch's spec internals, or None on a torch that moved them (callers
+then take the public path)."""
 
 from __future__ import annotations
 
@@ -35,13 +30,8 @@ def remember(key: tuple, spec: Any) -> Any:
 
 
 def cached_spec(mesh: Any, placements: tuple, meta: Any) -> Any:
-    """The (cached) DTensorSpec of ``mesh``, ``placements`` and a TensorMeta.
-
-    Keyed by the mesh's identity: an equal mesh of another distribution
-    (DeviceMesh compares by value) gets a spec of its own, which dynamo's
-    guards on a DTensor's mesh object then find. The spec holds its mesh, so
-    an id in the cache is never reused.
-    """
+    """The cached DTensorSpec of ``mesh``, ``placements`` and a TensorMeta, keyed by the
+    mesh's identity (dynamo guards on it)."""
     key = (id(mesh), placements, meta)
     spec = SPECS.get(key)
     if spec is None:
@@ -50,16 +40,11 @@ def cached_spec(mesh: Any, placements: tuple, meta: Any) -> Any:
 
 
 def forget_meshes() -> None:
-    """Empty torch's sharding-propagation caches (Python's and the C++ fast
-    path's), called when a new torch mesh is made.
+    """Empty torch's sharding-propagation caches when a new torch mesh is made.
 
-    They match a mesh by value and hand back the output spec of the first
-    equal mesh they met: after an earlier distribution, an op's output holds
-    that older mesh object. Compiled, AOT autograd's joint graph then finds
-    the older mesh only in the tangent built from that output, and a forward
-    output that refers to a tangent fails to partition ("Node tangents_2 was
-    invalid, but is output"); dynamo also guards on the mesh's identity.
-    """
+    They hand back the first equal mesh they met: a compiled joint graph then found the
+    older mesh in a tangent only and failed to partition ("Node tangents_2 was invalid,
+    but is output")."""
     import torch
 
     try:

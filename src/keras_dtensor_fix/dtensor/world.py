@@ -1,8 +1,4 @@
-"""This process's place in the default process group: the one lookup.
-
-Without a process group (one process, or before ``init_process_group``) it
-is rank 0 of 1.
-"""
+"""This process's rank and world size; rank 0 of 1 without a process group."""
 
 from __future__ import annotations
 

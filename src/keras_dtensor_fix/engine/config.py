@@ -1,15 +1,10 @@
-"""Environment configuration, parsed in one place.
+"""Environment configuration, parsed in one place; standard library only (it runs at
+interpreter start).
 
-``KERAS_DTENSOR_FIX`` switches automatic activation on or off,
-``KERAS_DTENSOR_FIX_DISABLE`` turns off single patch families and
-``KERAS_DTENSOR_FIX_STRICT`` makes a patch that cannot apply raise instead of
-warn; ``KERAS_DTENSOR_FIX_SAVE_TIMEOUT`` is how long processes wait for the one
-writing a shared save; ``KERAS_DTENSOR_FIX_COMPILE`` chooses what
-``jit_compile=True`` compiles. ``KERAS_DTENSOR_FIX`` is parsed by the
-start-up hook's :func:`parse_enabled` (``_keras_dtensor_fix_boot``, installed
-beside the package), the one parser of it. This module imports nothing but
-the standard library and that hook: it runs at interpreter start.
-"""
+``KERAS_DTENSOR_FIX`` (on/off, parsed by the start-up hook's :func:`parse_enabled`),
+``KERAS_DTENSOR_FIX_DISABLE`` (families off), ``KERAS_DTENSOR_FIX_STRICT`` (a patch that
+cannot apply raises), ``KERAS_DTENSOR_FIX_SAVE_TIMEOUT`` (the wait for a shared save's
+writer) and ``KERAS_DTENSOR_FIX_COMPILE`` (what ``jit_compile=True`` compiles)."""
 
 from __future__ import annotations
 
@@ -68,10 +63,8 @@ class Config:
 
 
 def parse_disable(raw: str | None) -> tuple[frozenset[str], str | None]:
-    """Parse ``KERAS_DTENSOR_FIX_DISABLE``: ``(disabled families, warning)``.
-
-    ``*`` among the names disables every family (see :data:`ALL`).
-    """
+    """Parse ``KERAS_DTENSOR_FIX_DISABLE``: ``(disabled families, warning)``; ``*``
+    disables every family."""
     names = [item.strip().lower() for item in (raw or "").split(",")]
     names = [name for name in names if name]
     if ALL in names:
@@ -94,11 +87,8 @@ _cache_lock = threading.Lock()
 
 
 def load(environ: Mapping[str, str] | None = None, *, warn: bool = True) -> Config:
-    """Read the configuration from ``environ`` (default ``os.environ``).
-
-    Each distinct pair of raw values is parsed once per process, so a
-    malformed value warns once (``RuntimeWarning``) however often it is read.
-    """
+    """Read the configuration from ``environ``; each distinct value is parsed once per
+    process, so a malformed one warns once."""
     env = os.environ if environ is None else environ
     key = (env.get(ENV_ENABLE), env.get(ENV_DISABLE), env.get(ENV_STRICT))
     with _cache_lock:
@@ -122,11 +112,8 @@ def load(environ: Mapping[str, str] | None = None, *, warn: bool = True) -> Conf
 
 
 def save_seconds(environ: Mapping[str, str] | None = None) -> float:
-    """``KERAS_DTENSOR_FIX_SAVE_TIMEOUT`` in seconds (a positive number).
-
-    Read at each save, so a script may set it late; a bad value warns and
-    :data:`DEFAULT_SAVE_SECONDS` stands.
-    """
+    """``KERAS_DTENSOR_FIX_SAVE_TIMEOUT`` in seconds, read at each save; a bad value
+    warns and :data:`DEFAULT_SAVE_SECONDS` stands."""
     raw = (os.environ if environ is None else environ).get(ENV_SAVE_TIMEOUT, "")
     if not raw.strip():
         return DEFAULT_SAVE_SECONDS
@@ -145,13 +132,8 @@ def save_seconds(environ: Mapping[str, str] | None = None) -> float:
 
 
 def compile_mode(environ: Mapping[str, str] | None = None) -> str:
-    """``KERAS_DTENSOR_FIX_COMPILE``: one of :data:`COMPILE_MODES`.
-
-    ``auto`` (unset): a model's steps compile block by block where the model
-    repeats blocks, else whole (``compiled/blocks.choose``). Read when a
-    model builds its step, so a script may set it late; a value not
-    understood warns and the default (``auto``) stands.
-    """
+    """``KERAS_DTENSOR_FIX_COMPILE``, one of :data:`COMPILE_MODES`, read when a step is
+    built; a value not understood warns and ``auto`` stands."""
     raw = (os.environ if environ is None else environ).get(ENV_COMPILE, "")
     value = raw.strip().lower()
     if not value:

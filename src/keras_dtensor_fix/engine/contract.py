@@ -1,11 +1,6 @@
-"""The family contract: what an implementation module exports and asks for.
-
-A family's implementation (``patches/<name>.py``) ends with
-``IMPLEMENTATION = Implementation(patches, ...)``; ``patches(module)`` returns
-:class:`Patch` records. Families import both from here, never from the
-engine that loads them. Standard library only: the engine imports it at
-interpreter start.
-"""
+"""The family contract: ``IMPLEMENTATION = Implementation(patches, ...)`` ends each
+``patches/<name>.py``; families import it from here, never the engine. Standard library
+only."""
 
 from __future__ import annotations
 
@@ -25,35 +20,26 @@ class Patch:
     attribute: str  # dotted path inside module: "add" or "Adam._parallel_update_step"
     wrapper: Callable[[Any, Any, tuple, dict], Any]  # wrapt wrapper
     also_in: tuple[str, ...] = ()  # modules that bound the same object by name
-    # Gated wrappers run only once sharding is on (``state.note_sharding``);
-    # until then wrapt calls the original at C speed.
+    # Runs only once sharding is on (``state.note_sharding``); until then wrapt
+    # calls the original at C speed.
     gated: bool = False
-    # A method whose wrapper torch.compile must run too (see
-    # ``wrappers.traced_method``); a module function's runs in a graph traced
-    # inside a local call too, though the gate is shut there.
+    # torch.compile runs the wrapper too (``wrappers.traced_method``).
     traced: bool = False
-    # A method whose wrapper only eager code needs: installed as a plain
-    # function too, which points dynamo at the original, so a compiled step
-    # traces no frame of the plugin (``wrappers.traced_method``'s ``inline``).
-    # Every method patch not ``traced`` is installed so; the flag says so
-    # where a reader of the family should know.
+    # Eager code alone needs the wrapper (every method patch not ``traced``
+    # is installed so; the flag tells a reader of the family).
     eager_only: bool = False
-    # An attribute the target lacks: ``wrapper`` is installed as the value
-    # itself (not a wrapper of anything) and deactivation deletes it. Where
-    # the target has one of its own, it is left alone.
+    # An attribute the target lacks, ``wrapper`` its value; deleted on
+    # deactivation, left alone where the target has its own.
     added: bool = False
 
 
 @dataclass(frozen=True)
 class Implementation:
-    """What a family's implementation module exports as ``IMPLEMENTATION``.
+    """What a family exports as ``IMPLEMENTATION``.
 
-    ``patches(module)`` lists the patches for one imported target module
-    (raising :class:`LookupError` means "this Keras has no such target": a
-    one-line warning and a status row). ``after_apply`` runs once per target
-    module after its patches, ``after_revert`` on deactivation once for each
-    ``after_apply`` that ran, and ``notes`` says what the family found about
-    this Keras build (``status``).
+    ``patches(module)`` lists one target module's patches (``LookupError``: not in this
+    Keras, a warning and a status row); ``after_apply`` runs once per module after them,
+    ``after_revert`` on deactivation once per ``after_apply``, ``notes`` for ``status``.
     """
 
     patches: Callable[[types.ModuleType], Iterable[Patch]]

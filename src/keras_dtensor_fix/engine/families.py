@@ -1,15 +1,8 @@
-"""The patch families: one row each, the only registry.
+"""The patch families: one row each, the only registry (standard library only).
 
-A row names the family (what ``KERAS_DTENSOR_FIX_DISABLE`` takes), the kinds
-of Keras module it patches (resolved by :mod:`keras_dtensor_fix.engine.targets`), and
-its implementation module under :mod:`keras_dtensor_fix.patches`, which the
-engine imports when the first of those modules is imported. Standard library
-only: this table is read at interpreter start.
-
-Adding a family is one file under ``patches/`` exporting an
-:class:`~keras_dtensor_fix.engine.contract.Implementation` named ``IMPLEMENTATION``,
-and one row here.
-"""
+A row names the family (what ``KERAS_DTENSOR_FIX_DISABLE`` takes), the kinds of Keras
+module it patches (:mod:`.targets`) and its implementation under
+:mod:`keras_dtensor_fix.patches`, imported with the first of those modules."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Post-import hooks: one per module name, never run on a half-imported module.
-
-A module already imported is handed over at once. One still being imported
-(activation from inside another post-import hook) may have run only part of
-its body, and wrapt would fire its hook at once: it is held back and handed
-over at the next hook instead (:func:`ready`).
-"""
+"""Post-import hooks: one per module name, never run on a half-imported module (one
+still importing is held back until the next hook: :func:`ready`)."""
 
 from __future__ import annotations
 
@@ -44,10 +39,8 @@ def fired(module: types.ModuleType) -> None:
 
 
 def ready(hook: Hook) -> Iterator[types.ModuleType]:
-    """The held-back modules whose import has finished since.
-
-    One that vanished from ``sys.modules`` gets a hook again.
-    """
+    """The held-back modules whose import has finished since (one gone from
+    ``sys.modules`` gets a hook again)."""
     for name in list(_held):
         module = sys.modules.get(name)
         if module is None or not targets.initializing(module):

@@ -1,10 +1,5 @@
-"""Whether this install can run ModelParallel on Keras's torch backend.
-
-Told without importing Keras (from package metadata, ``KERAS_BACKEND``,
-``keras.json`` and Keras's source files), for ``python -m keras_dtensor_fix
-status`` and the ``install_check`` family's warning: each problem is one
-sentence naming what is wrong and the commands that fix it.
-"""
+"""Whether this install can run ModelParallel on Keras's torch backend, told without
+importing Keras; each problem one sentence with the commands that fix it."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The ledger of patch targets: a row per target, its state and why.
-
-The engine records a row for each (family, module, attribute) it touches,
-with a state and a structured :class:`Cause` beside the reason text;
-:func:`rows` adds a placeholder for each module it has not reached;
-:func:`engine_part` is what the engine tells the status report
-(:mod:`keras_dtensor_fix.report`). Standard library only: the engine
-imports it at interpreter start.
-"""
+"""The ledger of patch targets: a row per (family, module, attribute), its state, a
+:class:`Cause` and the reason; placeholders for modules not reached."""
 
 from __future__ import annotations
 
@@ -142,12 +135,8 @@ def _placeholder(
 def rows(
     families: Iterable[Family], cfg: _config.Config | None, active: bool
 ) -> list[dict[str, str]]:
-    """One row per (family, module, attribute), plus placeholders.
-
-    A module that is not imported yet gets one ``pending`` row with attribute
-    ``"*"``; so does a whole module that was skipped (gate, ``patches()``
-    error) or disabled. ``cfg`` is the engine's (``None``: the environment's).
-    """
+    """One row per (family, module, attribute), plus one ``pending`` row (``"*"``) per
+    module not imported, skipped or disabled."""
     cfg = cfg if cfg is not None else _config.load(warn=False)
     gate = targets.gate()
     out: list[dict[str, str]] = []

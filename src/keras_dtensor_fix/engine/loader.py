@@ -1,11 +1,6 @@
-"""The family loader: a record per family, its implementation imported on first use.
-
-The records come from the rows of :data:`keras_dtensor_fix.engine.families.FAMILIES`
-(module names from :mod:`keras_dtensor_fix.engine.targets`), then from
-:func:`keras_dtensor_fix.engine.patcher.register_family`. This is the only module that
-imports from :mod:`keras_dtensor_fix.patches`, and only when a family's first
-Keras module is imported (:func:`import_implementation`).
-"""
+"""The family loader: a record per row of :data:`.families.FAMILIES` (and per
+:func:`.patcher.register_family`); the only importer of
+:mod:`keras_dtensor_fix.patches`, at a family's first Keras module."""
 
 from __future__ import annotations
 
@@ -84,10 +79,8 @@ def import_implementation(family: Family) -> None:
 
 
 def from_module(module: types.ModuleType) -> Family:
-    """A family from a module with ``FAMILY``, ``MODULES`` and ``patches``.
-
-    Optional: ``after_apply``, ``after_revert``, ``notes`` and ``GATED``.
-    """
+    """A family from a module with ``FAMILY``, ``MODULES`` and ``patches`` (optional:
+    ``after_apply``, ``after_revert``, ``notes``, ``GATED``)."""
     missing = [n for n in ("FAMILY", "MODULES", "patches") if not hasattr(module, n)]
     if missing or not callable(getattr(module, "patches", None)):
         what = f"missing {', '.join(missing)}" if missing else "patches not callable"

@@ -1,17 +1,10 @@
 """The one place that applies and reverts patches.
 
-The families are the rows of :mod:`keras_dtensor_fix.engine.families`. When one of
-a family's target modules is imported (a wrapt post-import hook), the engine
-has :mod:`~keras_dtensor_fix.engine.loader` import the family's implementation, asks
-its :class:`Implementation` for :class:`Patch` records, installs each wrapper
-(:mod:`~keras_dtensor_fix.engine.wrappers`), keeps the exact original and puts it
-back on :func:`deactivate` (which also undoes what the families set on Keras
-objects, see :mod:`keras_dtensor_fix.engine.state`). Each target gets a status row
-(:mod:`~keras_dtensor_fix.report`). Everything runs under one re-entrant lock,
-since hooks can fire inside hooks. An exception while patching is logged and
-the patch skipped: it never reaches the code that imported Keras, unless
-strict mode is on (``KERAS_DTENSOR_FIX_STRICT=1`` or ``activate(strict=True)``).
-"""
+A target module's import (a post-import hook) has :mod:`.loader` import the family, its
+:class:`Implementation` gives :class:`Patch` records, and :mod:`.wrappers` installs
+each; :func:`deactivate` puts the originals back. One re-entrant lock (hooks fire inside
+hooks). A failure is logged and the patch skipped, unless strict mode
+(``KERAS_DTENSOR_FIX_STRICT=1``) raises."""
 
 from __future__ import annotations
 
@@ -97,9 +90,6 @@ def _row(family: loader.Family, module: str, attr: str, *why: str | Cause) -> No
     _report.record(family.name, module, attr, *why)
 
 
-# -- families ---------------------------------------------------------------
-
-
 def _implementation(family: loader.Family) -> Implementation | None:
     """The family's implementation, imported on first use; None if unusable."""
     if family.implementation is None and family.error is None:
@@ -117,19 +107,12 @@ def families() -> list[str]:
 
 
 def register_family(module: types.ModuleType) -> None:
-    """Add a family beside the table's (a plugin of the plugin, or a test fake).
-
-    ``module`` has ``FAMILY``, ``MODULES`` (module names), ``patches(module)``
-    and optionally ``after_apply``, ``after_revert``, ``notes`` and ``GATED``.
-    If the engine is active, its hooks are registered at once.
-    """
+    """Add a family beside the table's (see :func:`.loader.from_module`); hooked at once
+    if the engine is active."""
     family = loader.from_module(module)
     with _lock:
         if loader.register(family) and _active:
             _hook_family(family)
-
-
-# -- hooks --------------------------------------------------------------------
 
 
 def _enabled(family: loader.Family) -> bool:
@@ -184,10 +167,8 @@ def _flush_deferred() -> None:
 
 
 def _gate_open(family: loader.Family, module: str) -> bool:
-    """Whether ``family`` may act on ``module`` now (undecided: deferred).
-
-    A target module gets a row saying why not.
-    """
+    """Whether ``family`` may act on ``module`` now (undecided: deferred); a target
+    module gets a row saying why not."""
     key = (id(family), module)
     if family.gated:
         verdict = targets.gate()
@@ -215,9 +196,6 @@ def _preload(family: loader.Family) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - never break the user's import
             _fail(f"family {family.name}: preloading {name} failed")
-
-
-# -- apply / revert -------------------------------------------------------------
 
 
 def _apply_family(family: loader.Family, module: types.ModuleType) -> None:
@@ -341,21 +319,14 @@ def _revert_one(record: wrappers.Applied) -> None:
         _report.record(*row, SKIPPED, Cause.REPLACED, why)
 
 
-# -- public switches --------------------------------------------------------------
-
-
 def activate(
     cfg: _config.Config | None = None,
     *,
     why: str | None = None,
     strict: bool | None = None,
 ) -> None:
-    """Register the post-import hooks and patch what is already imported.
-
-    ``cfg`` defaults to :func:`keras_dtensor_fix.engine.config.load` (its disable list
-    and strict switch apply; its on/off switch is for automatic activation
-    only). ``strict`` overrides the configuration's. Idempotent.
-    """
+    """Register the post-import hooks and patch what is already imported; ``cfg``
+    defaults to :func:`.config.load`, ``strict`` overrides its. Idempotent."""
     global _active, _cfg, _why
     with _lock:
         problem = wrapt_problem()
@@ -424,9 +395,6 @@ def original(module: str, attribute: str) -> Any:
     with _lock:
         record = _applied.get((module, attribute))
         return None if record is None else record.original
-
-
-# -- what the status report reads -------------------------------------------------
 
 
 def rows() -> list[dict[str, str]]:

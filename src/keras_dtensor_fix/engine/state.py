@@ -1,16 +1,6 @@
-"""Runtime state the patch families share, and what they set on Keras objects.
-
-* Sharding: whether a sharded (DTensor) distribution was used in this process;
-  until then every gated wrapper calls its original at C speed.
-* Compiled steps: whether a ModelParallel step function was compiled (batches
-  then keep static shapes).
-* The active ModelParallel distribution, and whether dynamo is tracing.
-* Attributes a patch sets on a Keras object (a cache, a replaced step
-  function): recorded by :func:`set_attribute` and undone by
-  :func:`undo_attributes` when the plugin is deactivated.
-
-Standard library only at import: the engine imports it at interpreter start.
-"""
+"""Run-time state the families share: the sharding gate, the active ModelParallel
+distribution, whether dynamo traces, and the attributes set on Keras objects
+(:func:`set_attribute`, undone on deactivation). Standard library only at import."""
 
 from __future__ import annotations
 
@@ -44,10 +34,8 @@ def sharding() -> bool:
 
 
 def model_parallel() -> Any | None:
-    """The active Keras distribution when it shards with DTensors, else None.
-
-    ``DataParallel`` keeps plain tensors (DDP) and is left alone.
-    """
+    """The active Keras distribution when it shards with DTensors (not
+    ``DataParallel``), else None."""
     distribution_lib = sys.modules.get(targets.DISTRIBUTION_API)
     if distribution_lib is None or not hasattr(distribution_lib, "DataParallel"):
         return None  # not (fully) imported yet: no distribution can be set
@@ -81,8 +69,6 @@ def promotion_modes() -> list[object]:
     ]
 
 
-# -- attributes set on Keras objects ------------------------------------------------
-
 _ABSENT = object()
 _lock = threading.Lock()
 #: id(object) -> (weak or strong reference, {attribute: value before})
@@ -92,11 +78,8 @@ _PENDING: list[tuple[Any, str]] = []
 
 
 def set_attribute(obj: Any, name: str, value: Any) -> None:
-    """``setattr(obj, name, value)``, remembered so that deactivation undoes it.
-
-    The first value seen is what is restored (or the attribute is deleted if
-    it was absent). Objects are held weakly where they allow it.
-    """
+    """``setattr(obj, name, value)``, undone on deactivation: the first value seen is
+    restored (or deleted); objects held weakly where they allow it."""
     if compiling():
         # Dynamo (torch 2.13) cannot trace the lock or the weak reference; a list
         # append is a side effect it replays. Attributes set only here are

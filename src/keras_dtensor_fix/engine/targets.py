@@ -1,12 +1,6 @@
-"""Every Keras name the plugin knows: modules, aliases, objects, capabilities.
-
-The one owner of ``keras.src`` paths: patch families ask for modules by kind
-(:data:`MODULES`), for the modules that re-bind a kind's functions by name
-(:data:`ALIASES`) and for Keras classes by name (:func:`keras_object`). A new
-nightly layout is a change here plus a row in the README's compatibility
-table. Nothing here imports Keras or torch at module level; module lookups walk
-the import system's path finders without executing any module.
-"""
+"""Every Keras name the plugin knows: modules by kind, aliases, objects, capabilities.
+The one owner of ``keras.src`` paths; nothing here imports Keras or torch at import, and
+module lookups execute no module."""
 
 from __future__ import annotations
 
@@ -34,8 +28,6 @@ DISTRIBUTION_API = "keras.src.distribution.distribution_lib"
 COMPILE_UTILS = "keras.src.trainers.compile_utils"
 EINSUM_DENSE = "keras.src.layers.core.einsum_dense"
 
-#: Kinds of torch backend op modules :func:`torch_module` knows.
-KINDS: tuple[str, ...] = ("numpy", "core", "nn", "math", "linalg", "image")
 
 #: Layout name -> package that holds the op modules in that layout: ``ops``
 #: from about 2026-10, ``flat`` before.
@@ -57,18 +49,8 @@ OPTIMIZERS: tuple[str, ...] = (
 )
 
 
-def torch_module(kind: str) -> tuple[str, ...]:
-    """Candidate module names for a torch backend op module, newest layout first.
-
-    ``torch_module("numpy")`` gives ``("keras.src.backend.torch.ops.numpy",
-    "keras.src.backend.torch.numpy")``.
-    """
-    if kind not in KINDS:
-        raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
-    return tuple(f"{package}.{kind}" for package in LAYOUTS.values())
-
-
-def _each_layout(*kinds: str) -> tuple[str, ...]:
+def torch_module(*kinds: str) -> tuple[str, ...]:
+    """The torch backend's modules of ``kinds`` in every layout, newest first."""
     return tuple(f"{package}.{kind}" for package in LAYOUTS.values() for kind in kinds)
 
 
@@ -97,7 +79,7 @@ def per_variable_update(function: object) -> bool:
 #: Module kind -> the modules of that kind, in every layout.
 MODULES: dict[str, tuple[str, ...]] = {
     "numpy": torch_module("numpy"),
-    "ops": _each_layout("nn", "math", "linalg", "image", "core"),
+    "ops": torch_module("nn", "math", "linalg", "image", "core"),
     "core": torch_module("core"),
     "distribution_lib": (DISTRIBUTION_LIB,),
     "distribution_api": (DISTRIBUTION_API,),
@@ -115,17 +97,12 @@ MODULES: dict[str, tuple[str, ...]] = {
     "file_utils": ("keras.src.utils.file_utils",),
     "rnn": (f"{KERAS_TORCH}.rnn",),
     "epoch_iterator": ("keras.src.trainers.epoch_iterator",),
-    # keras-hub's, where a causal LM builds its generate function.
+    # keras-hub's and torch's:
     "causal_lm": ("keras_hub.src.models.causal_lm",),
-    # keras-hub's, the base class of every backbone (the layouts family).
     "hub_backbone": ("keras_hub.src.models.backbone",),
-    # torch's, where every env:// and tcp:// process group makes its store.
     "rendezvous": ("torch.distributed.rendezvous",),
-    # torch's, where torchrun's agent starts its workers (the rendezvous round).
     "elastic_agent": ("torch.distributed.elastic.agent.server.local_elastic_agent",),
-    # torch's, where the compile caches key the numpy functions a step traces.
     "dynamo_utils": ("torch._dynamo.utils",),
-    # torch's, where inductor and AOT autograd pickle a graph's inputs for a key.
     "inductor_codecache": ("torch._inductor.codecache",),
 }
 
@@ -144,12 +121,12 @@ MIXING_LAYERS: dict[tuple[str, str], str] = {
 #: Module kind -> modules that bind that kind's functions by name (``from
 #: .numpy import add``, ``from .core import *``): a patch replaces them there too.
 ALIASES: dict[str, tuple[str, ...]] = {
-    "numpy": _each_layout("nn", "math", "core", "linalg", "image")
+    "numpy": torch_module("nn", "math", "core", "linalg", "image")
     + tuple(f"{KERAS_TORCH}.{kind}" for kind in ("random", "rnn")),
     "core": tuple(LAYOUTS.values()),
     "core_star": (*LAYOUTS.values(), "keras.src.backend"),
     # ``from ...core import convert_to_tensor`` in every op module and more.
-    "core_by_name": _each_layout("numpy", "nn", "math", "linalg", "image")
+    "core_by_name": torch_module("numpy", "nn", "math", "linalg", "image")
     + tuple(
         f"{KERAS_TORCH}.{name}"
         for name in ("random", "rnn", "trainer", "distribution_lib", "layer")
@@ -222,11 +199,8 @@ _FOUND: dict[str, Any] = {}
 
 
 def keras_object(name: str) -> Any:
-    """A Keras object of :data:`OBJECTS` (imports its module on first use).
-
-    A plain dict cache, not ``functools.cache``: wrappers that run inside a
-    compiled step call this, and dynamo traces a dict lookup but not an import.
-    """
+    """A Keras object of :data:`OBJECTS`, its module imported on first use; a plain dict
+    cache, which dynamo traces (a compiled step calls this)."""
     found = _FOUND.get(name)
     if found is None:
         modules, attribute = OBJECTS[name]
@@ -238,9 +212,6 @@ def keras_object(name: str) -> Any:
             module = candidates[-1]
         found = _FOUND[name] = getattr(importlib.import_module(module), attribute)
     return found
-
-
-# -- capabilities of the Keras build and of torch ---------------------------------
 
 
 def trainer_class(module: ModuleType) -> str:
@@ -280,10 +251,8 @@ def torch_compiles_dtensor_grad() -> bool:
 
 
 def convert_to_numpy_gathers(function: Any) -> bool:
-    """Whether Keras's ``convert_to_numpy`` returns a DTensor's full value.
-
-    Nightlies before 2026-10-27 return ``to_local()``: each process's shard.
-    """
+    """Whether Keras's ``convert_to_numpy`` returns a DTensor's full value (not before
+    2026-10-27)."""
     import inspect
 
     try:
@@ -299,11 +268,7 @@ def initializing(module: object) -> bool:
 
 
 def find_spec(name: str) -> ModuleSpec | None:
-    """The spec of module ``name``, or ``None``; never executes a module.
-
-    Unlike :func:`importlib.util.find_spec` this does not import parent
-    packages: a parent that is not imported yet is searched on disk.
-    """
+    """The spec of module ``name``, or None, without importing parent packages."""
     module = sys.modules.get(name)
     if module is not None:
         return getattr(module, "__spec__", None)
@@ -400,10 +365,8 @@ def _source_value(path: str, name: str) -> str | None:
 
 
 def distribution_support() -> bool | None:
-    """Whether this Keras build has torch distribution support.
-
-    ``None`` when it cannot be told without importing Keras modules.
-    """
+    """Whether this Keras build has torch distribution support (None: cannot tell
+    without importing Keras)."""
     module = sys.modules.get(DISTRIBUTION_LIB)
     if module is not None and not initializing(module):
         return hasattr(module, "distribute_data_input")

@@ -1,19 +1,10 @@
 """The wrappers the engine installs, and installing or removing one by identity.
 
-:func:`install` puts a wrapper where a :class:`~.contract.Patch` points and
-returns the one record (:class:`Applied`) that :func:`restore` later reverts
-from: the original goes back only where this very wrapper still is.
-
-A gated patch's wrapper is installed with ``enabled=state.SHARDING``, a list
-wrapt tests in C: until a sharded distribution is in use it calls the
-original with no Python frame, so without one the plugin changes nothing (the
-``.pth`` activates it in every Keras-on-torch process). Compiled code too:
-every entry dynamo can meet tests the gate itself, and is marked never to be
-a frame of its own (:func:`not_a_frame`). Gated patches are installed up
-front, not when sharding starts: a process may set a distribution after
-building and compiling models, and the status report would depend on when
-it is read.
-"""
+A gated patch's wrapper has ``enabled=state.SHARDING``, a list wrapt tests in C: without
+a sharded distribution the original runs with no Python frame. Every entry dynamo can
+meet tests the gate itself and is never a frame of its own (:func:`not_a_frame`). Gated
+patches are installed up front, so the status report does not depend on when sharding
+starts."""
 
 from __future__ import annotations
 
@@ -49,14 +40,8 @@ class FixWrapper(wrapt.FunctionWrapper):
 
 
 class FixFunctionWrapper(FixWrapper):
-    """A module function's wrapper that torch.compile runs too.
-
-    Dynamo takes a wrapt proxy for the function it wraps and traces the
-    original's code, silently skipping the wrapper. It inlines the function an
-    object exposes as ``_torchdynamo_inline`` instead: here a plain function
-    that calls the wrapper. (Methods keep plain :class:`FixWrapper`: dynamo
-    would call that function without ``self``.)
-    """
+    """A module function's wrapper that torch.compile runs too: dynamo skips a wrapt
+    proxy but inlines ``_torchdynamo_inline``, a function calling the wrapper."""
 
     @property
     def _torchdynamo_inline(self) -> Callable[..., Any]:
@@ -88,16 +73,10 @@ FIX = "__keras_dtensor_fix__"
 def traced_method(fix: FixWrapper, inline: bool = False) -> Callable[..., Any]:
     """A plain function for the class that runs ``fix``'s wrapper.
 
-    Dynamo traces a method found on a class as a function: given a wrapt proxy
-    it traces the original's code and skips the wrapper, and it guards the
-    closure of what it inlines, which only a real function has. This entry is
-    one, so a compiled step runs the wrapper too. It honours ``enabled=``.
-    With ``inline`` (every method patch not ``traced``), dynamo is pointed at
-    the original instead (``_torchdynamo_inline``, which it follows for a
-    method found on a class): a wrapper on ``Layer.__call__`` would add its
-    frames at every level of a model's nesting, and a deep model (an MoE
-    block) ran dynamo (torch 2.13) out of Python recursion depth.
-    """
+    Dynamo traces a method found on a class as a function and guards its closure, which
+    only a real function has. With ``inline`` (methods not ``traced``) dynamo is pointed
+    at the original: a ``Layer.__call__`` wrapper at every nesting level ran it out of
+    recursion depth (torch 2.13)."""
     wrapper, raw, enabled = fix._self_wrapper, fix.__wrapped__, fix._self_enabled
 
     @functools.wraps(raw)
@@ -122,15 +101,8 @@ def traced_method(fix: FixWrapper, inline: bool = False) -> Callable[..., Any]:
 
 
 def not_a_frame(code: types.CodeType) -> None:
-    """Dynamo never compiles a frame of ``code`` on its own; it still inlines it.
-
-    Eager code run under torch.compile (what follows a graph break dynamo
-    could not resume in place) has each frame it enters compiled as a frame of
-    its own: an entry of ours would be one frame more than upstream has, with
-    its own graph breaks. Skipped, its callee (the original, or the wrapper)
-    is the frame dynamo compiles, as without the plugin. Frames only: a
-    compiled step that calls the entry still traces through it.
-    """
+    """Dynamo never compiles a frame of ``code`` on its own, still inlines it: after a
+    graph break each entry of ours would be one frame more than upstream."""
     if code in _NOT_FRAMES:
         return
     _NOT_FRAMES.add(code)
@@ -246,11 +218,8 @@ def _also_owner(record: Applied, module_name: str) -> Any:
 
 
 def restore(record: Applied) -> bool:
-    """Put the original back wherever ``record``'s wrapper still is.
-
-    False when the owner holds something else now (installed after us): that
-    is left alone.
-    """
+    """Put the original back wherever ``record``'s wrapper still is; False when the
+    owner holds something else now (left alone)."""
     ours = stored(record.owner, record.name)[0] is record.wrapper
     if ours and record.original is MISSING:
         delattr(record.owner, record.name)

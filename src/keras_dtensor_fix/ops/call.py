@@ -1,9 +1,6 @@
-"""One call of a wrapped op, as the op-handler table's rows see it.
-
-:class:`Op` is what a row knows about the op (decided once, when its wrapper
-is made); :class:`Call` is one call on the slow path, shared by the rows that
-run on it; :data:`NOT_HANDLED` is a row's "not mine". Standard library only.
-"""
+"""One call of a wrapped op as the table's rows see it: :class:`Op` (decided once per
+wrapper), :class:`Call` (one slow-path call) and :data:`NOT_HANDLED` (a row's "not
+mine"). Standard library only."""
 
 from __future__ import annotations
 
@@ -34,13 +31,9 @@ class Unbound(Exception):
 
 
 class Call:
-    """One call of a wrapped op on the slow path, shared by its handlers.
-
-    :attr:`arguments` binds the call to the op's signature at first use, once
-    (handlers that need no names never pay for it). A handler that writes an
-    argument there rewrites the call for the handlers after it; :meth:`run`
-    calls the original with the call as it stands.
-    """
+    """One call on the slow path, shared by its handlers: :attr:`arguments` binds it
+    once, at first use; a handler writing an argument rewrites the call for the rows
+    after it."""
 
     __slots__ = ("op", "wrapped", "_args", "_kwargs", "_bound")
 
@@ -72,10 +65,7 @@ class Call:
         return self._kwargs if self._bound is None else self._bound.kwargs
 
     def run(self, **changes: Any) -> Any:
-        """The original on this call, with ``changes`` to its arguments if any.
-
-        ``changes`` leave the call itself as it was.
-        """
+        """The original on this call, with ``changes`` (the call itself unchanged)."""
         if not changes:
             return self.wrapped(*self.args, **self.kwargs)
         bound = inspect.BoundArguments(self.op.signature, {**self.arguments, **changes})

@@ -1,44 +1,26 @@
 """The op-handler table: what a wrapped Keras backend op does with DTensors.
 
-The ``numpy`` and ``ops`` families wrap the torch backend's multi-tensor
-functions with :func:`wrapper_for`. A wrapper whose arguments hold no DTensor
-calls the original at once (the fast path: a set lookup per argument type,
-lists and tuples searched). Otherwise the rows of :data:`HANDLERS` that apply
-to the op (chosen once, when its wrapper is made) run in this order, each on
-the same :class:`Call`, until one returns something other than
-:data:`NOT_HANDLED`:
+The ``numpy`` and ``ops`` families wrap the backend's multi-tensor functions with
+:func:`wrapper_for`. Without a DTensor among the arguments the original runs at once
+(the fast path). Otherwise the rows of :data:`HANDLERS` that apply to the op run in this
+order on one :class:`Call` until one returns something other than :data:`NOT_HANDLED`:
 
-  1. ``convolution`` (``conv``, ``depthwise_conv``, ``conv_transpose``,
-     ``separable_conv``): per rank on its batch rows, kernels gathered.
-  2. ``attention`` (``dot_product_attention``): per rank on the query's batch
-     and head shards.
+  1. ``convolution``: per rank on its batch rows, kernels gathered.
+  2. ``attention``: per rank on the query's batch and head shards.
   3. ``slice_update``: the write on local tensors in the updates' placements.
-  4. ``lookup`` (``take``): the table gathered on the mesh axes that split the
-     ids; under torch.compile a row-split table is looked up vocab-parallel.
-     Rewrites ``x`` and hands on.
-  5. ``index`` (``argmax``, ``argmin``), 6. ``classes`` (the
-     cross-entropies of :data:`CLASS_AXIS_LOSSES`) and 7. ``normalized``
-     (``rms_normalization``): the operand gathered on the reduced dim, the
-     class axis or the normalized axis, once per activation (a loss and an
-     accuracy metric on the same vocabulary-sharded logits share one
-     all-gather). Rewrite the operand and hand on.
-  8. ``local`` (``einsum``, ``matmul``): operands whose placements have a local
-     form run as one local einsum; a Partial result is reduced where it is made.
-  9. ``per_element`` (``one_hot``): each rank's shard mapped alone, the
-     placements kept; DTensor has no rule for ``one_hot`` under torch.compile.
-  10. ``replicated``: every DTensor operand whole (``planner.replicated``) and
-      no gradient (a step counter, a metric): the op on local tensors, the
-      result wrapped once; an op that raises there hands on to ``promote``,
-      whose error names the operands.
-  11. ``promote``: plain tensors next to a DTensor become Replicate DTensors (a
-      plain operand of one rank's shard size is refused in elementwise ops),
-      then the op; a contraction's Partial result, or a masked lookup's, is
-      reduced. If DTensor has no rule for the op, it runs on full values.
+  4. ``lookup`` (``take``): the table gathered on the axes splitting the ids
+     (compiled, a row-split table vocab-parallel); hands on.
+  5. ``index`` (``argmax``), 6. ``classes`` (:data:`CLASS_AXIS_LOSSES`) and
+     7. ``normalized`` (``rms_normalization``): the operand gathered on the
+     reduced axis, once per activation; hand on.
+  8. ``local`` (``einsum``, ``matmul``): one local einsum where placements allow.
+  9. ``per_element`` (``one_hot``): each rank's shard mapped alone.
+  10. ``replicated``: every operand whole and no gradient: the op on local
+      tensors, wrapped once; an error hands on to ``promote``.
+  11. ``promote``: plain tensors beside a DTensor become Replicate (one of a
+      shard's size refused), a Partial result reduced; no rule: full values.
 
-Rows 1-3 (in :mod:`keras_dtensor_fix.ops.layout`) and 11 always return.
-Adding a handler is a function taking a :class:`Call` and one row in
-:data:`HANDLERS`, with its line in this list.
-"""
+Rows 1-3 (:mod:`.layout`) and 11 always return."""
 
 from __future__ import annotations
 
@@ -286,11 +268,6 @@ HANDLERS: tuple[Handler, ...] = (
 )
 
 
-def chain_for(op: Op) -> tuple[Handler, ...]:
-    """The handlers that apply to ``op``, in table order."""
-    return tuple(handler for handler in HANDLERS if handler.applies(op))
-
-
 def handle(chain: tuple[Handler, ...], call: Call) -> Any:
     """Run ``chain`` on one call: the first result wins."""
     args, kwargs = call.args, call.kwargs
@@ -312,7 +289,7 @@ def make_wrapper(op: Op) -> Callable[..., Any]:
     from keras_dtensor_fix.dtensor import DTensor
 
     keras_variable = variable_class()
-    chain = chain_for(op)
+    chain = tuple(handler for handler in HANDLERS if handler.applies(op))
 
     def distributed(value: Any) -> bool:
         if isinstance(value, DTensor):
@@ -340,10 +317,7 @@ def make_wrapper(op: Op) -> Callable[..., Any]:
 
 
 def wrapper_for(name: str, function: Any, *, elementwise: bool | None = None):
-    """The wrapt wrapper for backend op ``name`` (``function``, the original).
-
-    ``elementwise`` defaults to what the op's name and signature say.
-    """
+    """The wrapt wrapper for backend op ``name`` (``function``, the original)."""
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):

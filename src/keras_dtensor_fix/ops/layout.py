@@ -1,11 +1,6 @@
-"""Op handlers that lay out the operands themselves: conv, attention, slice_update.
-
-Rows of :data:`keras_dtensor_fix.ops.handlers.HANDLERS` (their order is written
-there). DTensor has no usable rule for these ops on the placements Keras
-models produce, so each handler picks a layout per rank, runs the original on
-local tensors and wraps the result. Each always returns: where its operands
-need nothing, it calls the original unchanged.
-"""
+"""Op handlers that lay out the operands themselves (DTensor has no usable rule for
+these ops on Keras's placements): each runs the original per rank and wraps the result,
+and always returns."""
 
 from __future__ import annotations
 
@@ -26,14 +21,8 @@ CONVOLUTIONS: dict[str, tuple[str, ...]] = {
 
 
 def conv(call: Call) -> Any:
-    """A convolution on DTensors runs per rank on its batch rows, kernels gathered.
-
-    torch's DTensor convolution handles replicated and width-sharded inputs
-    only: a kernel sharded on any axis, or activations sharded on channels by
-    the sharded bias of the conv before, come out with the wrong shape or
-    values. Gathering the kernels (small next to activations) works for every
-    layout and every Keras conv layer.
-    """
+    """A convolution per rank on its batch rows, kernels gathered: torch's DTensor
+    convolution handles only replicated and width-sharded inputs."""
     from keras_dtensor_fix.dtensor import DTensor, batch_parallel_call
 
     names = ("inputs", *CONVOLUTIONS[call.op.name])
@@ -53,15 +42,9 @@ def conv(call: Call) -> Any:
 
 
 def update(call: Call) -> Any:
-    """``slice_update(inputs, start_indices, updates)`` across DTensor layouts.
-
-    keras-hub's ``generate()`` writes DTensor keys and values into a cache
-    made with ``ops.zeros`` (plain), where DTensor refuses the in-place copy
-    ("in-place operations that require placement changes are not
-    supported"). The write runs on local tensors in the updates' placements
-    (:func:`~keras_dtensor_fix.dtensor.update_in_place_of`), so a head-sharded
-    cache stays sharded from the first step on.
-    """
+    """``slice_update(inputs, start_indices, updates)`` across layouts: a KV cache made
+    plain gets DTensor writes, which DTensor refuses in place; the write runs on local
+    tensors in the updates' placements."""
     from keras_dtensor_fix.dtensor import update_in_place_of, wrap_local
 
     arguments = call.arguments
@@ -79,17 +62,10 @@ def update(call: Call) -> Any:
 def attention(call: Call) -> Any:
     """``dot_product_attention`` per rank on batch- and head-sharded shards.
 
-    Keras's torch implementation (keras-nightly 3.16.0.dev2026102704) moves
-    DTensor operands to their local shards with ``hasattr(key, "to_local")``,
-    which dynamo (torch 2.13) answers False for, so the
-    compiled step mixes a local query with DTensor keys; and it takes a mask's
-    whole local tensor, whatever its placements, next to a batch-sharded
-    query. Here query, key and value keep the query's batch (dim 0) and head
-    (dim 2) shards and are gathered on anything else (attention needs every
-    key position); a mask or bias, aligned with torch's (batch, heads, query,
-    key) from the right, takes the matching shards. The result comes back as
-    a DTensor with the query's placements.
-    """
+    Keras's torch version tests ``hasattr(key, "to_local")``, which dynamo answers False
+    (a local query beside DTensor keys), and takes a mask's whole local tensor. Here
+    query, key and value keep the query's batch and head shards, gathered on the rest; a
+    mask or bias takes the matching shards."""
     from torch.distributed.tensor import Replicate, Shard
 
     from keras_dtensor_fix.dtensor import DTensor, replicate

@@ -1,13 +1,8 @@
 """An optimizer's update on DTensor variables: aligned gradients, local-shard math.
 
-Each gradient first gets its variable's placements (a ``Partial`` gradient is
-reduced, a plain one promoted). The update then runs on the local shards:
-every torch optimizer is elementwise, so shard-wise math is exact, and no
-DTensor ``_foreach_*`` op sees the fresh 0-d tensors that Keras builds each
-step (they miss PyTorch's sharding cache and leak into it). The
-``optimizers`` family runs each ``_parallel_update_step`` through
-:func:`update`; blocks mode's update per block (``compiled/update_groups``)
-gives it its own runner of the local math.
+Each gradient gets its variable's placements; the update then runs on the local shards
+(every torch optimizer is elementwise), so no DTensor ``_foreach_*`` op sees the fresh
+0-d tensors Keras builds each step (they miss torch's sharding cache and leak into it).
 """
 
 from __future__ import annotations
@@ -55,10 +50,9 @@ def update(
     local: bool = True,
     runner: Callable[..., Any] | None = None,
 ) -> Any:
-    """``step(grads, variables, learning_rate)`` (the class's update, bound)
-    on aligned gradients and, with ``local`` and where :func:`planner.shardwise`
-    allows, on the local shards; there ``runner`` (same arguments) runs it
-    instead of ``step``."""
+    """``step(grads, variables, learning_rate)`` on aligned gradients and, with
+    ``local`` where :func:`planner.shardwise` allows, on local shards (through
+    ``runner`` when given)."""
     values = [v._value for v in variables]
     grads = align_gradients(grads, values)
     states = [getattr(variable, "_value", None) for variable in optimizer.variables]
@@ -68,3 +62,15 @@ def update(
     with local_tensors(list(variables) + list(optimizer.variables)):
         grads, learning_rate = [_local(g) for g in grads], _local(learning_rate)
         return (runner or step)(grads, variables, learning_rate)
+
+
+def selects_branches(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s update branches through ``ops.cond`` (gradient
+    accumulation, EMA overwrites)."""
+    return bool(
+        getattr(optimizer, "gradient_accumulation_steps", None)
+        or (
+            getattr(optimizer, "use_ema", False)
+            and getattr(optimizer, "ema_overwrite_frequency", None)
+        )
+    )

@@ -1,9 +1,6 @@
-"""Keras-facing argument handling shared by the patch families and handlers.
-
-Turns Keras variables and numpy arrays among an op's arguments into tensors,
-promotes plain tensors next to a DTensor (see :mod:`keras_dtensor_fix.dtensor`)
-and turns an unfixable mix into :class:`DTensorMixError`, which says what to do.
-"""
+"""Keras-facing argument handling shared by the families and handlers: Keras variables
+and numpy arrays to tensors, promotion beside a DTensor, and :class:`DTensorMixError`
+for an unfixable mix."""
 
 from __future__ import annotations
 
@@ -29,9 +26,8 @@ from keras_dtensor_fix.engine import targets
 
 
 def output_laid_out(layer: Any) -> bool:
-    """Whether the distribution gives ``layer``'s output a layout of its own
-    (a LayoutMap key ``<path>/output``): Keras lays that output out as if it
-    were whole, so a layer run on local tensors must leave it to Keras."""
+    """Whether the distribution lays out ``layer``'s output (``<path>/output``): Keras
+    then treats it as whole, so local calls leave the layer to Keras."""
     distribution = targets.keras_object("distribution")()
     if distribution is None:
         return False
@@ -40,10 +36,8 @@ def output_laid_out(layer: Any) -> bool:
 
 
 def walk(data: Any, layout: Any, leaf: Callable[[Any, Any], Any]) -> Any:
-    """Apply ``leaf(value, layout)`` through dicts, lists and tuples.
-
-    ``layout`` is one layout for every leaf or a structure matching ``data``.
-    """
+    """Apply ``leaf(value, layout)`` through dicts, lists and tuples (``layout``: one
+    for all, or a matching structure)."""
     if isinstance(data, dict):
         return {
             k: walk(v, layout[k] if isinstance(layout, dict) else layout, leaf)
@@ -59,12 +53,9 @@ def walk(data: Any, layout: Any, leaf: Callable[[Any, Any], Any]) -> Any:
 
 
 class DTensorMixError(RuntimeError):
-    """An op met DTensors and plain tensors the plugin cannot reconcile.
-
-    Fields: ``op``, ``operands`` (their descriptions), ``layer`` (the Keras
-    layer path, or ""), ``cause`` and ``hint`` (what to do). Built from the
-    message alone (as Keras's traceback filtering re-raises it) they are empty.
-    """
+    """An op met DTensors and plain tensors the plugin cannot reconcile; fields (``op``,
+    ``operands``, ``layer``, ``cause``, ``hint``) empty when rebuilt from the message
+    alone."""
 
     def __init__(
         self,
@@ -106,11 +97,8 @@ def resolve(value: Any) -> Any:
 
 
 def flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
-    """The leaves of a call's arguments and how to put them back.
-
-    Calls with flat arguments (the usual ``y_true, y_pred, sample_weight``)
-    skip Keras's tree functions, which cost more than the op they wrap here.
-    """
+    """The leaves of a call's arguments and how to put them back (flat calls skip
+    Keras's tree functions)."""
     if not any(isinstance(v, (list, tuple, dict)) for v in (*args, *kwargs.values())):
         return [*args, *kwargs.values()], None
     structure = (args, kwargs)
@@ -129,12 +117,8 @@ def unflatten_call(
 
 @contextlib.contextmanager
 def local_tensors(variables: Sequence[Any], *, grad: bool = False) -> Iterator[None]:
-    """Let each DTensor Keras variable's ``.value`` be its local tensor for a while.
-
-    Writes go to that tensor, so the DTensor sees them. With ``grad``, a
-    trainable variable shows it through an autograd op instead
-    (``unwrap_local``), so the DTensor weight gets the gradient.
-    """
+    """Let each DTensor variable's ``.value`` be its local tensor for a while; with
+    ``grad`` a trainable one through ``unwrap_local`` (gradient kept)."""
     swapped = []
     try:
         for variable in variables:
@@ -152,10 +136,7 @@ def local_tensors(variables: Sequence[Any], *, grad: bool = False) -> Iterator[N
 
 
 def keras_path() -> str:
-    """The path of the innermost Keras layer being called ("" if none).
-
-    ``Layer.path`` already names the enclosing layers (``block/scale``).
-    """
+    """The path of the innermost Keras layer being called ("" if none)."""
     try:
         layer_class = targets.keras_object("Layer")
     except (ImportError, AttributeError):  # pragma: no cover - Keras moved it
@@ -229,9 +210,9 @@ def promote_call(
     # hand back a Replicate result (correct, but it gathers sharded operands).
     try:
         full_kw = dict(
-            zip(kw_resolved, _full(list(kw_resolved.values())), strict=False)
+            zip(kw_resolved, full_value(list(kw_resolved.values())), strict=False)
         )
-        result = wrapped(*_full(resolved), **full_kw)
+        result = wrapped(*full_value(resolved), **full_kw)
     except Exception as err:
         hint = HINT_RULE.format(fallback=f"{type(err).__name__}: {err}")
         raise mix_error(op, values, failure, hint) from failure
@@ -246,10 +227,6 @@ def full_value(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(full_value(v) for v in value)
     return value
-
-
-def _full(values: list[Any]) -> list[Any]:
-    return [full_value(v) for v in values]
 
 
 _WARNED: set[str] = set()

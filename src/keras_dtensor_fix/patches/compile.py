@@ -1,34 +1,26 @@
 """Let ``jit_compile=True`` run torch.compile under ModelParallel.
 
-Upstream (keras-nightly 3.16.0.dev2026102704) refuses it ("Running without
-`torch.compile`"): its promotion mode makes dynamo skip every frame. With the
-mode kept off (``promotion`` family) the step compiles like any other. A model
-with repeated blocks (by default; ``KERAS_DTENSOR_FIX_COMPILE=step`` opts out)
-runs its step eagerly and each repeated block compiles once for all its
-instances (:mod:`keras_dtensor_fix.compiled.blocks`).
-
-The step runs eagerly, warned, where torch cannot compile it (torch < 2.12;
-Keras's generic RNN loop, seeded random layers on 2.13). Static shapes: DTensor
-fails on symbolic shard sizes (torch 2.13; pytorch/pytorch#152963). A step that fails to
-compile before an optimizer update runs the batch again eagerly, warned.
-(Gradient accumulation and EMA overwrites compile: the ``optimizers`` family.)
-"""
+Upstream refuses it: its promotion mode makes dynamo skip every frame; with the mode off
+(``promotion`` family) the step compiles. A model with repeated blocks compiles block by
+block by default (:mod:`..compiled.plan`). The step runs eagerly, warned, where torch
+cannot compile it (torch < 2.12, Keras's generic RNN loop, seeded random layers), and a
+step that fails to compile before an optimizer update runs the batch again eagerly."""
 
 from __future__ import annotations
 
 import sys
 import types
+import warnings
 
 from keras_dtensor_fix.checks import layout_rules
 from keras_dtensor_fix.compiled import (
     blocks,
     cache_key,
-    failure,
+    fallback,
     frames,
     plan,
     refusals,
     region,
-    updates,
 )
 from keras_dtensor_fix.engine import config, state, targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
@@ -40,47 +32,26 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
     # would skip every frame: Keras's own answer stands.
     if model_parallel() is None or state.promotion_modes():
         return wrapped(*args, **kwargs)
+    compiles = _compiles(instance)
+    if _BUILDING:
+        _BUILDING[-1][1] = compiles
+    return compiles
+
+
+def _compiles(instance) -> bool:
+    """Whether ``instance``'s step compiles whole (blocks mode: installed, False)."""
     if not instance.jit_compile or instance.run_eagerly:
         plan.uninstall(instance)
         return False
-    import warnings
-
-    if not targets.torch_compiles_dtensor_grad():
-        import torch
-
+    refused = refusals.step(instance)
+    if refused is not None:
         warnings.warn(
             "keras-dtensor-fix: jit_compile=True is not used for this "
-            f"ModelParallel model: torch {torch.__version__} cannot compile its "
-            "gradient (before torch 2.12 dynamo cannot trace torch.autograd.grad "
-            "over DTensors). The model runs eagerly. Install torch>=2.12 to "
-            "compile it.",
+            f"ModelParallel model: {refused}",
             stacklevel=2,
         )
         return False
-    recurrent = refusals.recurrent_layers(instance)
-    if recurrent:
-        warnings.warn(
-            "keras-dtensor-fix: jit_compile=True is not used for this "
-            f"ModelParallel model: its recurrent layers ({', '.join(recurrent)}) "
-            "run Keras's generic RNN loop, which torch "
-            f"{targets.torch_version()} cannot compile over DTensors. The model runs "
-            "eagerly. LSTM and GRU with their defaults (use_cudnn='auto', no "
-            "recurrent_dropout) and no mask compile.",
-            stacklevel=2,
-        )
-        return False
-    seeded = refusals.seeded_random_layers(instance)
-    if seeded:
-        warnings.warn(
-            "keras-dtensor-fix: jit_compile=True is not used for this "
-            f"ModelParallel model: its seeded random layers ({', '.join(seeded)}) "
-            "draw with a torch.Generator, a graph break, and with torch "
-            "2.13 DTensor gradients across a graph break are wrong. The model "
-            "runs eagerly. To compile it, give those layers seed=None.",
-            stacklevel=2,
-        )
-        return False
-    building = _BUILDING[-1] if _BUILDING else None
+    building = _BUILDING[-1][0] if _BUILDING else None
     configured = config.compile_mode()
     mode, why = blocks.choose(instance, configured)
     if mode == "blocks" and configured == "auto" and building in _FORWARD:
@@ -104,8 +75,9 @@ def _use_torch_compile(wrapped, instance, args, kwargs):
     return True
 
 
-#: The ``make_*_function`` running now (innermost last).
-_BUILDING: list[str] = []
+#: The ``make_*_function`` running now (innermost last), and whether its step
+#: compiles whole.
+_BUILDING: list[list] = []
 #: Steps without a backward: compiled whole even where training goes by blocks.
 _FORWARD = ("make_test_function", "make_predict_function")
 
@@ -125,52 +97,45 @@ def _check_layout_rules(model) -> None:
 
 
 def _static_shapes(wrapped, instance, args, kwargs):
-    """Compiled ModelParallel steps trace with static shapes.
-
-    Each graph break (a seeded dropout's generator, say) starts a new frame,
-    and dynamo's "automatic dynamic" then makes the batch size symbolic; DTensor
-    fails on symbolic shard sizes (torch 2.13; pytorch/pytorch#152963).
-    """
+    """A ModelParallel step with ``jit_compile`` runs eagerly where torch.compile
+    fails on it (:mod:`..compiled.fallback`). Compiled whole, it traces with static
+    shapes (after a graph break "automatic dynamic" made the batch symbolic, which
+    DTensor fails on: pytorch/pytorch#152963) under this process's cache key; in
+    blocks mode each region does both itself."""
     _check_layout_rules(instance)
-    _BUILDING.append(wrapped.__name__)
+    _BUILDING.append([wrapped.__name__, False])
     try:
         result = wrapped(*args, **kwargs)
     finally:
-        _BUILDING.pop()
-
+        _, whole = _BUILDING.pop()
     attribute = STEP_FUNCTIONS[wrapped.__name__]
-    function = getattr(instance, attribute, None)
+    step = getattr(instance, attribute, None)
     if (
-        function is not None
+        step is not None
         and model_parallel() is not None
         and instance.jit_compile
-        and not getattr(function, "_keras_dtensor_fix_static", False)
+        and not getattr(step, "_keras_dtensor_fix_static", False)
     ):
-        import torch
+        if whole:
+            import torch
 
-        static = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(function)
-        static = cache_key.keyed(static, model_parallel())
-        static = _eager_if_compile_fails(static, instance, wrapped.__name__)
-        static._keras_dtensor_fix_static = True
-        state.set_attribute(instance, attribute, static)
-        _losses_consumed(instance)
+            step = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(step)
+            step = cache_key.keyed(step, model_parallel())
+            _losses_consumed(instance)
+        step = fallback.eager_if_compile_fails(step, instance, wrapped.__name__)
+        step._keras_dtensor_fix_static = True
+        state.set_attribute(instance, attribute, step)
         frames.skip()
         _cache_backend_layouts(instance)
     return result
 
 
 def _losses_consumed(instance) -> None:
-    """A compiled step clears the ``add_loss`` losses once its loss has read them.
+    """A compiled step clears the ``add_loss`` losses once its loss read them.
 
-    A layer's ``add_loss`` tensor (an MoE router's balancing loss) stays in
-    the layer's ``_losses`` after the loss is computed (keras-nightly
-    3.16.0.dev2026102704), so dynamo (torch 2.13) makes it an
-    output of the forward graph whose ``grad_fn`` ``autograd.grad`` then
-    consumes: a graph break on one process, a failed trace over DTensors; and
-    the next call finds the list non-empty and compiles again. Keras clears
-    the list when the next call starts, so clearing it here changes nothing
-    a step reads. Eager calls are left as they are.
-    """
+    Left in ``_losses`` (an MoE router's loss), dynamo made them a forward output whose
+    ``grad_fn`` ``autograd.grad`` consumes (a failed trace over DTensors), and the next
+    call compiled again. Keras clears them at the next call anyway."""
     compute_loss = instance._compute_loss
     if getattr(compute_loss, "_keras_dtensor_fix_clears", False):
         return
@@ -188,14 +153,8 @@ def _losses_consumed(instance) -> None:
 
 
 def _cache_backend_layouts(model) -> None:
-    """Make each variable's backend layout now, before the step is traced.
-
-    Keras (3.16.0.dev2026102704) makes a replicated variable's backend layout
-    (the optimizer's iteration count, a metric's total) on its first
-    assignment and caches it on the layout: made inside the traced step, it
-    fails the guard that it is absent at the next call, and every model
-    compiled twice.
-    """
+    """Make each variable's backend layout now: made on the first assignment inside the
+    traced step, it failed a guard at the next call (every model compiled twice)."""
     optimizer = getattr(model, "optimizer", None)
     variables = [*model.variables, *getattr(model, "metrics_variables", [])]
     variables += list(getattr(optimizer, "variables", None) or [])
@@ -205,130 +164,13 @@ def _cache_backend_layouts(model) -> None:
             layout.backend_layout  # noqa: B018  (a cached property)
 
 
-def _eager_if_compile_fails(function, instance, make: str):
-    """``function``, or the eager step once torch.compile fails on it.
-
-    Upstream runs every ModelParallel step eagerly, so a model it trains must
-    not fail here because torch cannot compile its graph: the step is rebuilt
-    without torch.compile (warned) and the batch runs again. The failure comes
-    while the step is traced, before its graph runs, or inside torch's runner
-    of a compiled graph: on the first batch (a graph ahead of a graph break,
-    before the gradients and the optimizer's update) or, on a later one,
-    where no optimizer counted a step yet (a custom step's backward); after
-    an update it raises, naming ``jit_compile=False``.
-    """
-    import functools
-
-    ran = []
-    told: set[str] = set()
-
-    @functools.wraps(function)
-    def step(*args, **kwargs):
-        watch = len(ran) < WATCHED_CALLS
-        before = dynamo_counts() if watch else None
-        marks, kept = updates.marks(instance), updates.kept(instance)
-        try:
-            result = function(*args, **kwargs)
-        except Exception as error:
-            graph_failed = failure.in_compiled_runtime(error)
-            if graph_failed and ran and not updates.none_since(marks):
-                raise RuntimeError(
-                    "keras-dtensor-fix: a compiled ModelParallel step failed "
-                    "inside torch's compiled graph after an optimizer applied "
-                    f"its update ({type(error).__name__}); it cannot run again "
-                    "eagerly. Compile with jit_compile=False to run it as "
-                    "upstream Keras does."
-                ) from error
-            if not (failure.compile_failure(error) or graph_failed):
-                raise
-            import warnings
-
-            warnings.warn(
-                "keras-dtensor-fix: torch.compile failed on this ModelParallel "
-                f"step ({failure.cause(error)}); it runs eagerly from "
-                "now on, as upstream Keras runs it.",
-                stacklevel=2,
-            )
-            eager = _build_eagerly(instance, make)
-            updates.rewind(kept)
-            return eager(*args, **kwargs)
-        if watch:
-            message = break_report(before, dynamo_counts(), len(ran))
-            if message is not None and message[:60] not in told:
-                import warnings
-
-                told.add(message[:60])
-                warnings.warn(message, stacklevel=2)
-        ran.append(True)
-        return result
-
-    return step
-
-
-#: The first calls of a compiled step, whose graph breaks and recompilations
-#: are reported (once each); later calls pay nothing for it.
-WATCHED_CALLS = 3
-
-
-def dynamo_counts() -> tuple[dict[str, int], int]:
-    """dynamo's graph breaks by reason, and its count of graphs compiled."""
-    from torch._dynamo.utils import counters
-
-    return dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
-
-
-def break_report(
-    before: tuple[dict[str, int], int], after: tuple[dict[str, int], int], call: int
-) -> str | None:
-    """What a user should hear about call ``call`` (from 0) of a compiled step."""
-    (breaks, graphs), (breaks_now, graphs_now) = before, after
-    new = {
-        reason: count - breaks.get(reason, 0)
-        for reason, count in breaks_now.items()
-        if count > breaks.get(reason, 0)
-    }
-    parts = []
-    if new:
-        reasons = "; ".join(reason.splitlines()[0][:160] for reason in list(new)[:3])
-        parts.append(f"has {sum(new.values())} graph break(s) ({reasons})")
-    if call > 0 and graphs_now > graphs:
-        parts.append(f"compiled again on call {call + 1} (new shapes or guards)")
-    if not parts:
-        return None
-    return (
-        "keras-dtensor-fix: this compiled ModelParallel step "
-        + " and ".join(parts)
-        + ". Each costs time, and DTensor gradients across a graph break have "
-        "come out wrong with torch 2.13: compare with jit_compile=False. "
-        "TORCH_LOGS=graph_breaks,recompiles shows where."
-    )
-
-
-def _build_eagerly(instance, make: str):
-    """The step function ``make`` builds with ``jit_compile`` off."""
-    attribute = STEP_FUNCTIONS[make]
-    jit_compile = instance._jit_compile
-    instance._jit_compile = False
-    try:
-        getattr(instance, make)(force=True)
-    finally:
-        instance._jit_compile = jit_compile
-    return getattr(instance, attribute)
-
-
 def _eager_on_early_nightly(wrapped, instance, args, kwargs):
-    """Early nightlies cannot compile a ModelParallel step: build it eagerly.
-
-    Their trainers meet DTensor tangents that torch.compile guessed wrong
-    (``loss.backward()`` inside the graph) or nest ``with`` blocks dynamo 2.13
-    cannot inline; the step fails. Keras is told ``jit_compile=False`` while
-    it builds the step function.
+    """Early nightlies cannot compile a ModelParallel step (wrong DTensor tangents,
+    ``with`` blocks dynamo cannot inline): Keras builds it with ``jit_compile=False``.
     """
     _check_layout_rules(instance)
     if not (instance.jit_compile and model_parallel() is not None):
         return wrapped(*args, **kwargs)
-    import warnings
-
     warnings.warn(
         "keras-dtensor-fix: this keras-nightly's trainer cannot compile a "
         "ModelParallel step; running without torch.compile. "

@@ -1,27 +1,14 @@
 """Warm compile caches: a second launch reads the first one's graphs back.
 
-Two keys that torch 2.13 cannot make the same from launch to launch:
+Two keys torch 2.13 did not make the same from launch to launch:
 
-- keras-hub's Gemma scales its queries by ``1 / np.sqrt(head_dim)`` inside the
-  step; dynamo traces the numpy call (``numpy_to_tensor_wrapper``, which AOT
-  autograd's cache accepts by its numpy name) and the division by it
-  (``numpy_operator_wrapper(operator.truediv)``, which it does not:
-  "Unsupported call_function target <Wrapped operator <original
-  wrapped_truediv>>"). So every launch bypassed the cache and compiled again,
-  on one process too. An operator wrapper does nothing but apply a function of
-  the ``operator`` module, so it is keyed by that function's name here, as
-  torch keys the numpy wrappers (seen with torch 2.13; upstream:
-  https://github.com/pytorch/pytorch/issues/156943, a fix proposed in
-  https://github.com/pytorch/pytorch/pull/184074).
-- A graph that takes a ``DeviceMesh`` as an input (QwenMoe's step) keys it by
-  pickling the mesh itself, with the pickler's memo switched on for the rest
-  of the key (the mesh's references may be cyclic), which makes the key depend
-  on which of its objects happen to be the same Python object: AOT autograd's
-  and inductor's keys differed at every launch, so every launch missed. A
-  mesh is keyed here by what a graph compiled for it depends on: its device
-  type, shape, ranks, dimension names and process group names (torch 2.13;
-  the same memo effect on ``torch.device`` keys:
-  https://github.com/pytorch/pytorch/pull/128366).
+- ``numpy_operator_wrapper(operator.truediv)`` (Gemma's ``1 / np.sqrt``):
+  AOT autograd's cache refused it, so every launch compiled again. It is
+  keyed by the ``operator`` function's name, as torch keys the numpy
+  wrappers (pytorch/pytorch#156943).
+- A ``DeviceMesh`` graph input (QwenMoe) was keyed by pickling the mesh with
+  the memo on, so the key changed at every launch. It is keyed by what a
+  graph depends on: device type, shape, ranks, names and group names.
 """
 
 from __future__ import annotations

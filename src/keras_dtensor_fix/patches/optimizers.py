@@ -1,23 +1,14 @@
 """Optimizer steps on DTensor variables: aligned gradients, local-shard math.
 
-Each torch optimizer's ``_parallel_update_step`` is wrapped. When a variable is
-a DTensor, its gradient is first given the variable's placements, and in eager
-mode the update runs on the local shards (:mod:`keras_dtensor_fix.ops.shardwise`).
-Under torch.compile the original runs on the aligned DTensors. Keras imports a torch
-optimizer's module only when one is built: the family's row declares
-``preload``, so the engine imports them with Keras.
+Each torch optimizer's ``_parallel_update_step`` gives a gradient its variable's
+placements and, eagerly, updates local shards (:mod:`..ops.shardwise`); compiled, the
+original runs on the DTensors.
 
-Gradient accumulation and EMA with ``ema_overwrite_frequency`` branch on the
-step count through Keras's ``ops.cond``, whose ``if pred:`` on a tensor breaks
-a compiled step's graph; dynamo cannot break under the optimizer's
-``name_scope``, so it breaks at ``optimizer.apply`` and compiles the forward and
-backward alone, where torch 2.13's check of the outputs against the traced
-``autograd.grad`` asserts a FakeTensor and finds a DTensor. Compiled and
-sharded, those two ``cond`` calls run both branches and keep each variable's
-branch with ``torch.where`` (:func:`_selected_cond`): no break, the same values.
-``LossScaleOptimizer``'s ``cond`` on finite gradients (and its nested one on
-the growth counter) broke the same way: its ``_common_apply`` selects too.
-"""
+Gradient accumulation, EMA overwrites and ``LossScaleOptimizer`` branch through
+``ops.cond``, whose ``if pred:`` breaks a compiled step's graph where torch 2.13 then
+fails on DTensors. Compiled and sharded, those ``cond`` calls run both branches and keep
+each variable's with ``torch.where`` (:func:`_selected_cond`): no break, the same
+values."""
 
 from __future__ import annotations
 
@@ -64,16 +55,9 @@ def _increment_accumulators(wrapped, instance, args, kwargs):
 _SELECTING: list[list[Any]] = []
 
 
-def _branching(optimizer: Any) -> bool:
-    return bool(
-        optimizer.gradient_accumulation_steps
-        or (optimizer.use_ema and optimizer.ema_overwrite_frequency)
-    )
-
-
 def _apply_gradients(wrapped, instance, args, kwargs):
     """Compiled and sharded, let :func:`_cond` select the step's branches."""
-    if not compiling() or not _branching(instance):
+    if not compiling() or not shardwise.selects_branches(instance):
         return wrapped(*args, **kwargs)
     trainable = list(args[1] if len(args) > 1 else kwargs["trainable_variables"])
     written = [*trainable, *instance._trainable_variables, *instance.variables]
@@ -81,9 +65,8 @@ def _apply_gradients(wrapped, instance, args, kwargs):
 
 
 def _loss_scaled_apply(wrapped, instance, args, kwargs):
-    """Compiled and sharded, ``LossScaleOptimizer``'s ``cond`` on finite
-    gradients selects its branch: they write the trainable variables, the
-    inner optimizer's variables and the scale's (``instance.variables``)."""
+    """Compiled and sharded, ``LossScaleOptimizer``'s ``cond`` selects too: over the
+    trainable, the inner optimizer's and the scale's variables."""
     if not compiling():
         return wrapped(*args, **kwargs)
     trainable = args[1] if len(args) > 1 else kwargs.get("trainable_variables")
@@ -112,10 +95,9 @@ def _selecting(written: list[Any], wrapped, args, kwargs) -> Any:
 def _selected_cond(
     pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any], variables
 ) -> Any:
-    """``cond`` without a branch: each branch runs from the same variable
-    values, and every variable keeps the value of the branch ``pred`` picks.
-    Exact (a selection, not arithmetic) as long as the branches write only
-    ``variables``, which is what Keras's optimizer branches do."""
+    """``cond`` without a branch: both branches run from the same values and each
+    variable keeps the one ``pred`` picks (exact while they write only ``variables``).
+    """
     values = [v.value for v in variables]
     with torch.no_grad():
         before = [value.clone() for value in values]
