@@ -13,8 +13,8 @@ update is per variable, so one graph updates every block's variables and
 one the rest. Each must equal one eager process (losses, weights, greedy
 tokens; the GPT case's accuracy too, computed on the region's output) with
 exactly four dynamo graphs: the block's ``call``, the tail and two of
-``Adam.update``, nothing else compiled (the loss-scaled case: three, its
-whole ``LossScaleOptimizer.apply`` one region). Each
+``Adam.update``, nothing else compiled (the loss-scaled case: two, its
+update eager). Each
 block's calls skip dynamo's guards once a step of them compiled nothing
 (``compiled/region.Steady``): the GPT decoder's 4 blocks do by its last steps.
 Megatron's "f" of each block's input runs inside the block's graph, and the
