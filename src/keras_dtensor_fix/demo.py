@@ -35,8 +35,8 @@ TIMEOUT_S = 240  # a run stuck in a collective is stopped
 PROGRESS = "[demo] "  # a worker's lines for the parent to relay
 RUNS = ("eager", "jit")
 ENV_ENABLE = "KERAS_DTENSOR_FIX"  # off: upstream Keras as installed
-COMPILES = "its first epoch compiles: 40 to 80 s on 2 CPU cores, less with a warm "
-COMPILES += "torch compile cache"
+COMPILES = "its first epoch compiles: about 25 s on 2 idle CPU cores, less with a "
+COMPILES += "warm torch compile cache"
 LAYOUT = {
     ".*hidden/kernel": (None, "model"),  # column parallel
     ".*hidden/bias": ("model",),
