@@ -8,13 +8,15 @@ of keras-hub ``TransformerDecoder`` blocks (the shape of
 metric and Adam. After ``--warmup`` steps (the blocks' guards settled), rank 0
 records with ``sys.setprofile`` every ``keras_dtensor_fix`` file a Python
 call enters during one step (``on_train_batch_begin`` to ``_end``: the train
-function alone) and prints them, each with its number of calls.
+function alone) and prints them, each with its number of calls. ``--entries``
+also prints each hand-back: a plugin function called from outside the plugin
+(Keras, keras-hub, torch's autograd), with its caller.
 
 ``--src DIR`` imports the plugin from another checkout's ``src`` (before and
 after a change).
 
     flock /tmp/kdf-cpu.lock python benchmarks/step_files.py [--layers 4]
-        [--ranks 1] [--src ../old/src] [--functions] [--json out.json]
+        [--ranks 1] [--src ../old/src] [--functions] [--entries] [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -73,6 +76,7 @@ def worker(args: argparse.Namespace) -> None:
     tokens = tokens.astype("int32")
     calls: collections.Counter = collections.Counter()
     functions: collections.Counter = collections.Counter()
+    entries: collections.Counter = collections.Counter()
     root = str(Path(keras_dtensor_fix.__file__).parent)
 
     armed: list[bool] = []
@@ -82,7 +86,14 @@ def worker(args: argparse.Namespace) -> None:
             name = frame.f_code.co_filename
             if name.startswith(root):
                 calls[os.path.relpath(name, root)] += 1
-                functions[f"{os.path.relpath(name, root)}:{frame.f_code.co_name}"] += 1
+                here = f"{os.path.relpath(name, root)}:{frame.f_code.co_name}"
+                functions[here] += 1
+                back = frame.f_back
+                if back is not None and not back.f_code.co_filename.startswith(root):
+                    caller = re.split(
+                        r"site-packages/|/lib/python3\.\d+/", back.f_code.co_filename
+                    )[-1]
+                    entries[f"{caller}:{back.f_code.co_name} -> {here}"] += 1
 
     class Watch(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -125,6 +136,7 @@ def worker(args: argparse.Namespace) -> None:
             "package": root,
             "files": dict(sorted(calls.items())),
             "functions": dict(sorted(functions.items())),
+            "entries": dict(sorted(entries.items())),
         }
         Path(args.out).write_text(json.dumps(result))
 
@@ -141,6 +153,7 @@ def main() -> None:
     parser.add_argument("--src", help="import the plugin from this src folder")
     parser.add_argument("--json", help="write the result here too")
     parser.add_argument("--functions", action="store_true", help="name them too")
+    parser.add_argument("--entries", action="store_true", help="calls from outside")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -179,6 +192,10 @@ def main() -> None:
             for where, n in result["functions"].items():
                 if where.startswith(f"{name}:"):
                     print(f"      {where.split(':', 1)[1]}: {n}")
+    if args.entries:
+        print(f"{len(result['entries'])} hand-backs (caller -> plugin function: calls)")
+        for where, n in result["entries"].items():
+            print(f"  {where}: {n}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
