@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from keras_dtensor_fix.compiled.blocks import repeated
 from keras_dtensor_fix.dtensor import DTensor, all_gather_last, all_reduce_sum, megatron
 from keras_dtensor_fix.dtensor.placement import same_mesh
 from keras_dtensor_fix.dtensor.planner import shard_dim, whole
@@ -43,13 +42,13 @@ class ModelPlan:
     last_cache: Callable[[], Any] = field(default=lambda: None)
 
 
-def plan(model: Any) -> ModelPlan | None:
-    """The local plan of ``model``'s one-token call, or None (see the module)."""
+def plan(model: Any, blocks: list[Any]) -> ModelPlan | None:
+    """The local plan of ``model``'s one-token call, its decoder ``blocks``
+    (``compiled.blocks.repeated``'s), or None (see the module)."""
     if not hub.known_sampler(model):
         return None
     if token_args.signature_of(getattr(model, "call_with_cache", None)) is None:
         return None  # a call whose token, cache and index :func:`run` cannot tell
-    blocks = repeated(model, 1)
     embedding = hub.token_embedding(model)
     if not blocks or embedding is None:
         return None

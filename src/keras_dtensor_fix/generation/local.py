@@ -42,17 +42,11 @@ def _block_call(block: Any, found: decoder.Plan) -> Callable[..., Any]:
     original = type(block).call.__get__(block, type(block))
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        known = BLOCKS.known(block)
-        if known is REFUSED:
-            return original(*args, **kwargs)
-        if known is not PROVEN:
-            return BLOCKS.run(
-                block,
-                lambda: _fast(decoder.run(found, original, args, kwargs)),
-                lambda: original(*args, **kwargs),
-            )
-        result = decoder.run(found, original, args, kwargs)
-        return original(*args, **kwargs) if result is NotImplemented else result
+        return BLOCKS.run(
+            block,
+            lambda: _fast(decoder.run(found, original, args, kwargs)),
+            lambda: original(*args, **kwargs),
+        )
 
     return call
 
@@ -66,30 +60,32 @@ def _block_plan(block: Any) -> decoder.Plan | None:
         return None
 
 
-def planned(model: Any) -> causal_lm.ModelPlan | None:
+def planned(model: Any, blocks: list[Any]) -> causal_lm.ModelPlan | None:
     """:func:`.causal_lm.plan` where no block refused; one that raises warns."""
     if WHOLE.known(model) is REFUSED:
         return None
-    if any(BLOCKS.known(block) is REFUSED for block in repeated(model, 1)):
+    if any(BLOCKS.known(block) is REFUSED for block in blocks):
         return None
     try:
-        return causal_lm.plan(model)
+        return causal_lm.plan(model, blocks)
     except Exception as err:  # noqa: BLE001 - block by block is the fallback
         WHOLE.refuse(model, f"causal_lm.plan raised ({first_line(err)})")
         return None
 
 
 @contextlib.contextmanager
-def blocks_local(model: Any) -> Iterator[None]:
-    """Each decoder block's call local for the length of the context."""
+def blocks_local(model: Any) -> Iterator[list[Any]]:
+    """Each decoder block's call local for the length of the context; yields
+    the blocks (``compiled.blocks.repeated``'s)."""
     installed = []  # each with the call it had (a compiled region's, say)
+    blocks = repeated(model, 1)
     try:
-        for block in repeated(model, 1):
+        for block in blocks:
             found = None if BLOCKS.known(block) is REFUSED else _block_plan(block)
             if found is not None:
                 installed.append((block, vars(block).get("call")))
                 object.__setattr__(block, "call", _block_call(block, found))
-        yield
+        yield blocks
     finally:
         for block, call in installed:
             if call is None:
@@ -149,8 +145,8 @@ def _local_token_call(model: Any, found: causal_lm.ModelPlan) -> Callable[..., A
 def eager_local(model: Any) -> Iterator[Any]:
     """Blocks on local tensors, and where :mod:`.causal_lm` can, each token's
     whole call; yields what to do with ``generate_step``'s inputs (or None)."""
-    with blocks_local(model):
-        found = planned(model)
+    with blocks_local(model) as blocks:
+        found = planned(model, blocks)
         if found is None:
             yield None
             return

@@ -88,13 +88,18 @@ class FirstCall:
         written: Sequence[Any] = (),
         compared: Callable[[Any], Any] | None = None,
     ) -> Any:
-        """``owner``'s first call: ``fast()`` checked against ``own()``.
+        """``owner``'s call: ``fast()`` once proven, ``own()`` once refused,
+        and on the first call ``fast()`` checked against ``own()``.
 
         ``fast()`` returns None to decline (``own()`` then runs, nothing is
         learnt); ``written`` are the variables a call may assign;
         ``compared`` gives what of the fast result stands for ``own()``'s
         (the fast result itself by default).
         """
+        known = self.known(owner)
+        if known is not UNKNOWN:
+            result = fast() if known else None
+            return own() if result is None else result
         before, losses = _values(written), _losses(owner)
         try:
             result, error = fast(), None

@@ -24,7 +24,7 @@ from keras_dtensor_fix.dtensor import wrap_local as _wrap
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import compiling
-from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED, FirstCall
+from keras_dtensor_fix.ops.first_call import REFUSED, FirstCall
 from keras_dtensor_fix.ops.values import (
     flatten_call,
     local_tensors,
@@ -80,8 +80,7 @@ def _call(wrapped, instance, args, kwargs):
     """``Layer.__call__`` on local tensors where every rank's piece computes alone."""
     if _ACTIVE or not args or not isinstance(args[0], DTensor) or _plain(instance):
         return wrapped(*args, **kwargs)
-    known = FIRST.known(instance)
-    if known is REFUSED:
+    if FIRST.known(instance) is REFUSED:
         return wrapped(*args, **kwargs)
     variables = instance._trainable_variables + instance._non_trainable_variables
     for variable in variables:
@@ -114,8 +113,6 @@ def _call(wrapped, instance, args, kwargs):
             _ACTIVE.pop()
         return _wrap_all(result, mesh, placements)
 
-    if known is PROVEN:
-        return local()
     written = instance._non_trainable_variables
     return FIRST.run(instance, local, lambda: wrapped(*args, **kwargs), written)
 
