@@ -149,10 +149,10 @@ def run(
 ) -> Any:
     """``call(token_ids, cache, index, **extra)`` (the model's own) on local
     tensors: logits and hidden states whole, the cache this rank's heads;
-    :data:`NotImplemented` where an input has no local form."""
+    None where an input has no local form."""
     mesh, axis = found.mesh, found.axis
     if not (isinstance(cache, DTensor) or cache is found.last_cache()):
-        return NotImplemented  # a plain cache that this plan did not make
+        return None  # a plain cache that this plan did not make
     ours = not isinstance(cache, DTensor)
     if not ours:
         heads = cache.ndim + hub.CACHE_HEADS
@@ -168,7 +168,7 @@ def run(
                 "keras-dtensor-fix: a token of generate() has no local form on "
                 "this model; set KERAS_DTENSOR_FIX_DISABLE=generate and report it"
             )
-        return NotImplemented
+        return None
     with _swapped(found):
         logits, hidden, new_cache = call(token_ids, cache, index, **local)
     found.last_cache = weakref.ref(new_cache)

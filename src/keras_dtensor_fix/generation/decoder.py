@@ -182,14 +182,14 @@ def swapped(found: Plan) -> Iterator[None]:
 
 def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """``call(*args, **kwargs)`` (the block's own) on local tensors, or
-    :data:`NotImplemented` where its inputs have no local form."""
+    None where its inputs have no local form."""
     mesh, axis = found.mesh, found.axis
     x = args[0] if args else kwargs.get("x")
     like = x if isinstance(x, DTensor) else None
     key = next((k for k in hub.CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
     cache = kwargs.get(key)
     if not hasattr(cache, "ndim") or kwargs.get("cross_attention_cache") is not None:
-        return NotImplemented  # no cache, or a third result
+        return None  # no cache, or a third result
     heads = cache.ndim + hub.CACHE_HEADS
     local_args = [local_part(a, mesh, axis, None, like) for a in args]
     local_kwargs = {
@@ -198,7 +198,7 @@ def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any
     }
     given, local = [*args, *kwargs.values()], [*local_args, *local_kwargs.values()]
     if any(b is None and a is not None for a, b in zip(given, local, strict=True)):
-        return NotImplemented
+        return None
     with swapped(found):
         result = call(*local_args, **local_kwargs)
     if not (isinstance(result, tuple) and len(result) == 2):

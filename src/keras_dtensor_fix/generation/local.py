@@ -32,11 +32,6 @@ BLOCKS = _check("decoder block {owner} generates on DTensors", "call")
 WHOLE = _check("{owner} generates block by block", "token call")
 
 
-def _fast(result: Any) -> Any:
-    """A local call's result for :meth:`FirstCall.run` (None: no local form)."""
-    return None if result is NotImplemented else result
-
-
 def _block_call(block: Any, found: decoder.Plan) -> Callable[..., Any]:
     """``block.call`` for one generation: local where :mod:`.decoder` can."""
     original = type(block).call.__get__(block, type(block))
@@ -44,7 +39,7 @@ def _block_call(block: Any, found: decoder.Plan) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
         return BLOCKS.run(
             block,
-            lambda: _fast(decoder.run(found, original, args, kwargs)),
+            lambda: decoder.run(found, original, args, kwargs),
             lambda: original(*args, **kwargs),
         )
 
@@ -102,20 +97,20 @@ def whole_local(
     given: token_args.TokenArgs,
 ) -> Any:
     """One token's ``call`` on local tensors (:func:`.causal_lm.run`), the
-    first checked against ``eager``; :data:`NotImplemented` where the model
-    generates block by block."""
+    first checked against ``eager``; None where the model generates block by
+    block."""
     known = WHOLE.known(model)
     if known is PROVEN:
         return given.call(causal_lm.run, found, call)
     if known is REFUSED or any(BLOCKS.known(b) is REFUSED for b, _ in found.blocks):
         WHOLE.remember(model, REFUSED)  # the prompt's pass found a block differ
-        return NotImplemented
+        return None
 
     def fast() -> Any:
         result = given.call(causal_lm.run, found, eager)
-        if result is NotImplemented:  # no local form: block by block
+        if result is None:  # no local form: block by block
             WHOLE.remember(model, REFUSED)
-        return _fast(result)
+        return result
 
     return WHOLE.run(
         model,
@@ -136,7 +131,7 @@ def _local_token_call(model: Any, found: causal_lm.ModelPlan) -> Callable[..., A
         if given is None:
             return eager(*args, **kwargs)
         result = whole_local(model, found, eager, eager, given)
-        return given.call(eager) if result is NotImplemented else result
+        return given.call(eager) if result is None else result
 
     return call_with_cache
 

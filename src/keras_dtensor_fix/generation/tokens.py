@@ -94,7 +94,7 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., 
         given = token_args.TokenArgs(token_ids, given.cache, index, extra)
         if found is not None:
             result = local.whole_local(model, found, eager, compiled_or_eager, given)
-            if result is not NotImplemented:
+            if result is not None:
                 return result
 
         # The prompt's last token comes batch-sharded, the sampler's next ones

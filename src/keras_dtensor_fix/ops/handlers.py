@@ -48,47 +48,21 @@ SEQUENCE_PARAMS = frozenset({"xs", "arrays", "tensors", "condlist", "choicelist"
 # Binary ops whose operands broadcast elementwise: a plain operand of one
 # rank's shard size is refused there. Other ops promote without that check.
 NOT_ELEMENTWISE = frozenset(
-    {
-        "matmul",
-        "dot",
-        "inner",
-        "outer",
-        "kron",
-        "tensordot",
-        "vdot",
-        "cross",
-        "correlate",
-        "append",
-        "isin",
-        "einsum",
-        "digitize",
-        "searchsorted",
-    }
+    "matmul dot inner outer kron tensordot vdot cross correlate append isin einsum "
+    "digitize searchsorted".split()
 )
 
 
 # Public helpers of the numpy module, not ops: only its (wrapped) ops call them,
 # after promoting, so a wrapper there would check every binary op twice.
 HELPERS = frozenset({"convert_to_tensors_of_same_dtype"})
-
 # Contractions: over a sharded axis they return Partial sums, reduced at once.
 CONTRACTIONS = frozenset({"matmul", "dot", "inner", "tensordot", "vdot", "einsum"})
-
-
-# Index reductions: over a sharded axis they need the whole axis.
-INDEX_REDUCTIONS = frozenset({"argmax", "argmin"})
-
-
 # Losses reading the whole class axis (``axis``, default -1) of ``output``:
 # the softmax over a sharded axis needs all of it.
 CLASS_AXIS_LOSSES = frozenset(
-    {"sparse_categorical_crossentropy", "categorical_crossentropy"}
+    ("sparse_categorical_crossentropy", "categorical_crossentropy")
 )
-
-
-# Ops mapping each element of ``x`` to new trailing dims (``axis``, default
-# -1, says where the new dim goes).
-PER_ELEMENT = frozenset({"one_hot"})
 
 
 def takes_several_tensors(fn: Any) -> bool:
@@ -165,6 +139,7 @@ def _gathered(call: Call, operand: str, axis: int | None) -> Any:
 
 
 def _index(call: Call) -> Any:
+    # an index reduction over a sharded axis needs the whole axis
     axis = call.arguments.get("axis")
     if axis is not None and not isinstance(axis, int):
         return NOT_HANDLED
@@ -209,6 +184,7 @@ def _local(call: Call) -> Any:
 
 
 def _per_element(call: Call) -> Any:
+    # each element of ``x`` mapped to new trailing dims (``axis``: where)
     from keras_dtensor_fix.dtensor import per_element_call
 
     arguments = call.arguments
@@ -258,11 +234,11 @@ HANDLERS: tuple[Handler, ...] = (
     ),
     Handler("slice_update", lambda op: op.name == "slice_update", layout.update),
     Handler("lookup", lambda op: op.name == "take", _lookup),
-    Handler("index", lambda op: op.name in INDEX_REDUCTIONS, _index),
+    Handler("index", lambda op: op.name in ("argmax", "argmin"), _index),
     Handler("classes", lambda op: op.name in CLASS_AXIS_LOSSES, _classes),
     Handler("normalized", lambda op: op.name == "rms_normalization", _normalized),
     Handler("local", lambda op: op.name in ("einsum", "matmul"), _local),
-    Handler("per_element", lambda op: op.name in PER_ELEMENT, _per_element),
+    Handler("per_element", lambda op: op.name == "one_hot", _per_element),
     Handler("replicated", lambda op: True, _replicated),
     Handler("promote", lambda op: True, _promote),
 )

@@ -184,24 +184,23 @@ def promote_call(
     elementwise: bool,
 ) -> Any:
     """Call ``wrapped`` after promoting plain tensors next to a DTensor argument."""
-    resolved = [resolve(v) for v in args]
-    kw_resolved = {k: resolve(v) for k, v in kwargs.items()}
-    values = resolved + list(kw_resolved.values())
+    given = [*args, *kwargs.values()]
+    values = [resolve(v) for v in given]
     partner = find_dtensor(values)
     if partner is None:
         return wrapped(*args, **kwargs)
-    new_args, new_kw = args, kwargs
+    names, n = list(kwargs), len(args)
+
+    def call(operands: list[Any]) -> Any:
+        return wrapped(*operands[:n], **dict(zip(names, operands[n:], strict=True)))
+
     if has_plain_tensor(values):
         try:
-            new_args = promote_args(resolved, partner, op=op, elementwise=elementwise)
-            promoted = promote_args(
-                list(kw_resolved.values()), partner, op=op, elementwise=elementwise
-            )
+            given = promote_args(values, partner, op=op, elementwise=elementwise)
         except PromotionError as err:
             raise mix_error(op, values, err, err.hint) from err
-        new_kw = dict(zip(kw_resolved, promoted, strict=False))
     try:
-        return wrapped(*new_args, **new_kw)
+        return call(given)
     except (RuntimeError, ValueError, NotImplementedError) as err:
         if isinstance(err, DTensorMixError) or not _about_dtensor(err):
             raise
@@ -209,10 +208,7 @@ def promote_call(
     # No DTensor rule for what the op does inside: run it on full values and
     # hand back a Replicate result (correct, but it gathers sharded operands).
     try:
-        full_kw = dict(
-            zip(kw_resolved, full_value(list(kw_resolved.values())), strict=False)
-        )
-        result = wrapped(*full_value(resolved), **full_kw)
+        result = call(full_value(values))
     except Exception as err:
         hint = HINT_RULE.format(fallback=f"{type(err).__name__}: {err}")
         raise mix_error(op, values, failure, hint) from failure
