@@ -122,21 +122,15 @@ def _embedding_call(
 @contextlib.contextmanager
 def _swapped(found: ModelPlan) -> Iterator[None]:
     """Every weight local, the embedding's call local, the blocks' own calls."""
-    overridden = [(block, vars(block).pop("call", None)) for block, _ in found.blocks]
-    try:
-        with contextlib.ExitStack() as stack:
-            for _, block_plan in found.blocks:
-                stack.enter_context(decoder.swapped(block_plan))
-            stack.enter_context(local_tensors(found.weights))
-            if found.embedding is not None:
-                layer, call = found.embedding
-                object.__setattr__(layer, "call", call)
-                stack.callback(vars(layer).pop, "call", None)
-            yield
-    finally:
-        for block, call in overridden:
-            if call is not None:
-                object.__setattr__(block, "call", call)
+    sets = [(block, "call", decoder.UNSET) for block, _ in found.blocks]
+    if found.embedding is not None:
+        sets.append((found.embedding[0], "call", found.embedding[1]))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(decoder.attributes(sets))
+        for _, block_plan in found.blocks:
+            stack.enter_context(decoder.swapped(block_plan))
+        stack.enter_context(local_tensors(found.weights))
+        yield
 
 
 def run(

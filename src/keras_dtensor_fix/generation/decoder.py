@@ -26,7 +26,8 @@ from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.hub import generation as hub
 from keras_dtensor_fix.ops.values import local_tensors, output_laid_out
 
-_UNSET = object()
+#: :func:`attributes`' value for an attribute the instance does not hold.
+UNSET = object()
 
 
 @dataclass
@@ -153,31 +154,44 @@ def _row_call(
 
 
 @contextlib.contextmanager
+def attributes(sets: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Each ``(obj, name, value)`` set on the instance (:data:`UNSET`: none)
+    for the length of the context, then each instance's own put back."""
+    saved = [(obj, name, vars(obj).get(name, UNSET)) for obj, name, _ in sets]
+    try:
+        for obj, name, value in sets:
+            _put(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            _put(obj, name, value)
+
+
+def _put(obj: Any, name: str, value: Any) -> None:
+    if value is UNSET:
+        vars(obj).pop(name, None)
+    else:
+        object.__setattr__(obj, name, value)
+
+
+@contextlib.contextmanager
 def swapped(found: Plan) -> Iterator[None]:
     """The block's weights local, its heads one rank's, its row-parallel
     layers' local calls (their input holds this rank's share of features)."""
     sets = list(found.heads)
     for layer, call in found.rows:
         sets += [(layer, "call", call), (layer, "_input_spec", None)]
-    saved = [(obj, name, vars(obj).get(name, _UNSET)) for obj, name, _ in sets]
     # Every operand inside is plain: the gated wrappers (which fix DTensor
     # mixes) have nothing to do, and closed they cost no Python frame.
     sharding = list(state.SHARDING)
     state.SHARDING.clear()
     state.LOCAL_CALL.append(True)
     try:
-        for obj, name, value in sets:
-            object.__setattr__(obj, name, value)
-        with local_tensors([variable for variable, _ in found.weights]):
+        with attributes(sets), local_tensors([v for v, _ in found.weights]):
             yield
     finally:
         state.LOCAL_CALL.pop()
         state.SHARDING.extend(sharding)
-        for obj, name, value in saved:
-            if value is _UNSET:
-                vars(obj).pop(name, None)
-            else:
-                object.__setattr__(obj, name, value)
 
 
 def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

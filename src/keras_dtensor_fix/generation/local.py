@@ -18,7 +18,7 @@ from keras_dtensor_fix.compiled.blocks import repeated
 from keras_dtensor_fix.generation import causal_lm, decoder, token_args
 from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED, FirstCall, first_line
 
-__all__ = ["BLOCKS", "WHOLE", "blocks_local", "eager_local", "whole_local", "planned"]
+__all__ = ["BLOCKS", "WHOLE", "blocks_local", "eager_local", "planned", "whole_local"]
 
 
 def _check(say: str, what: str) -> FirstCall:
@@ -72,21 +72,13 @@ def planned(model: Any, blocks: list[Any]) -> causal_lm.ModelPlan | None:
 def blocks_local(model: Any) -> Iterator[list[Any]]:
     """Each decoder block's call local for the length of the context; yields
     the blocks (``compiled.blocks.repeated``'s)."""
-    installed = []  # each with the call it had (a compiled region's, say)
-    blocks = repeated(model, 1)
-    try:
-        for block in blocks:
-            found = None if BLOCKS.known(block) is REFUSED else _block_plan(block)
-            if found is not None:
-                installed.append((block, vars(block).get("call")))
-                object.__setattr__(block, "call", _block_call(block, found))
+    blocks, calls = repeated(model, 1), []
+    for block in blocks:
+        found = None if BLOCKS.known(block) is REFUSED else _block_plan(block)
+        if found is not None:  # over the call it had (a compiled region's, say)
+            calls.append((block, "call", _block_call(block, found)))
+    with decoder.attributes(calls):
         yield blocks
-    finally:
-        for block, call in installed:
-            if call is None:
-                vars(block).pop("call", None)
-            else:
-                object.__setattr__(block, "call", call)
 
 
 def whole_local(
@@ -120,22 +112,6 @@ def whole_local(
     )
 
 
-def _local_token_call(model: Any, found: causal_lm.ModelPlan) -> Callable[..., Any]:
-    """``model.call_with_cache``: one token on local tensors, the prompt's
-    pass (many tokens) block by block."""
-    eager = model.call_with_cache
-    signature = token_args.signature_of(eager)  # causal_lm.plan found one
-
-    def call_with_cache(*args: Any, **kwargs: Any) -> Any:
-        given = token_args.one_token(signature, args, kwargs)
-        if given is None:
-            return eager(*args, **kwargs)
-        result = whole_local(model, found, eager, eager, given)
-        return given.call(eager) if result is None else result
-
-    return call_with_cache
-
-
 @contextlib.contextmanager
 def eager_local(model: Any) -> Iterator[Any]:
     """Blocks on local tensors, and where :mod:`.causal_lm` can, each token's
@@ -145,8 +121,16 @@ def eager_local(model: Any) -> Iterator[Any]:
         if found is None:
             yield None
             return
-        model.call_with_cache = _local_token_call(model, found)
-        try:
+        eager = model.call_with_cache
+        signature = token_args.signature_of(eager)  # causal_lm.plan found one
+
+        def call_with_cache(*args: Any, **kwargs: Any) -> Any:
+            # the prompt's pass (many tokens): block by block
+            given = token_args.one_token(signature, args, kwargs)
+            if given is None:
+                return eager(*args, **kwargs)
+            result = whole_local(model, found, eager, eager, given)
+            return eager(*args, **kwargs) if result is None else result
+
+        with decoder.attributes([(model, "call_with_cache", call_with_cache)]):
             yield causal_lm.whole_inputs
-        finally:
-            vars(model).pop("call_with_cache", None)

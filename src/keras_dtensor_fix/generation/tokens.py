@@ -21,7 +21,7 @@ from keras_dtensor_fix.compiled import region
 from keras_dtensor_fix.compiled.blocks import repeated
 from keras_dtensor_fix.dtensor import DTensor, on_mesh, one_rank_replicated
 from keras_dtensor_fix.engine.state import model_parallel
-from keras_dtensor_fix.generation import causal_lm, local, token_args
+from keras_dtensor_fix.generation import causal_lm, decoder, local, token_args
 from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED
 
 __all__ = ["forget", "generating"]
@@ -123,18 +123,9 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., 
 @contextlib.contextmanager
 def _tokens_compiled(model: Any) -> Iterator[Any]:
     """Each new token compiled (the module); yields :func:`.causal_lm.whole_inputs`."""
-    if token_args.signature_of(model.call_with_cache) is None:
-        cause = "its call_with_cache does not take (token_ids, cache, index)"
-        _region(type(model)).fail(TypeError(cause))
-        with local.eager_local(model) as inputs:  # as with jit_compile=False
-            yield inputs
-        return
     found = local.planned(model, repeated(model, 1))
-    model.call_with_cache = _token_call(model, found)
-    try:
+    with decoder.attributes([(model, "call_with_cache", _token_call(model, found))]):
         yield causal_lm.whole_inputs
-    finally:
-        vars(model).pop("call_with_cache", None)
 
 
 def generating(model: Any) -> Callable[[Any], Any] | None:
@@ -146,13 +137,17 @@ def generating(model: Any) -> Callable[[Any], Any] | None:
         return None
     call = getattr(type(model), "call_with_cache", None)
     if (
-        getattr(model, "jit_compile", False) is True
-        and callable(call)
-        and "call_with_cache" not in vars(model)
-        and not _region(type(model)).failed
+        getattr(model, "jit_compile", False) is not True
+        or not callable(call)
+        or "call_with_cache" in vars(model)
+        or _region(type(model)).failed
     ):
-        return _tokens_compiled
-    return local.eager_local
+        return local.eager_local
+    if token_args.signature_of(model.call_with_cache) is None:
+        cause = "its call_with_cache does not take (token_ids, cache, index)"
+        _region(type(model)).fail(TypeError(cause))
+        return local.eager_local  # as with jit_compile=False
+    return _tokens_compiled
 
 
 def forget() -> None:
