@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from keras_dtensor_fix.hub import generation as hub
@@ -33,7 +33,7 @@ class TokenArgs:
     token_ids: Any
     cache: Any
     index: Any
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any]
 
     def core(self) -> tuple[Any, Any, Any]:
         return self.token_ids, self.cache, self.index

@@ -72,10 +72,6 @@ class FirstCall:
         message = self.say.format(name=self.name, owner=name, cause=cause)
         warnings.warn(f"keras-dtensor-fix: {message}", stacklevel=4)
 
-    def failed(self, owner: Any, error: BaseException) -> None:
-        """:meth:`refuse` for a recognition that raised ``error``."""
-        self.refuse(owner, self.raised.format(error=first_line(error)))
-
     def forget(self) -> None:
         """Forget every outcome (on deactivation)."""
         self._known.clear()

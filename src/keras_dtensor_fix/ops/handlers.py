@@ -258,12 +258,20 @@ def handle(chain: tuple[Handler, ...], call: Call) -> Any:
     return call.run()
 
 
-def make_wrapper(op: Op) -> Callable[..., Any]:
-    """The wrapt wrapper of one op: the fast path, else :func:`handle`."""
+def wrapper_for(name: str, function: Any, *, elementwise: bool | None = None):
+    """The wrapt wrapper for backend op ``name`` (``function``, the original):
+    the fast path, else :func:`handle`."""
     import torch
 
     from keras_dtensor_fix.dtensor import DTensor
 
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        signature = None
+    if elementwise is None:
+        elementwise = signature is not None and is_elementwise(name, signature)
+    op = Op(name, elementwise, name in CONTRACTIONS, signature)
     keras_variable = variable_class()
     chain = tuple(handler for handler in HANDLERS if handler.applies(op))
 
@@ -290,14 +298,3 @@ def make_wrapper(op: Op) -> Callable[..., Any]:
         return wrapped(*args, **kwargs)
 
     return wrapper
-
-
-def wrapper_for(name: str, function: Any, *, elementwise: bool | None = None):
-    """The wrapt wrapper for backend op ``name`` (``function``, the original)."""
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        signature = None
-    if elementwise is None:
-        elementwise = signature is not None and is_elementwise(name, signature)
-    return make_wrapper(Op(name, elementwise, name in CONTRACTIONS, signature))

@@ -5,6 +5,8 @@ for an unfixable mix."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -72,14 +74,10 @@ class DTensorMixError(RuntimeError):
         self.cause, self.hint = cause, hint
 
 
-_VARIABLE: list[type] = []
-
-
+@functools.cache
 def variable_class() -> type:
-    """Keras's backend-independent ``Variable`` base class (looked up once)."""
-    if not _VARIABLE:
-        _VARIABLE.append(targets.keras_object("Variable"))
-    return _VARIABLE[0]
+    """Keras's backend-independent ``Variable`` base class."""
+    return targets.keras_object("Variable")
 
 
 def resolve(value: Any) -> Any:
@@ -232,8 +230,6 @@ def _warn_fallback(op: str) -> None:
     if op in _WARNED:
         return
     _WARNED.add(op)
-    import logging
-
     logging.getLogger("keras_dtensor_fix").warning(
         "%s has no DTensor rule for its inputs: it ran on full (gathered) values "
         "and returned a replicated result. Correct, but it costs a gather each "

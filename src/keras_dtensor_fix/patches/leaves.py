@@ -24,7 +24,7 @@ from keras_dtensor_fix.dtensor import wrap_local as _wrap
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import compiling
-from keras_dtensor_fix.ops.first_call import REFUSED, FirstCall
+from keras_dtensor_fix.ops.first_call import REFUSED, FirstCall, first_line
 from keras_dtensor_fix.ops.values import (
     flatten_call,
     local_tensors,
@@ -91,13 +91,12 @@ def _call(wrapped, instance, args, kwargs):
     for leaf in leaves:
         if getattr(leaf, "_keras_mask", None) is not None:
             return wrapped(*args, **kwargs)
-    first = args[0]
     try:
         # A layer with weights: only where everything is replicated.
-        axes = None if variables else mixes(instance, first.ndim)
+        axes = None if variables else mixes(instance, args[0].ndim)
         found = local_region(leaves, axes)
     except Exception as error:  # the recognition itself: DTensor's path
-        FIRST.failed(instance, error)
+        FIRST.refuse(instance, f"raised ({first_line(error)})")
         return wrapped(*args, **kwargs)
     if found is None or _laid_out(instance):
         return wrapped(*args, **kwargs)
