@@ -89,8 +89,7 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., 
     def step(given: token_args.TokenArgs) -> Any:
         # The first token can come as a DTensor (the prompt's), the next ones
         # plain: as the sampler's loop holds them, one graph for both.
-        token_ids, index = plain((given.token_ids, given.index))
-        extra = dict(zip(given.extra, plain(tuple(given.extra.values())), strict=True))
+        token_ids, index, extra = plain((given.token_ids, given.index, given.extra))
         given = token_args.TokenArgs(token_ids, given.cache, index, extra)
         if found is not None:
             result = local.whole_local(model, found, eager, compiled_or_eager, given)

@@ -187,10 +187,10 @@ def promote_call(
     partner = find_dtensor(values)
     if partner is None:
         return wrapped(*args, **kwargs)
-    names, n = list(kwargs), len(args)
 
     def call(operands: list[Any]) -> Any:
-        return wrapped(*operands[:n], **dict(zip(names, operands[n:], strict=True)))
+        new_args, new_kwargs = unflatten_call(args, kwargs, None, operands)
+        return wrapped(*new_args, **new_kwargs)
 
     if has_plain_tensor(values):
         try:

@@ -66,19 +66,15 @@ def _dense_call(wrapped, instance, args, kwargs):
 
     def local() -> Any:
         inputs = resolve(args[0] if args else kwargs.get("inputs"))
-        bias = instance.bias
-        activation = instance.activation
-        operands = (
-            inputs,
-            resolve(instance.kernel),
-            None if bias is None else resolve(bias),
-            activation,
-            "elementwise" if activation is None else activation_scope(activation),
-        )
         equation = getattr(instance, "equation", None)  # EinsumDense's own
         if not isinstance(equation, str):
             equation = linear_equation(getattr(inputs, "ndim", 0))
-        return None if equation is None else local_dense(equation, *operands)
+        if equation is None:
+            return None
+        activation = instance.activation
+        scope = "elementwise" if activation is None else activation_scope(activation)
+        kernel, bias = resolve(instance.kernel), resolve(instance.bias)
+        return local_dense(equation, inputs, kernel, bias, activation, scope)
 
     return FIRST.run(instance, local, lambda: wrapped(*args, **kwargs))
 
