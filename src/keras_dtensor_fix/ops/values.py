@@ -5,7 +5,6 @@ for an unfixable mix."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -74,10 +73,15 @@ class DTensorMixError(RuntimeError):
         self.cause, self.hint = cause, hint
 
 
-@functools.cache
+_VARIABLE: list[type] = []
+
+
 def variable_class() -> type:
-    """Keras's backend-independent ``Variable`` base class."""
-    return targets.keras_object("Variable")
+    """Keras's backend-independent ``Variable`` base class (looked up once;
+    not ``functools.cache``: dynamo warns on every traced call of one)."""
+    if not _VARIABLE:
+        _VARIABLE.append(targets.keras_object("Variable"))
+    return _VARIABLE[0]
 
 
 def resolve(value: Any) -> Any:
