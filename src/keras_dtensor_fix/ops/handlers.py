@@ -245,16 +245,14 @@ HANDLERS: tuple[Handler, ...] = (
 
 
 def handle(chain: tuple[Handler, ...], call: Call) -> Any:
-    """Run ``chain`` on one call: the first result wins."""
-    args, kwargs = call.args, call.kwargs
+    """Run ``chain`` on one call: the first result wins, else the original."""
     try:
         for handler in chain:
             result = handler.handle(call)
             if result is not NOT_HANDLED:
                 return result
     except Unbound:
-        # A call that does not fit the signature: the op raises its own error.
-        return call.wrapped(*args, **kwargs)
+        pass  # a call that does not fit the signature: the op raises its own error
     return call.run()
 
 
