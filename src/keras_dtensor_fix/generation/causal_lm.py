@@ -42,9 +42,10 @@ class ModelPlan:
     last_cache: Callable[[], Any] = field(default=lambda: None)
 
 
-def plan(model: Any, blocks: list[Any]) -> ModelPlan | None:
-    """The local plan of ``model``'s one-token call, its decoder ``blocks``
-    (``compiled.blocks.repeated``'s), or None (see the module)."""
+def plan(model: Any, blocks: list[tuple[Any, decoder.Plan]]) -> ModelPlan | None:
+    """The local plan of ``model``'s one-token call given its decoder
+    blocks' (``compiled.blocks.repeated``'s, each with its plan), or None
+    (see the module)."""
     if not hub.known_sampler(model):
         return None
     if token_args.signature_of(getattr(model, "call_with_cache", None)) is None:
@@ -52,9 +53,7 @@ def plan(model: Any, blocks: list[Any]) -> ModelPlan | None:
     embedding = hub.token_embedding(model)
     if not blocks or embedding is None:
         return None
-    plans = [decoder.plan(block) for block in blocks]
-    if any(found is None for found in plans):
-        return None
+    plans = [found for _, found in blocks]
     mesh, axis = plans[0].mesh, plans[0].axis
     if any(not same_mesh(p.mesh, mesh) or p.axis != axis for p in plans):
         return None
@@ -62,7 +61,7 @@ def plan(model: Any, blocks: list[Any]) -> ModelPlan | None:
         return None
     owned = {id(v) for found in plans for v, _ in found.weights}
     table = getattr(embedding, "_embeddings", None)
-    result = ModelPlan(mesh, axis, list(zip(blocks, plans, strict=True)), [])
+    result = ModelPlan(mesh, axis, list(blocks), [])
     for variable in model.weights:
         value = getattr(variable, "_value", None)
         if id(variable) in owned or not isinstance(value, DTensor):

@@ -18,7 +18,15 @@ from keras_dtensor_fix.compiled.blocks import repeated
 from keras_dtensor_fix.generation import causal_lm, decoder, token_args
 from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED, FirstCall, first_line
 
-__all__ = ["BLOCKS", "WHOLE", "blocks_local", "eager_local", "planned", "whole_local"]
+__all__ = [
+    "BLOCKS",
+    "WHOLE",
+    "block_plans",
+    "blocks_local",
+    "eager_local",
+    "planned",
+    "whole_local",
+]
 
 
 def _check(say: str, what: str) -> FirstCall:
@@ -46,39 +54,39 @@ def _block_call(block: Any, found: decoder.Plan) -> Callable[..., Any]:
     return call
 
 
-def _block_plan(block: Any) -> decoder.Plan | None:
-    """:func:`.decoder.plan`; one that raises warns, the block on DTensors."""
-    try:
-        return decoder.plan(block)
-    except Exception as err:  # noqa: BLE001 - the DTensor path is the fallback
-        BLOCKS.refuse(block, f"decoder.plan raised ({first_line(err)})")
-        return None
+def block_plans(model: Any) -> list[tuple[Any, decoder.Plan | None]]:
+    """Each decoder block (``compiled.blocks.repeated``'s) and its
+    :func:`.decoder.plan`, None where it stays on DTensors; one that raises
+    warns. Planned once per ``generate()``: the blocks and the whole call
+    share it."""
+    plans = []
+    for block in repeated(model, 1):
+        found = None
+        if BLOCKS.known(block) is not REFUSED:
+            try:
+                found = decoder.plan(block)
+            except Exception as err:  # noqa: BLE001 - the DTensor path is the fallback
+                BLOCKS.refuse(block, f"decoder.plan raised ({first_line(err)})")
+        plans.append((block, found))
+    return plans
 
 
-def planned(model: Any, blocks: list[Any]) -> causal_lm.ModelPlan | None:
-    """:func:`.causal_lm.plan` where no block refused; one that raises warns."""
-    if WHOLE.known(model) is REFUSED:
-        return None
-    if any(BLOCKS.known(block) is REFUSED for block in blocks):
+def planned(model: Any, plans: list[tuple[Any, Any]]) -> causal_lm.ModelPlan | None:
+    """:func:`.causal_lm.plan` where every block has a plan; one that raises warns."""
+    if WHOLE.known(model) is REFUSED or any(found is None for _, found in plans):
         return None
     try:
-        return causal_lm.plan(model, blocks)
+        return causal_lm.plan(model, plans)
     except Exception as err:  # noqa: BLE001 - block by block is the fallback
         WHOLE.refuse(model, f"causal_lm.plan raised ({first_line(err)})")
         return None
 
 
-@contextlib.contextmanager
-def blocks_local(model: Any) -> Iterator[list[Any]]:
-    """Each decoder block's call local for the length of the context; yields
-    the blocks (``compiled.blocks.repeated``'s)."""
-    blocks, calls = repeated(model, 1), []
-    for block in blocks:
-        found = None if BLOCKS.known(block) is REFUSED else _block_plan(block)
-        if found is not None:  # over the call it had (a compiled region's, say)
-            calls.append((block, "call", _block_call(block, found)))
-    with decoder.attributes(calls):
-        yield blocks
+def blocks_local(plans: list[tuple[Any, Any]]) -> contextlib.AbstractContextManager:
+    """Each planned block's call local (over the call it had: a compiled
+    region's, say) for the length of the context."""
+    calls = [(b, "call", _block_call(b, p)) for b, p in plans if p is not None]
+    return decoder.attributes(calls)
 
 
 def whole_local(
@@ -116,8 +124,9 @@ def whole_local(
 def eager_local(model: Any) -> Iterator[Any]:
     """Blocks on local tensors, and where :mod:`.causal_lm` can, each token's
     whole call; yields what to do with ``generate_step``'s inputs (or None)."""
-    with blocks_local(model) as blocks:
-        found = planned(model, blocks)
+    plans = block_plans(model)
+    with blocks_local(plans):
+        found = planned(model, plans)
         if found is None:
             yield None
             return

@@ -11,6 +11,7 @@ prompt's pass stays eager (:mod:`.local`). A token step that fails warns once
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,7 +19,6 @@ from typing import Any
 from torch.utils._pytree import tree_map
 
 from keras_dtensor_fix.compiled import region
-from keras_dtensor_fix.compiled.blocks import repeated
 from keras_dtensor_fix.dtensor import DTensor, on_mesh, one_rank_replicated
 from keras_dtensor_fix.engine.state import model_parallel
 from keras_dtensor_fix.generation import causal_lm, decoder, local, token_args
@@ -54,7 +54,9 @@ def _compiled(cls: type) -> Any:
     return found.compiled()
 
 
-def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., Any]:
+def _token_call(
+    model: Any, plans: list[tuple[Any, Any]], found: causal_lm.ModelPlan | None
+) -> Callable[..., Any]:
     """``model.call_with_cache``: one token compiled (on local tensors where
     ``found`` plans the whole call, else on DTensors), the prompt's pass eager;
     logits and hidden states come back plain, as every process holds them."""
@@ -70,7 +72,7 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., 
     def call_with_cache(*args: Any, **kwargs: Any) -> Any:
         given = token_args.one_token(signature, args, kwargs)
         if given is None:  # the prompt's pass
-            with local.blocks_local(model):
+            with local.blocks_local(plans):
                 return eager(*args, **kwargs)
         if steps.failed and local.WHOLE.known(model) is not PROVEN:
             # A proven model's cache is this rank's heads: only causal_lm.run
@@ -122,8 +124,9 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., 
 @contextlib.contextmanager
 def _tokens_compiled(model: Any) -> Iterator[Any]:
     """Each new token compiled (the module); yields :func:`.causal_lm.whole_inputs`."""
-    found = local.planned(model, repeated(model, 1))
-    with decoder.attributes([(model, "call_with_cache", _token_call(model, found))]):
+    plans = local.block_plans(model)
+    call = _token_call(model, plans, local.planned(model, plans))
+    with decoder.attributes([(model, "call_with_cache", call)]):
         yield causal_lm.whole_inputs
 
 
@@ -143,8 +146,13 @@ def generating(model: Any) -> Callable[[Any], Any] | None:
     ):
         return local.eager_local
     if token_args.signature_of(model.call_with_cache) is None:
-        cause = "its call_with_cache does not take (token_ids, cache, index)"
-        _region(type(model)).fail(TypeError(cause))
+        steps = _region(type(model))
+        steps.failed = True  # nothing compiled: said as what happened
+        warnings.warn(
+            f"keras-dtensor-fix: {steps.what} does not take (token_ids, cache, "
+            f"index); {steps.then}",
+            stacklevel=2,
+        )
         return local.eager_local  # as with jit_compile=False
     return _tokens_compiled
 
