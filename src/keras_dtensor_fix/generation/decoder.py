@@ -123,14 +123,11 @@ def _dense_kind(layer: Any, plain: type, sharded: dict, axis: int) -> str | None
 def _megatron(kinds: dict[int, str], attentions: list[Any]) -> bool:
     inside: set[int] = set()
     for attention in attentions:
-        found = [
-            kinds[id(sub)]
-            for sub in attention._flatten_layers(include_self=False)
-            if id(sub) in kinds
-        ]
+        subs = {id(sub) for sub in attention._flatten_layers(include_self=False)}
+        found = [kinds[key] for key in subs if key in kinds]
         if found and sorted(found) != ["column"] * (len(found) - 1) + ["row"]:
             return False
-        inside.update(id(sub) for sub in attention._flatten_layers(include_self=False))
+        inside |= subs
     outside = [kind for key, kind in kinds.items() if key not in inside]
     return outside.count("row") <= outside.count("column")
 

@@ -53,17 +53,11 @@ class FirstCall:
 
     def known(self, owner: Any) -> bool | None:
         """:data:`PROVEN`, :data:`REFUSED` or :data:`UNKNOWN` for ``owner``."""
-        try:
-            return self._known.get(owner)
-        except TypeError:  # no weak reference: never remembered
-            return UNKNOWN
+        return self._known.get(owner)
 
     def remember(self, owner: Any, outcome: bool) -> None:
         """Set ``owner``'s outcome without a warning."""
-        try:
-            self._known[owner] = outcome
-        except TypeError:  # no weak reference: checked again at each call
-            pass
+        self._known[owner] = outcome
 
     def refuse(self, owner: Any, cause: str) -> None:
         """``owner`` calls its own from now on: one warning naming ``cause``."""
@@ -116,12 +110,11 @@ class FirstCall:
             _set_losses(owner, fast_losses)
             return result
         _set_losses(owner, fast_losses)
-        if error is not None:
-            cause = self.raised.format(error=first_line(error))
-            pairs = _pairs(expected, None)
+        if error is None:
+            cause, view = self.differs, result if compared is None else compared(result)
         else:
-            cause = self.differs
-            pairs = _pairs(expected, result if compared is None else compared(result))
+            cause, view = self.raised.format(error=first_line(error)), None
+        pairs = _pairs(expected, view)
         pairs += list(zip(_values(written), after_fast, strict=True))
         if _agree(pairs, error is None):
             self.remember(owner, PROVEN)

@@ -78,19 +78,21 @@ def _plain(instance: Any) -> bool:
 
 def _call(wrapped, instance, args, kwargs):
     """``Layer.__call__`` on local tensors where every rank's piece computes alone."""
-    if _ACTIVE or not args or not isinstance(args[0], DTensor) or _plain(instance):
-        return wrapped(*args, **kwargs)
-    if FIRST.known(instance) is REFUSED:
+    if (
+        _ACTIVE
+        or not args
+        or not isinstance(args[0], DTensor)
+        or _plain(instance)
+        or FIRST.known(instance) is REFUSED
+    ):
         return wrapped(*args, **kwargs)
     variables = instance._trainable_variables + instance._non_trainable_variables
-    for variable in variables:
-        value = getattr(variable, "_value", None)
-        if isinstance(value, DTensor) and not whole(value):
-            return wrapped(*args, **kwargs)
+    values = [getattr(variable, "_value", None) for variable in variables]
     leaves, structure = flatten_call(args, kwargs)
-    for leaf in leaves:
-        if getattr(leaf, "_keras_mask", None) is not None:
-            return wrapped(*args, **kwargs)
+    if any(isinstance(v, DTensor) and not whole(v) for v in values) or any(
+        getattr(leaf, "_keras_mask", None) is not None for leaf in leaves
+    ):
+        return wrapped(*args, **kwargs)
     try:
         # A layer with weights: only where everything is replicated.
         axes = None if variables else mixes(instance, args[0].ndim)
