@@ -90,15 +90,15 @@ class FirstCall:
         if known is not UNKNOWN:
             result = fast() if known else None
             return own() if result is None else result
-        before, losses = _values(written), _losses(owner)
+        before = _state(owner, written)
         try:
             result, error = fast(), None
         except Exception as caught:
             result, error = None, caught
         if result is None and error is None:
             return own()
-        after_fast, fast_losses = _values(written), _losses(owner)
-        _restore(written, before)
+        after = _state(owner, written)
+        _restore(owner, written, before)
         try:
             with torch.no_grad():
                 expected = own()
@@ -106,24 +106,21 @@ class FirstCall:
             # DTensor's path fails too: nothing to check against.
             if error is not None:
                 raise error from None
-            _restore(written, after_fast)
-            _set_losses(owner, fast_losses)
+            _restore(owner, written, after)
             return result
-        _set_losses(owner, fast_losses)
         if error is None:
             cause, view = self.differs, result if compared is None else compared(result)
         else:
             cause, view = self.raised.format(error=first_line(error)), None
         pairs = _pairs(expected, view)
-        pairs += list(zip(_values(written), after_fast, strict=True))
+        pairs += list(zip(_state(owner, written)[0], after[0], strict=True))
         if _agree(pairs, error is None):
             self.remember(owner, PROVEN)
-            _restore(written, after_fast)
+            _restore(owner, written, after)
             return result
         if error is None and all(close for *_, close in pairs):
             cause += " on another process"
-        _restore(written, before)
-        _set_losses(owner, losses)
+        _restore(owner, written, before)
         self.refuse(owner, cause)
         return own()
 
@@ -134,22 +131,18 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {(lines or [''])[0][:200]}"
 
 
-def _values(variables: Sequence[Any]) -> list[Any]:
-    return [variable._value.detach().clone() for variable in variables]
-
-
-def _restore(variables: Sequence[Any], values: list[Any]) -> None:
-    with torch.no_grad():
-        for variable, value in zip(variables, values, strict=True):
-            variable._value.copy_(value)
-
-
-def _losses(owner: Any) -> list[Any] | None:
+def _state(owner: Any, written: Sequence[Any]) -> tuple[list[Any], list | None]:
+    """The ``written`` variables' values and ``owner``'s ``add_loss`` list."""
     losses = getattr(owner, "_losses", None)
-    return list(losses) if isinstance(losses, list) else None
+    values = [variable._value.detach().clone() for variable in written]
+    return values, list(losses) if isinstance(losses, list) else None
 
 
-def _set_losses(owner: Any, losses: list[Any] | None) -> None:
+def _restore(owner: Any, written: Sequence[Any], state: tuple) -> None:
+    values, losses = state
+    with torch.no_grad():
+        for variable, value in zip(written, values, strict=True):
+            variable._value.copy_(value)
     if losses is not None:
         owner._losses[:] = losses
 

@@ -139,10 +139,7 @@ def local_tensors(variables: Sequence[Any], *, grad: bool = False) -> Iterator[N
 
 def keras_path() -> str:
     """The path of the innermost Keras layer being called ("" if none)."""
-    try:
-        layer_class = targets.keras_object("Layer")
-    except (ImportError, AttributeError):  # pragma: no cover - Keras moved it
-        return ""
+    layer_class = targets.keras_object("Layer")
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
@@ -219,12 +216,10 @@ def promote_call(
 
 
 def full_value(value: Any) -> Any:
-    """A DTensor as its full (gathered) tensor, lists and tuples inside."""
-    if isinstance(value, DTensor):
-        return value.full_tensor()
-    if isinstance(value, (list, tuple)):
-        return type(value)(full_value(v) for v in value)
-    return value
+    """Each DTensor in ``value`` as its full (gathered) tensor."""
+    return walk(
+        value, None, lambda v, _: v.full_tensor() if isinstance(v, DTensor) else v
+    )
 
 
 _WARNED: set[str] = set()
