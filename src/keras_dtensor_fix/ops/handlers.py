@@ -30,6 +30,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from keras_dtensor_fix.dtensor import (
+    DTensor,
+    gather_axes_splitting,
+    gather_axis,
+    per_element_call,
+    reduce_masked,
+    reduce_partial,
+    replicate_result,
+    replicated_locals,
+    vocab_parallel_lookup,
+)
+from keras_dtensor_fix.dtensor.einsum import local_einsum, local_matmul
 from keras_dtensor_fix.ops import layout
 from keras_dtensor_fix.ops.call import NOT_HANDLED, Call, Op, Unbound
 from keras_dtensor_fix.ops.values import promote_call, resolve, variable_class
@@ -111,10 +125,6 @@ class Handler:
 
 
 def _lookup(call: Call) -> Any:
-    import torch
-
-    from keras_dtensor_fix.dtensor import gather_axes_splitting, vocab_parallel_lookup
-
     arguments = call.arguments
     if "x" not in arguments or "indices" not in arguments:
         return NOT_HANDLED
@@ -130,8 +140,6 @@ def _lookup(call: Call) -> Any:
 
 def _gathered(call: Call, operand: str, axis: int | None) -> Any:
     """``operand`` gathered on ``axis``, for the handlers after this one."""
-    from keras_dtensor_fix.dtensor import gather_axis
-
     arguments = call.arguments
     if operand in arguments:
         arguments[operand] = gather_axis(resolve(arguments[operand]), axis)
@@ -168,9 +176,6 @@ def _normalized(call: Call) -> Any:
 
 
 def _local(call: Call) -> Any:
-    from keras_dtensor_fix.dtensor import reduce_partial
-    from keras_dtensor_fix.dtensor.einsum import local_einsum, local_matmul
-
     arguments = call.arguments
     local = None
     if call.op.name == "einsum":
@@ -185,8 +190,6 @@ def _local(call: Call) -> Any:
 
 def _per_element(call: Call) -> Any:
     # each element of ``x`` mapped to new trailing dims (``axis``: where)
-    from keras_dtensor_fix.dtensor import per_element_call
-
     arguments = call.arguments
     if "x" not in arguments:
         return NOT_HANDLED
@@ -198,8 +201,6 @@ def _per_element(call: Call) -> Any:
 
 
 def _replicated(call: Call) -> Any:
-    from keras_dtensor_fix.dtensor import replicate_result, replicated_locals
-
     args, kwargs = call.args, call.kwargs
     resolved = [resolve(v) for v in args]
     names = list(kwargs)
@@ -216,8 +217,6 @@ def _replicated(call: Call) -> Any:
 
 
 def _promote(call: Call) -> Any:
-    from keras_dtensor_fix.dtensor import reduce_masked, reduce_partial
-
     op = call.op
     result = promote_call(
         call.wrapped, call.args, call.kwargs, op=op.name, elementwise=op.elementwise
@@ -259,10 +258,6 @@ def handle(chain: tuple[Handler, ...], call: Call) -> Any:
 def wrapper_for(name: str, function: Any, *, elementwise: bool | None = None):
     """The wrapt wrapper for backend op ``name`` (``function``, the original):
     the fast path, else :func:`handle`."""
-    import torch
-
-    from keras_dtensor_fix.dtensor import DTensor
-
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):
