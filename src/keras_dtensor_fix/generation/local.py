@@ -18,15 +18,7 @@ from keras_dtensor_fix.compiled.blocks import repeated
 from keras_dtensor_fix.generation import causal_lm, decoder, token_args
 from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED, FirstCall, first_line
 
-__all__ = [
-    "BLOCKS",
-    "WHOLE",
-    "block_plans",
-    "blocks_local",
-    "eager_local",
-    "planned",
-    "whole_local",
-]
+__all__ = ["BLOCKS", "WHOLE", "blocks_local", "eager_local", "planned", "whole_local"]
 
 
 def _check(say: str, what: str) -> FirstCall:
@@ -54,11 +46,11 @@ def _block_call(block: Any, found: decoder.Plan) -> Callable[..., Any]:
     return call
 
 
-def block_plans(model: Any) -> list[tuple[Any, decoder.Plan | None]]:
-    """Each decoder block (``compiled.blocks.repeated``'s) and its
-    :func:`.decoder.plan`, None where it stays on DTensors; one that raises
-    warns. Planned once per ``generate()``: the blocks and the whole call
-    share it."""
+def planned(model: Any) -> tuple[list[tuple[Any, Any]], causal_lm.ModelPlan | None]:
+    """Each decoder block (``compiled.blocks.repeated``'s) with its
+    :func:`.decoder.plan` (None: on DTensors), and :func:`.causal_lm.plan`
+    where every block has one; a plan that raises warns. Once per
+    ``generate()``: the blocks' calls and the whole call share them."""
     plans = []
     for block in repeated(model, 1):
         found = None
@@ -68,18 +60,13 @@ def block_plans(model: Any) -> list[tuple[Any, decoder.Plan | None]]:
             except Exception as err:  # noqa: BLE001 - the DTensor path is the fallback
                 BLOCKS.refuse(block, f"decoder.plan raised ({first_line(err)})")
         plans.append((block, found))
-    return plans
-
-
-def planned(model: Any, plans: list[tuple[Any, Any]]) -> causal_lm.ModelPlan | None:
-    """:func:`.causal_lm.plan` where every block has a plan; one that raises warns."""
     if WHOLE.known(model) is REFUSED or any(found is None for _, found in plans):
-        return None
+        return plans, None
     try:
-        return causal_lm.plan(model, plans)
+        return plans, causal_lm.plan(model, plans)
     except Exception as err:  # noqa: BLE001 - block by block is the fallback
         WHOLE.refuse(model, f"causal_lm.plan raised ({first_line(err)})")
-        return None
+        return plans, None
 
 
 def blocks_local(plans: list[tuple[Any, Any]]) -> contextlib.AbstractContextManager:
@@ -124,9 +111,8 @@ def whole_local(
 def eager_local(model: Any) -> Iterator[Any]:
     """Blocks on local tensors, and where :mod:`.causal_lm` can, each token's
     whole call; yields what to do with ``generate_step``'s inputs (or None)."""
-    plans = block_plans(model)
+    plans, found = planned(model)
     with blocks_local(plans):
-        found = planned(model, plans)
         if found is None:
             yield None
             return

@@ -124,8 +124,7 @@ def _token_call(
 @contextlib.contextmanager
 def _tokens_compiled(model: Any) -> Iterator[Any]:
     """Each new token compiled (the module); yields :func:`.causal_lm.whole_inputs`."""
-    plans = local.block_plans(model)
-    call = _token_call(model, plans, local.planned(model, plans))
+    call = _token_call(model, *local.planned(model))
     with decoder.attributes([(model, "call_with_cache", call)]):
         yield causal_lm.whole_inputs
 
