@@ -63,26 +63,19 @@ def _laid_out(layer: Any) -> bool:
     return _LAID_OUT[layer]
 
 
-def _plain(instance: Any) -> bool:
-    """Whether ``instance`` must run as it is (after :func:`_call`'s cheap tests)."""
-    return bool(
-        getattr(instance, "_layers", True)
-        or getattr(instance, "_seed_generators", True)
-        or not getattr(instance, "built", False)
-        or getattr(instance, "activity_regularizer", None) is not None
-        or compiling()
-        or targets.keras_object("global_state").get_global_attribute("stateless_scope")
-        is not None
-    )
-
-
 def _call(wrapped, instance, args, kwargs):
     """``Layer.__call__`` on local tensors where every rank's piece computes alone."""
     if (
         _ACTIVE
         or not args
         or not isinstance(args[0], DTensor)
-        or _plain(instance)
+        or getattr(instance, "_layers", True)
+        or getattr(instance, "_seed_generators", True)
+        or not getattr(instance, "built", False)
+        or getattr(instance, "activity_regularizer", None) is not None
+        or compiling()
+        or targets.keras_object("global_state").get_global_attribute("stateless_scope")
+        is not None
         or FIRST.known(instance) is REFUSED
     ):
         return wrapped(*args, **kwargs)
