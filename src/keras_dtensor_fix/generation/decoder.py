@@ -86,9 +86,7 @@ def plan(block: Any) -> Plan | None:
             kinds[id(layer)] = kind
             claimed.update((id(layer._kernel), id(layer.bias)))
             if kind == "row":
-                equation = None if isinstance(layer, dense[0]) else layer.equation
-                call = _row_call(layer, equation, local, mesh, axis)
-                result.rows.append((layer, call))
+                result.rows.append((layer, _row_call(layer, local, mesh, axis)))
     if set(sharded) - claimed or not _megatron(kinds, attentions):
         return None  # a split weight outside a dense layer, or not Megatron's
     return result
@@ -132,10 +130,9 @@ def _megatron(kinds: dict[int, str], attentions: list[Any]) -> bool:
     return outside.count("row") <= outside.count("column")
 
 
-def _row_call(
-    layer: Any, equation: str | None, local: dict, mesh: Any, axis: int
-) -> Callable[..., Any]:
+def _row_call(layer: Any, local: dict, mesh: Any, axis: int) -> Callable[..., Any]:
     """A row-parallel layer's call: local product, all-reduce, then bias."""
+    equation = getattr(layer, "equation", None)  # EinsumDense's; Dense's by ndim
     kernel = local[id(layer._kernel)]
     bias = None if layer.bias is None else local.get(id(layer.bias), layer.bias.value)
     activation = layer.activation
