@@ -73,15 +73,9 @@ class DTensorMixError(RuntimeError):
         self.cause, self.hint = cause, hint
 
 
-_VARIABLE: list[type] = []
-
-
 def variable_class() -> type:
-    """Keras's backend-independent ``Variable`` base class (looked up once;
-    not ``functools.cache``: dynamo warns on every traced call of one)."""
-    if not _VARIABLE:
-        _VARIABLE.append(targets.keras_object("Variable"))
-    return _VARIABLE[0]
+    """Keras's backend-independent ``Variable`` base class."""
+    return targets.keras_object("Variable")  # a plain dict cache: dynamo traces it
 
 
 def resolve(value: Any) -> Any:
