@@ -54,12 +54,12 @@ def _compiled(cls: type) -> Any:
     return found.compiled()
 
 
-def _token_call(
-    model: Any, plans: list[tuple[Any, Any]], found: causal_lm.ModelPlan | None
-) -> Callable[..., Any]:
+def _token_call(model: Any) -> Callable[..., Any]:
     """``model.call_with_cache``: one token compiled (on local tensors where
-    ``found`` plans the whole call, else on DTensors), the prompt's pass eager;
-    logits and hidden states come back plain, as every process holds them."""
+    :func:`.local.planned` plans the whole call, else on DTensors), the
+    prompt's pass eager; logits and hidden states come back plain, as every
+    process holds them."""
+    plans, found = local.planned(model)
     eager = model.call_with_cache
     signature = token_args.signature_of(eager)
     steps, compiled = _region(type(model)), _compiled(type(model))
@@ -124,8 +124,7 @@ def _token_call(
 @contextlib.contextmanager
 def _tokens_compiled(model: Any) -> Iterator[Any]:
     """Each new token compiled (the module); yields :func:`.causal_lm.whole_inputs`."""
-    call = _token_call(model, *local.planned(model))
-    with decoder.attributes([(model, "call_with_cache", call)]):
+    with decoder.attributes([(model, "call_with_cache", _token_call(model))]):
         yield causal_lm.whole_inputs
 
 
