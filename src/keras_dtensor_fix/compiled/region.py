@@ -317,10 +317,14 @@ class Region:
         except Exception as error:
             if not failure.compile_failure(error):
                 raise
-            self.failed = True
-            warnings.warn(
-                f"keras-dtensor-fix: torch.compile failed on {self.what} "
-                f"({failure.cause(error)}); {self.then}",
-                stacklevel=3,
-            )
+            self.fail(error)
             return eager()
+
+    def fail(self, error: BaseException) -> None:
+        """Its calls run the eager code from now on: one warning naming ``error``."""
+        self.failed = True
+        warnings.warn(
+            f"keras-dtensor-fix: torch.compile failed on {self.what} "
+            f"({failure.cause(error)}); {self.then}",
+            stacklevel=4,
+        )

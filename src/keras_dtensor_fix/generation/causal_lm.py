@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from keras_dtensor_fix.compiled.blocks import repeated
 from keras_dtensor_fix.dtensor import DTensor, all_gather_last, all_reduce_sum, megatron
 from keras_dtensor_fix.dtensor.placement import same_mesh
 from keras_dtensor_fix.dtensor.planner import shard_dim, whole
@@ -43,19 +42,18 @@ class ModelPlan:
     last_cache: Callable[[], Any] = field(default=lambda: None)
 
 
-def plan(model: Any) -> ModelPlan | None:
-    """The local plan of ``model``'s one-token call, or None (see the module)."""
+def plan(model: Any, blocks: list[tuple[Any, decoder.Plan]]) -> ModelPlan | None:
+    """The local plan of ``model``'s one-token call given its decoder
+    blocks' (``compiled.blocks.repeated``'s, each with its plan), or None
+    (see the module)."""
     if not hub.known_sampler(model):
         return None
     if token_args.signature_of(getattr(model, "call_with_cache", None)) is None:
         return None  # a call whose token, cache and index :func:`run` cannot tell
-    blocks = repeated(model, 1)
     embedding = hub.token_embedding(model)
     if not blocks or embedding is None:
         return None
-    plans = [decoder.plan(block) for block in blocks]
-    if any(found is None for found in plans):
-        return None
+    plans = [found for _, found in blocks]
     mesh, axis = plans[0].mesh, plans[0].axis
     if any(not same_mesh(p.mesh, mesh) or p.axis != axis for p in plans):
         return None
@@ -63,7 +61,7 @@ def plan(model: Any) -> ModelPlan | None:
         return None
     owned = {id(v) for found in plans for v, _ in found.weights}
     table = getattr(embedding, "_embeddings", None)
-    result = ModelPlan(mesh, axis, list(zip(blocks, plans, strict=True)), [])
+    result = ModelPlan(mesh, axis, list(blocks), [])
     for variable in model.weights:
         value = getattr(variable, "_value", None)
         if id(variable) in owned or not isinstance(value, DTensor):
@@ -123,21 +121,15 @@ def _embedding_call(
 @contextlib.contextmanager
 def _swapped(found: ModelPlan) -> Iterator[None]:
     """Every weight local, the embedding's call local, the blocks' own calls."""
-    overridden = [(block, vars(block).pop("call", None)) for block, _ in found.blocks]
-    try:
-        with contextlib.ExitStack() as stack:
-            for _, block_plan in found.blocks:
-                stack.enter_context(decoder.swapped(block_plan))
-            stack.enter_context(local_tensors(found.weights))
-            if found.embedding is not None:
-                layer, call = found.embedding
-                object.__setattr__(layer, "call", call)
-                stack.callback(vars(layer).pop, "call", None)
-            yield
-    finally:
-        for block, call in overridden:
-            if call is not None:
-                object.__setattr__(block, "call", call)
+    sets = [(block, "call", decoder.UNSET) for block, _ in found.blocks]
+    if found.embedding is not None:
+        sets.append((found.embedding[0], "call", found.embedding[1]))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(decoder.attributes(sets))
+        for _, block_plan in found.blocks:
+            stack.enter_context(decoder.swapped(block_plan))
+        stack.enter_context(local_tensors(found.weights))
+        yield
 
 
 def run(
@@ -150,10 +142,10 @@ def run(
 ) -> Any:
     """``call(token_ids, cache, index, **extra)`` (the model's own) on local
     tensors: logits and hidden states whole, the cache this rank's heads;
-    :data:`NotImplemented` where an input has no local form."""
+    None where an input has no local form."""
     mesh, axis = found.mesh, found.axis
     if not (isinstance(cache, DTensor) or cache is found.last_cache()):
-        return NotImplemented  # a plain cache that this plan did not make
+        return None  # a plain cache that this plan did not make
     ours = not isinstance(cache, DTensor)
     if not ours:
         heads = cache.ndim + hub.CACHE_HEADS
@@ -169,7 +161,7 @@ def run(
                 "keras-dtensor-fix: a token of generate() has no local form on "
                 "this model; set KERAS_DTENSOR_FIX_DISABLE=generate and report it"
             )
-        return NotImplemented
+        return None
     with _swapped(found):
         logits, hidden, new_cache = call(token_ids, cache, index, **local)
     found.last_cache = weakref.ref(new_cache)

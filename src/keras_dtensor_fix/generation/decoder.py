@@ -26,7 +26,8 @@ from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.hub import generation as hub
 from keras_dtensor_fix.ops.values import local_tensors, output_laid_out
 
-_UNSET = object()
+#: :func:`attributes`' value for an attribute the instance does not hold.
+UNSET = object()
 
 
 @dataclass
@@ -85,9 +86,7 @@ def plan(block: Any) -> Plan | None:
             kinds[id(layer)] = kind
             claimed.update((id(layer._kernel), id(layer.bias)))
             if kind == "row":
-                equation = None if isinstance(layer, dense[0]) else layer.equation
-                call = _row_call(layer, equation, local, mesh, axis)
-                result.rows.append((layer, call))
+                result.rows.append((layer, _row_call(layer, local, mesh, axis)))
     if set(sharded) - claimed or not _megatron(kinds, attentions):
         return None  # a split weight outside a dense layer, or not Megatron's
     return result
@@ -122,22 +121,18 @@ def _dense_kind(layer: Any, plain: type, sharded: dict, axis: int) -> str | None
 def _megatron(kinds: dict[int, str], attentions: list[Any]) -> bool:
     inside: set[int] = set()
     for attention in attentions:
-        found = [
-            kinds[id(sub)]
-            for sub in attention._flatten_layers(include_self=False)
-            if id(sub) in kinds
-        ]
+        subs = {id(sub) for sub in attention._flatten_layers(include_self=False)}
+        found = [kinds[key] for key in subs if key in kinds]
         if found and sorted(found) != ["column"] * (len(found) - 1) + ["row"]:
             return False
-        inside.update(id(sub) for sub in attention._flatten_layers(include_self=False))
+        inside |= subs
     outside = [kind for key, kind in kinds.items() if key not in inside]
     return outside.count("row") <= outside.count("column")
 
 
-def _row_call(
-    layer: Any, equation: str | None, local: dict, mesh: Any, axis: int
-) -> Callable[..., Any]:
+def _row_call(layer: Any, local: dict, mesh: Any, axis: int) -> Callable[..., Any]:
     """A row-parallel layer's call: local product, all-reduce, then bias."""
+    equation = getattr(layer, "equation", None)  # EinsumDense's; Dense's by ndim
     kernel = local[id(layer._kernel)]
     bias = None if layer.bias is None else local.get(id(layer.bias), layer.bias.value)
     activation = layer.activation
@@ -153,43 +148,56 @@ def _row_call(
 
 
 @contextlib.contextmanager
+def attributes(sets: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Each ``(obj, name, value)`` set on the instance (:data:`UNSET`: none)
+    for the length of the context, then each instance's own put back."""
+    saved = [(obj, name, vars(obj).get(name, UNSET)) for obj, name, _ in sets]
+    try:
+        for obj, name, value in sets:
+            _put(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            _put(obj, name, value)
+
+
+def _put(obj: Any, name: str, value: Any) -> None:
+    if value is UNSET:
+        vars(obj).pop(name, None)
+    else:
+        object.__setattr__(obj, name, value)
+
+
+@contextlib.contextmanager
 def swapped(found: Plan) -> Iterator[None]:
     """The block's weights local, its heads one rank's, its row-parallel
     layers' local calls (their input holds this rank's share of features)."""
     sets = list(found.heads)
     for layer, call in found.rows:
         sets += [(layer, "call", call), (layer, "_input_spec", None)]
-    saved = [(obj, name, vars(obj).get(name, _UNSET)) for obj, name, _ in sets]
     # Every operand inside is plain: the gated wrappers (which fix DTensor
     # mixes) have nothing to do, and closed they cost no Python frame.
     sharding = list(state.SHARDING)
     state.SHARDING.clear()
     state.LOCAL_CALL.append(True)
     try:
-        for obj, name, value in sets:
-            object.__setattr__(obj, name, value)
-        with local_tensors([variable for variable, _ in found.weights]):
+        with attributes(sets), local_tensors([v for v, _ in found.weights]):
             yield
     finally:
         state.LOCAL_CALL.pop()
         state.SHARDING.extend(sharding)
-        for obj, name, value in saved:
-            if value is _UNSET:
-                vars(obj).pop(name, None)
-            else:
-                object.__setattr__(obj, name, value)
 
 
 def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """``call(*args, **kwargs)`` (the block's own) on local tensors, or
-    :data:`NotImplemented` where its inputs have no local form."""
+    None where its inputs have no local form."""
     mesh, axis = found.mesh, found.axis
     x = args[0] if args else kwargs.get("x")
     like = x if isinstance(x, DTensor) else None
     key = next((k for k in hub.CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
     cache = kwargs.get(key)
     if not hasattr(cache, "ndim") or kwargs.get("cross_attention_cache") is not None:
-        return NotImplemented  # no cache, or a third result
+        return None  # no cache, or a third result
     heads = cache.ndim + hub.CACHE_HEADS
     local_args = [local_part(a, mesh, axis, None, like) for a in args]
     local_kwargs = {
@@ -198,7 +206,7 @@ def run(found: Plan, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any
     }
     given, local = [*args, *kwargs.values()], [*local_args, *local_kwargs.values()]
     if any(b is None and a is not None for a, b in zip(given, local, strict=True)):
-        return NotImplemented
+        return None
     with swapped(found):
         result = call(*local_args, **local_kwargs)
     if not (isinstance(result, tuple) and len(result) == 2):

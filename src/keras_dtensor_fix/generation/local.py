@@ -18,7 +18,7 @@ from keras_dtensor_fix.compiled.blocks import repeated
 from keras_dtensor_fix.generation import causal_lm, decoder, token_args
 from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED, FirstCall, first_line
 
-__all__ = ["BLOCKS", "WHOLE", "blocks_local", "eager_local", "whole_local", "planned"]
+__all__ = ["BLOCKS", "WHOLE", "blocks_local", "eager_local", "planned", "whole_local"]
 
 
 def _check(say: str, what: str) -> FirstCall:
@@ -32,70 +32,48 @@ BLOCKS = _check("decoder block {owner} generates on DTensors", "call")
 WHOLE = _check("{owner} generates block by block", "token call")
 
 
-def _fast(result: Any) -> Any:
-    """A local call's result for :meth:`FirstCall.run` (None: no local form)."""
-    return None if result is NotImplemented else result
-
-
 def _block_call(block: Any, found: decoder.Plan) -> Callable[..., Any]:
     """``block.call`` for one generation: local where :mod:`.decoder` can."""
     original = type(block).call.__get__(block, type(block))
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        known = BLOCKS.known(block)
-        if known is REFUSED:
-            return original(*args, **kwargs)
-        if known is not PROVEN:
-            return BLOCKS.run(
-                block,
-                lambda: _fast(decoder.run(found, original, args, kwargs)),
-                lambda: original(*args, **kwargs),
-            )
-        result = decoder.run(found, original, args, kwargs)
-        return original(*args, **kwargs) if result is NotImplemented else result
+        return BLOCKS.run(
+            block,
+            lambda: decoder.run(found, original, args, kwargs),
+            lambda: original(*args, **kwargs),
+        )
 
     return call
 
 
-def _block_plan(block: Any) -> decoder.Plan | None:
-    """:func:`.decoder.plan`; one that raises warns, the block on DTensors."""
+def planned(model: Any) -> tuple[list[tuple[Any, Any]], causal_lm.ModelPlan | None]:
+    """Each decoder block (``compiled.blocks.repeated``'s) with its
+    :func:`.decoder.plan` (None: on DTensors), and :func:`.causal_lm.plan`
+    where every block has one; a plan that raises warns. Once per
+    ``generate()``: the blocks' calls and the whole call share them."""
+    plans = []
+    for block in repeated(model, 1):
+        found = None
+        if BLOCKS.known(block) is not REFUSED:
+            try:
+                found = decoder.plan(block)
+            except Exception as err:  # noqa: BLE001 - the DTensor path is the fallback
+                BLOCKS.refuse(block, f"decoder.plan raised ({first_line(err)})")
+        plans.append((block, found))
+    if WHOLE.known(model) is REFUSED or any(found is None for _, found in plans):
+        return plans, None
     try:
-        return decoder.plan(block)
-    except Exception as err:  # noqa: BLE001 - the DTensor path is the fallback
-        BLOCKS.refuse(block, f"decoder.plan raised ({first_line(err)})")
-        return None
-
-
-def planned(model: Any) -> causal_lm.ModelPlan | None:
-    """:func:`.causal_lm.plan` where no block refused; one that raises warns."""
-    if WHOLE.known(model) is REFUSED:
-        return None
-    if any(BLOCKS.known(block) is REFUSED for block in repeated(model, 1)):
-        return None
-    try:
-        return causal_lm.plan(model)
+        return plans, causal_lm.plan(model, plans)
     except Exception as err:  # noqa: BLE001 - block by block is the fallback
         WHOLE.refuse(model, f"causal_lm.plan raised ({first_line(err)})")
-        return None
+        return plans, None
 
 
-@contextlib.contextmanager
-def blocks_local(model: Any) -> Iterator[None]:
-    """Each decoder block's call local for the length of the context."""
-    installed = []  # each with the call it had (a compiled region's, say)
-    try:
-        for block in repeated(model, 1):
-            found = None if BLOCKS.known(block) is REFUSED else _block_plan(block)
-            if found is not None:
-                installed.append((block, vars(block).get("call")))
-                object.__setattr__(block, "call", _block_call(block, found))
-        yield
-    finally:
-        for block, call in installed:
-            if call is None:
-                vars(block).pop("call", None)
-            else:
-                object.__setattr__(block, "call", call)
+def blocks_local(plans: list[tuple[Any, Any]]) -> contextlib.AbstractContextManager:
+    """Each planned block's call local (over the call it had: a compiled
+    region's, say) for the length of the context."""
+    calls = [(b, "call", _block_call(b, p)) for b, p in plans if p is not None]
+    return decoder.attributes(calls)
 
 
 def whole_local(
@@ -106,20 +84,20 @@ def whole_local(
     given: token_args.TokenArgs,
 ) -> Any:
     """One token's ``call`` on local tensors (:func:`.causal_lm.run`), the
-    first checked against ``eager``; :data:`NotImplemented` where the model
-    generates block by block."""
+    first checked against ``eager``; None where the model generates block by
+    block."""
     known = WHOLE.known(model)
     if known is PROVEN:
         return given.call(causal_lm.run, found, call)
     if known is REFUSED or any(BLOCKS.known(b) is REFUSED for b, _ in found.blocks):
         WHOLE.remember(model, REFUSED)  # the prompt's pass found a block differ
-        return NotImplemented
+        return None
 
     def fast() -> Any:
         result = given.call(causal_lm.run, found, eager)
-        if result is NotImplemented:  # no local form: block by block
+        if result is None:  # no local form: block by block
             WHOLE.remember(model, REFUSED)
-        return _fast(result)
+        return result
 
     return WHOLE.run(
         model,
@@ -129,33 +107,25 @@ def whole_local(
     )
 
 
-def _local_token_call(model: Any, found: causal_lm.ModelPlan) -> Callable[..., Any]:
-    """``model.call_with_cache``: one token on local tensors, the prompt's
-    pass (many tokens) block by block."""
-    eager = model.call_with_cache
-    signature = token_args.signature_of(eager)  # causal_lm.plan found one
-
-    def call_with_cache(*args: Any, **kwargs: Any) -> Any:
-        given = token_args.one_token(signature, args, kwargs)
-        if given is None:
-            return eager(*args, **kwargs)
-        result = whole_local(model, found, eager, eager, given)
-        return given.call(eager) if result is NotImplemented else result
-
-    return call_with_cache
-
-
 @contextlib.contextmanager
 def eager_local(model: Any) -> Iterator[Any]:
     """Blocks on local tensors, and where :mod:`.causal_lm` can, each token's
     whole call; yields what to do with ``generate_step``'s inputs (or None)."""
-    with blocks_local(model):
-        found = planned(model)
+    plans, found = planned(model)
+    with blocks_local(plans):
         if found is None:
             yield None
             return
-        model.call_with_cache = _local_token_call(model, found)
-        try:
+        eager = model.call_with_cache
+        signature = token_args.signature_of(eager)  # causal_lm.plan found one
+
+        def call_with_cache(*args: Any, **kwargs: Any) -> Any:
+            # the prompt's pass (many tokens): block by block
+            given = token_args.one_token(signature, args, kwargs)
+            if given is None:
+                return eager(*args, **kwargs)
+            result = whole_local(model, found, eager, eager, given)
+            return eager(*args, **kwargs) if result is None else result
+
+        with decoder.attributes([(model, "call_with_cache", call_with_cache)]):
             yield causal_lm.whole_inputs
-        finally:
-            vars(model).pop("call_with_cache", None)

@@ -3,7 +3,7 @@
 keras-hub's causal LMs share the first three parameters (token ids, cache,
 index: ``hub.generation.CALL_WITH_CACHE``) but not what follows, which some
 pass by keyword. Generation converts the first three and hands every other
-argument on as the caller gave it; :func:`split` tells them apart by the
+argument on as the caller gave it; :func:`one_token` tells them apart by the
 model's own signature, or says it cannot.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from keras_dtensor_fix.hub import generation as hub
 
-__all__ = ["TokenArgs", "one_token", "signature_of", "split"]
+__all__ = ["TokenArgs", "one_token", "signature_of"]
 
 CORE = len(hub.CALL_WITH_CACHE)
 _POSITIONAL = (
@@ -33,7 +33,7 @@ class TokenArgs:
     token_ids: Any
     cache: Any
     index: Any
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any]
 
     def core(self) -> tuple[Any, Any, Any]:
         return self.token_ids, self.cache, self.index
@@ -44,7 +44,7 @@ class TokenArgs:
 
 
 def signature_of(method: Callable[..., Any]) -> inspect.Signature | None:
-    """``method``'s signature where :func:`split` can read its calls (the
+    """``method``'s signature where :func:`one_token` can read its calls (the
     three core parameters first, positional, no ``*args``), else None."""
     try:
         signature = inspect.signature(method)
@@ -59,34 +59,27 @@ def signature_of(method: Callable[..., Any]) -> inspect.Signature | None:
     return None if any(p.kind in kinds for p in rest) else signature
 
 
-def split(signature: inspect.Signature, args: tuple, kwargs: dict) -> TokenArgs | None:
-    """The call's arguments bound by ``signature`` (from :func:`signature_of`),
-    or None where they do not bind (the model's own call then raises)."""
+def one_token(
+    signature: inspect.Signature, args: tuple, kwargs: dict
+) -> TokenArgs | None:
+    """The call's arguments bound by ``signature`` (:func:`signature_of`'s)
+    where it passes one token per sequence; None for the prompt's pass or
+    arguments that do not bind (the model's own call then raises)."""
     try:
-        bound = signature.bind(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs).arguments
     except TypeError:
         return None
-    params = signature.parameters
-    names = list(params)[:CORE]
-    if any(name not in bound.arguments for name in names):
+    names = list(signature.parameters)[:CORE]
+    if any(name not in bound for name in names):
+        return None
+    token_ids, cache, index = (bound.pop(name) for name in names)
+    shape = getattr(token_ids, "shape", ())
+    if len(shape) != 2 or shape[1] != 1:
         return None
     extra: dict[str, Any] = {}
-    for name, value in bound.arguments.items():
-        if name in names:
-            continue
-        if params[name].kind is inspect.Parameter.VAR_KEYWORD:
+    for name, value in bound.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
             extra.update(value)
         else:
             extra[name] = value
-    token_ids, cache, index = (bound.arguments[name] for name in names)
     return TokenArgs(token_ids, cache, index, extra)
-
-
-def one_token(
-    signature: inspect.Signature | None, args: tuple, kwargs: dict
-) -> TokenArgs | None:
-    """:func:`split` where the call passes one token per sequence; None for
-    the prompt's pass or arguments it cannot read."""
-    given = None if signature is None else split(signature, args, kwargs)
-    shape = getattr(getattr(given, "token_ids", None), "shape", ())
-    return given if len(shape) == 2 and shape[1] == 1 else None

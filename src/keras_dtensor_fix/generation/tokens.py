@@ -5,12 +5,13 @@ DTensor op. Under ModelParallel, ``jit_compile=True`` runs each new token's
 ``call_with_cache`` as a ``compiled/region``: the cache keeps its shape and
 the position is a tensor, so one graph serves every position and call. The
 prompt's pass stays eager (:mod:`.local`). A token step that fails warns once
-and that model generates eagerly from then on (:data:`COMPILED`).
+(its region's warning) and the class generates eagerly from then on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,44 +21,48 @@ from torch.utils._pytree import tree_map
 from keras_dtensor_fix.compiled import region
 from keras_dtensor_fix.dtensor import DTensor, on_mesh, one_rank_replicated
 from keras_dtensor_fix.engine.state import model_parallel
-from keras_dtensor_fix.generation import causal_lm, local, token_args
-from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED, FirstCall
+from keras_dtensor_fix.generation import causal_lm, decoder, local, token_args
+from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED
 
-__all__ = ["COMPILED", "forget", "generating"]
+__all__ = ["forget", "generating"]
 
-#: A model whose compiled token step failed: it generates eagerly from then on.
-COMPILED = FirstCall(
-    "compiled token step",
-    say="generate() of this jit_compile=True model runs eagerly: its compiled "
-    "token step failed ({cause})",
-    raised="{error}",
-)
 #: Distribution -> CausalLM class -> its ``call_with_cache`` as a region (one
 #: per class: dynamo guards on the model it is called with).
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _region(cls: type) -> region.Region:
+    by_class = _COMPILED.setdefault(model_parallel(), {})
+    if cls not in by_class:
+        # dynamic shapes as torch.compile's default: a longer generate() call
+        # makes its cache length symbolic rather than compile again
+        by_class[cls] = region.Region(
+            cls.call_with_cache,
+            f"{cls.__name__}.call_with_cache",
+            then="generate() of this class runs eagerly: its compiled token step "
+            "is off from now on.",
+            dynamic=None,
+        )
+    return by_class[cls]
+
+
 def _compiled(cls: type) -> Any:
     """The class's compiled token call under this distribution, its guards
     checked again until this generation's tokens settle."""
-    by_class = _COMPILED.setdefault(model_parallel(), {})
-    found = by_class.get(cls)
-    if found is None:
-        # dynamic shapes as torch.compile's default: a longer generate() call
-        # makes its cache length symbolic rather than compile again
-        what = f"{cls.__name__}.call_with_cache"
-        found = by_class[cls] = region.Region(cls.call_with_cache, what, dynamic=None)
+    found = _region(cls)
     found.reset()
     return found.compiled()
 
 
-def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., Any]:
+def _token_call(model: Any) -> Callable[..., Any]:
     """``model.call_with_cache``: one token compiled (on local tensors where
-    ``found`` plans the whole call, else on DTensors), the prompt's pass eager;
-    logits and hidden states come back plain, as every process holds them."""
+    :func:`.local.planned` plans the whole call, else on DTensors), the
+    prompt's pass eager; logits and hidden states come back plain, as every
+    process holds them."""
+    plans, found = local.planned(model)
     eager = model.call_with_cache
     signature = token_args.signature_of(eager)
-    compiled = _compiled(type(model))
+    steps, compiled = _region(type(model)), _compiled(type(model))
     plain = causal_lm.whole_inputs
     # the weights' mesh: the graph guards on its identity
     meshes = (getattr(v, "_value", None) for v in model.weights)
@@ -67,9 +72,9 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., 
     def call_with_cache(*args: Any, **kwargs: Any) -> Any:
         given = token_args.one_token(signature, args, kwargs)
         if given is None:  # the prompt's pass
-            with local.blocks_local(model):
+            with local.blocks_local(plans):
                 return eager(*args, **kwargs)
-        if COMPILED.known(model) is REFUSED and local.WHOLE.known(model) is not PROVEN:
+        if steps.failed and local.WHOLE.known(model) is not PROVEN:
             # A proven model's cache is this rank's heads: only causal_lm.run
             # takes it (its compiled call falls back inside).
             return given.call(eager)
@@ -80,18 +85,17 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., 
             return step(given)
         except Exception as err:  # noqa: BLE001 - upstream's eager call is the fallback
             local.WHOLE.remember(model, REFUSED)  # the cache stays a DTensor
-            COMPILED.failed(model, err)
+            steps.fail(err)
             return given.call(eager)
 
     def step(given: token_args.TokenArgs) -> Any:
         # The first token can come as a DTensor (the prompt's), the next ones
         # plain: as the sampler's loop holds them, one graph for both.
-        token_ids, index = plain((given.token_ids, given.index))
-        extra = dict(zip(given.extra, plain(tuple(given.extra.values())), strict=True))
+        token_ids, index, extra = plain((given.token_ids, given.index, given.extra))
         given = token_args.TokenArgs(token_ids, given.cache, index, extra)
         if found is not None:
             result = local.whole_local(model, found, eager, compiled_or_eager, given)
-            if result is not NotImplemented:
+            if result is not None:
                 return result
 
         # The prompt's last token comes batch-sharded, the sampler's next ones
@@ -105,13 +109,14 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., 
         return (*plain((logits, hidden)), cache)  # the cache as the graph takes it
 
     def compiled_or_eager(*args: Any, **kwargs: Any) -> Any:
-        if COMPILED.known(model) is REFUSED:
-            return eager(*args, **kwargs)
-        try:
-            return compiled(model, *args, **kwargs)
-        except Exception as err:  # noqa: BLE001 - eager is the fallback
-            COMPILED.failed(model, err)
-            return eager(*args, **kwargs)
+        # any error, not only torch.compile's (the region's test): eager is
+        # the fallback
+        if not steps.failed:
+            try:
+                return compiled(model, *args, **kwargs)
+            except Exception as err:  # noqa: BLE001
+                steps.fail(err)
+        return eager(*args, **kwargs)
 
     return call_with_cache
 
@@ -119,17 +124,8 @@ def _token_call(model: Any, found: causal_lm.ModelPlan | None) -> Callable[..., 
 @contextlib.contextmanager
 def _tokens_compiled(model: Any) -> Iterator[Any]:
     """Each new token compiled (the module); yields :func:`.causal_lm.whole_inputs`."""
-    if token_args.signature_of(model.call_with_cache) is None:
-        cause = "its call_with_cache does not take (token_ids, cache, index)"
-        COMPILED.refuse(model, cause)
-        with local.eager_local(model) as inputs:  # as with jit_compile=False
-            yield inputs
-        return
-    model.call_with_cache = _token_call(model, local.planned(model))
-    try:
+    with decoder.attributes([(model, "call_with_cache", _token_call(model))]):
         yield causal_lm.whole_inputs
-    finally:
-        vars(model).pop("call_with_cache", None)
 
 
 def generating(model: Any) -> Callable[[Any], Any] | None:
@@ -141,17 +137,26 @@ def generating(model: Any) -> Callable[[Any], Any] | None:
         return None
     call = getattr(type(model), "call_with_cache", None)
     if (
-        getattr(model, "jit_compile", False) is True
-        and callable(call)
-        and "call_with_cache" not in vars(model)
-        and COMPILED.known(model) is not REFUSED
+        getattr(model, "jit_compile", False) is not True
+        or not callable(call)
+        or "call_with_cache" in vars(model)
+        or _region(type(model)).failed
     ):
-        return _tokens_compiled
-    return local.eager_local
+        return local.eager_local
+    if token_args.signature_of(model.call_with_cache) is None:
+        steps = _region(type(model))
+        steps.failed = True  # nothing compiled: said as what happened
+        warnings.warn(
+            f"keras-dtensor-fix: {steps.what} does not take (token_ids, cache, "
+            f"index); {steps.then}",
+            stacklevel=2,
+        )
+        return local.eager_local  # as with jit_compile=False
+    return _tokens_compiled
 
 
 def forget() -> None:
     """Every compiled token call and learnt path (on deactivation)."""
     _COMPILED.clear()
-    for check in (COMPILED, local.BLOCKS, local.WHOLE):
-        check.forget()
+    local.BLOCKS.forget()
+    local.WHOLE.forget()

@@ -53,17 +53,11 @@ class FirstCall:
 
     def known(self, owner: Any) -> bool | None:
         """:data:`PROVEN`, :data:`REFUSED` or :data:`UNKNOWN` for ``owner``."""
-        try:
-            return self._known.get(owner)
-        except TypeError:  # no weak reference: never remembered
-            return UNKNOWN
+        return self._known.get(owner)
 
     def remember(self, owner: Any, outcome: bool) -> None:
         """Set ``owner``'s outcome without a warning."""
-        try:
-            self._known[owner] = outcome
-        except TypeError:  # no weak reference: checked again at each call
-            pass
+        self._known[owner] = outcome
 
     def refuse(self, owner: Any, cause: str) -> None:
         """``owner`` calls its own from now on: one warning naming ``cause``."""
@@ -71,10 +65,6 @@ class FirstCall:
         name = getattr(owner, "name", None) or type(owner).__name__
         message = self.say.format(name=self.name, owner=name, cause=cause)
         warnings.warn(f"keras-dtensor-fix: {message}", stacklevel=4)
-
-    def failed(self, owner: Any, error: BaseException) -> None:
-        """:meth:`refuse` for a recognition that raised ``error``."""
-        self.refuse(owner, self.raised.format(error=first_line(error)))
 
     def forget(self) -> None:
         """Forget every outcome (on deactivation)."""
@@ -88,22 +78,27 @@ class FirstCall:
         written: Sequence[Any] = (),
         compared: Callable[[Any], Any] | None = None,
     ) -> Any:
-        """``owner``'s first call: ``fast()`` checked against ``own()``.
+        """``owner``'s call: ``fast()`` once proven, ``own()`` once refused,
+        and on the first call ``fast()`` checked against ``own()``.
 
         ``fast()`` returns None to decline (``own()`` then runs, nothing is
         learnt); ``written`` are the variables a call may assign;
         ``compared`` gives what of the fast result stands for ``own()``'s
         (the fast result itself by default).
         """
-        before, losses = _values(written), _losses(owner)
+        known = self.known(owner)
+        if known is not UNKNOWN:
+            result = fast() if known else None
+            return own() if result is None else result
+        before = _state(owner, written)
         try:
             result, error = fast(), None
         except Exception as caught:
             result, error = None, caught
         if result is None and error is None:
             return own()
-        after_fast, fast_losses = _values(written), _losses(owner)
-        _restore(written, before)
+        after = _state(owner, written)
+        _restore(owner, written, before)
         try:
             with torch.no_grad():
                 expected = own()
@@ -111,25 +106,21 @@ class FirstCall:
             # DTensor's path fails too: nothing to check against.
             if error is not None:
                 raise error from None
-            _restore(written, after_fast)
-            _set_losses(owner, fast_losses)
+            _restore(owner, written, after)
             return result
-        _set_losses(owner, fast_losses)
-        if error is not None:
-            cause = self.raised.format(error=first_line(error))
-            pairs = _pairs(expected, None)
+        if error is None:
+            cause, view = self.differs, result if compared is None else compared(result)
         else:
-            cause = self.differs
-            pairs = _pairs(expected, result if compared is None else compared(result))
-        pairs += list(zip(_values(written), after_fast, strict=True))
+            cause, view = self.raised.format(error=first_line(error)), None
+        pairs = _pairs(expected, view)
+        pairs += list(zip(_state(owner, written)[0], after[0], strict=True))
         if _agree(pairs, error is None):
             self.remember(owner, PROVEN)
-            _restore(written, after_fast)
+            _restore(owner, written, after)
             return result
         if error is None and all(close for *_, close in pairs):
             cause += " on another process"
-        _restore(written, before)
-        _set_losses(owner, losses)
+        _restore(owner, written, before)
         self.refuse(owner, cause)
         return own()
 
@@ -140,22 +131,18 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {(lines or [''])[0][:200]}"
 
 
-def _values(variables: Sequence[Any]) -> list[Any]:
-    return [variable._value.detach().clone() for variable in variables]
-
-
-def _restore(variables: Sequence[Any], values: list[Any]) -> None:
-    with torch.no_grad():
-        for variable, value in zip(variables, values, strict=True):
-            variable._value.copy_(value)
-
-
-def _losses(owner: Any) -> list[Any] | None:
+def _state(owner: Any, written: Sequence[Any]) -> tuple[list[Any], list | None]:
+    """The ``written`` variables' values and ``owner``'s ``add_loss`` list."""
     losses = getattr(owner, "_losses", None)
-    return list(losses) if isinstance(losses, list) else None
+    values = [variable._value.detach().clone() for variable in written]
+    return values, list(losses) if isinstance(losses, list) else None
 
 
-def _set_losses(owner: Any, losses: list[Any] | None) -> None:
+def _restore(owner: Any, written: Sequence[Any], state: tuple) -> None:
+    values, losses = state
+    with torch.no_grad():
+        for variable, value in zip(written, values, strict=True):
+            variable._value.copy_(value)
     if losses is not None:
         owner._losses[:] = losses
 

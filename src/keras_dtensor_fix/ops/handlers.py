@@ -30,6 +30,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from keras_dtensor_fix.dtensor import (
+    DTensor,
+    gather_axes_splitting,
+    gather_axis,
+    per_element_call,
+    reduce_masked,
+    reduce_partial,
+    replicate_result,
+    replicated_locals,
+    vocab_parallel_lookup,
+)
+from keras_dtensor_fix.dtensor.einsum import local_einsum, local_matmul
 from keras_dtensor_fix.ops import layout
 from keras_dtensor_fix.ops.call import NOT_HANDLED, Call, Op, Unbound
 from keras_dtensor_fix.ops.values import promote_call, resolve, variable_class
@@ -48,47 +62,21 @@ SEQUENCE_PARAMS = frozenset({"xs", "arrays", "tensors", "condlist", "choicelist"
 # Binary ops whose operands broadcast elementwise: a plain operand of one
 # rank's shard size is refused there. Other ops promote without that check.
 NOT_ELEMENTWISE = frozenset(
-    {
-        "matmul",
-        "dot",
-        "inner",
-        "outer",
-        "kron",
-        "tensordot",
-        "vdot",
-        "cross",
-        "correlate",
-        "append",
-        "isin",
-        "einsum",
-        "digitize",
-        "searchsorted",
-    }
+    "matmul dot inner outer kron tensordot vdot cross correlate append isin einsum "
+    "digitize searchsorted".split()
 )
 
 
 # Public helpers of the numpy module, not ops: only its (wrapped) ops call them,
 # after promoting, so a wrapper there would check every binary op twice.
 HELPERS = frozenset({"convert_to_tensors_of_same_dtype"})
-
 # Contractions: over a sharded axis they return Partial sums, reduced at once.
 CONTRACTIONS = frozenset({"matmul", "dot", "inner", "tensordot", "vdot", "einsum"})
-
-
-# Index reductions: over a sharded axis they need the whole axis.
-INDEX_REDUCTIONS = frozenset({"argmax", "argmin"})
-
-
 # Losses reading the whole class axis (``axis``, default -1) of ``output``:
 # the softmax over a sharded axis needs all of it.
 CLASS_AXIS_LOSSES = frozenset(
-    {"sparse_categorical_crossentropy", "categorical_crossentropy"}
+    ("sparse_categorical_crossentropy", "categorical_crossentropy")
 )
-
-
-# Ops mapping each element of ``x`` to new trailing dims (``axis``, default
-# -1, says where the new dim goes).
-PER_ELEMENT = frozenset({"one_hot"})
 
 
 def takes_several_tensors(fn: Any) -> bool:
@@ -137,10 +125,6 @@ class Handler:
 
 
 def _lookup(call: Call) -> Any:
-    import torch
-
-    from keras_dtensor_fix.dtensor import gather_axes_splitting, vocab_parallel_lookup
-
     arguments = call.arguments
     if "x" not in arguments or "indices" not in arguments:
         return NOT_HANDLED
@@ -156,8 +140,6 @@ def _lookup(call: Call) -> Any:
 
 def _gathered(call: Call, operand: str, axis: int | None) -> Any:
     """``operand`` gathered on ``axis``, for the handlers after this one."""
-    from keras_dtensor_fix.dtensor import gather_axis
-
     arguments = call.arguments
     if operand in arguments:
         arguments[operand] = gather_axis(resolve(arguments[operand]), axis)
@@ -165,6 +147,7 @@ def _gathered(call: Call, operand: str, axis: int | None) -> Any:
 
 
 def _index(call: Call) -> Any:
+    # an index reduction over a sharded axis needs the whole axis
     axis = call.arguments.get("axis")
     if axis is not None and not isinstance(axis, int):
         return NOT_HANDLED
@@ -193,9 +176,6 @@ def _normalized(call: Call) -> Any:
 
 
 def _local(call: Call) -> Any:
-    from keras_dtensor_fix.dtensor import reduce_partial
-    from keras_dtensor_fix.dtensor.einsum import local_einsum, local_matmul
-
     arguments = call.arguments
     local = None
     if call.op.name == "einsum":
@@ -209,8 +189,7 @@ def _local(call: Call) -> Any:
 
 
 def _per_element(call: Call) -> Any:
-    from keras_dtensor_fix.dtensor import per_element_call
-
+    # each element of ``x`` mapped to new trailing dims (``axis``: where)
     arguments = call.arguments
     if "x" not in arguments:
         return NOT_HANDLED
@@ -222,8 +201,6 @@ def _per_element(call: Call) -> Any:
 
 
 def _replicated(call: Call) -> Any:
-    from keras_dtensor_fix.dtensor import replicate_result, replicated_locals
-
     args, kwargs = call.args, call.kwargs
     resolved = [resolve(v) for v in args]
     names = list(kwargs)
@@ -240,8 +217,6 @@ def _replicated(call: Call) -> Any:
 
 
 def _promote(call: Call) -> Any:
-    from keras_dtensor_fix.dtensor import reduce_masked, reduce_partial
-
     op = call.op
     result = promote_call(
         call.wrapped, call.args, call.kwargs, op=op.name, elementwise=op.elementwise
@@ -258,36 +233,38 @@ HANDLERS: tuple[Handler, ...] = (
     ),
     Handler("slice_update", lambda op: op.name == "slice_update", layout.update),
     Handler("lookup", lambda op: op.name == "take", _lookup),
-    Handler("index", lambda op: op.name in INDEX_REDUCTIONS, _index),
+    Handler("index", lambda op: op.name in ("argmax", "argmin"), _index),
     Handler("classes", lambda op: op.name in CLASS_AXIS_LOSSES, _classes),
     Handler("normalized", lambda op: op.name == "rms_normalization", _normalized),
     Handler("local", lambda op: op.name in ("einsum", "matmul"), _local),
-    Handler("per_element", lambda op: op.name in PER_ELEMENT, _per_element),
+    Handler("per_element", lambda op: op.name == "one_hot", _per_element),
     Handler("replicated", lambda op: True, _replicated),
     Handler("promote", lambda op: True, _promote),
 )
 
 
 def handle(chain: tuple[Handler, ...], call: Call) -> Any:
-    """Run ``chain`` on one call: the first result wins."""
-    args, kwargs = call.args, call.kwargs
+    """Run ``chain`` on one call: the first result wins, else the original."""
     try:
         for handler in chain:
             result = handler.handle(call)
             if result is not NOT_HANDLED:
                 return result
     except Unbound:
-        # A call that does not fit the signature: the op raises its own error.
-        return call.wrapped(*args, **kwargs)
+        pass  # a call that does not fit the signature: the op raises its own error
     return call.run()
 
 
-def make_wrapper(op: Op) -> Callable[..., Any]:
-    """The wrapt wrapper of one op: the fast path, else :func:`handle`."""
-    import torch
-
-    from keras_dtensor_fix.dtensor import DTensor
-
+def wrapper_for(name: str, function: Any, *, elementwise: bool | None = None):
+    """The wrapt wrapper for backend op ``name`` (``function``, the original):
+    the fast path, else :func:`handle`."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        signature = None
+    if elementwise is None:
+        elementwise = signature is not None and is_elementwise(name, signature)
+    op = Op(name, elementwise, name in CONTRACTIONS, signature)
     keras_variable = variable_class()
     chain = tuple(handler for handler in HANDLERS if handler.applies(op))
 
@@ -314,14 +291,3 @@ def make_wrapper(op: Op) -> Callable[..., Any]:
         return wrapped(*args, **kwargs)
 
     return wrapper
-
-
-def wrapper_for(name: str, function: Any, *, elementwise: bool | None = None):
-    """The wrapt wrapper for backend op ``name`` (``function``, the original)."""
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        signature = None
-    if elementwise is None:
-        elementwise = signature is not None and is_elementwise(name, signature)
-    return make_wrapper(Op(name, elementwise, name in CONTRACTIONS, signature))

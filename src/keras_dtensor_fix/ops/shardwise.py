@@ -16,17 +16,13 @@ from keras_dtensor_fix.ops.values import local_tensors
 
 def align_gradients(grads: Sequence[Any], values: Sequence[Any]) -> list[Any]:
     """Give each gradient its variable's placements (or the full value)."""
-    aligned = []
-    for grad, value in zip(grads, values, strict=False):
-        if grad is None:
-            aligned.append(grad)
-        elif isinstance(value, DTensor):
-            aligned.append(to_placements(grad, value))
-        elif isinstance(grad, DTensor):
-            aligned.append(grad.full_tensor())
-        else:
-            aligned.append(grad)
-    return aligned
+    return [_aligned(grad, value) for grad, value in zip(grads, values, strict=False)]
+
+
+def _aligned(grad: Any, value: Any) -> Any:
+    if grad is not None and isinstance(value, DTensor):
+        return to_placements(grad, value)
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
 def sharded(grads: Sequence[Any], variables: Sequence[Any]) -> bool:

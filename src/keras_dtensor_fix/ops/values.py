@@ -5,6 +5,7 @@ for an unfixable mix."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -72,14 +73,9 @@ class DTensorMixError(RuntimeError):
         self.cause, self.hint = cause, hint
 
 
-_VARIABLE: list[type] = []
-
-
 def variable_class() -> type:
-    """Keras's backend-independent ``Variable`` base class (looked up once)."""
-    if not _VARIABLE:
-        _VARIABLE.append(targets.keras_object("Variable"))
-    return _VARIABLE[0]
+    """Keras's backend-independent ``Variable`` base class."""
+    return targets.keras_object("Variable")  # a plain dict cache: dynamo traces it
 
 
 def resolve(value: Any) -> Any:
@@ -137,10 +133,7 @@ def local_tensors(variables: Sequence[Any], *, grad: bool = False) -> Iterator[N
 
 def keras_path() -> str:
     """The path of the innermost Keras layer being called ("" if none)."""
-    try:
-        layer_class = targets.keras_object("Layer")
-    except (ImportError, AttributeError):  # pragma: no cover - Keras moved it
-        return ""
+    layer_class = targets.keras_object("Layer")
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
@@ -184,24 +177,23 @@ def promote_call(
     elementwise: bool,
 ) -> Any:
     """Call ``wrapped`` after promoting plain tensors next to a DTensor argument."""
-    resolved = [resolve(v) for v in args]
-    kw_resolved = {k: resolve(v) for k, v in kwargs.items()}
-    values = resolved + list(kw_resolved.values())
+    given = [*args, *kwargs.values()]
+    values = [resolve(v) for v in given]
     partner = find_dtensor(values)
     if partner is None:
         return wrapped(*args, **kwargs)
-    new_args, new_kw = args, kwargs
+
+    def call(operands: list[Any]) -> Any:
+        new_args, new_kwargs = unflatten_call(args, kwargs, None, operands)
+        return wrapped(*new_args, **new_kwargs)
+
     if has_plain_tensor(values):
         try:
-            new_args = promote_args(resolved, partner, op=op, elementwise=elementwise)
-            promoted = promote_args(
-                list(kw_resolved.values()), partner, op=op, elementwise=elementwise
-            )
+            given = promote_args(values, partner, op=op, elementwise=elementwise)
         except PromotionError as err:
             raise mix_error(op, values, err, err.hint) from err
-        new_kw = dict(zip(kw_resolved, promoted, strict=False))
     try:
-        return wrapped(*new_args, **new_kw)
+        return call(given)
     except (RuntimeError, ValueError, NotImplementedError) as err:
         if isinstance(err, DTensorMixError) or not _about_dtensor(err):
             raise
@@ -209,10 +201,7 @@ def promote_call(
     # No DTensor rule for what the op does inside: run it on full values and
     # hand back a Replicate result (correct, but it gathers sharded operands).
     try:
-        full_kw = dict(
-            zip(kw_resolved, full_value(list(kw_resolved.values())), strict=False)
-        )
-        result = wrapped(*full_value(resolved), **full_kw)
+        result = call(full_value(values))
     except Exception as err:
         hint = HINT_RULE.format(fallback=f"{type(err).__name__}: {err}")
         raise mix_error(op, values, failure, hint) from failure
@@ -221,12 +210,10 @@ def promote_call(
 
 
 def full_value(value: Any) -> Any:
-    """A DTensor as its full (gathered) tensor, lists and tuples inside."""
-    if isinstance(value, DTensor):
-        return value.full_tensor()
-    if isinstance(value, (list, tuple)):
-        return type(value)(full_value(v) for v in value)
-    return value
+    """Each DTensor in ``value`` as its full (gathered) tensor."""
+    return walk(
+        value, None, lambda v, _: v.full_tensor() if isinstance(v, DTensor) else v
+    )
 
 
 _WARNED: set[str] = set()
@@ -236,8 +223,6 @@ def _warn_fallback(op: str) -> None:
     if op in _WARNED:
         return
     _WARNED.add(op)
-    import logging
-
     logging.getLogger("keras_dtensor_fix").warning(
         "%s has no DTensor rule for its inputs: it ran on full (gathered) values "
         "and returned a replicated result. Correct, but it costs a gather each "

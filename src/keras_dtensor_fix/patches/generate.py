@@ -34,11 +34,8 @@ def patches(module: types.ModuleType) -> list[Patch]:
     cls = getattr(module, "CausalLM", None)
     if not callable(getattr(cls, "make_generate_function", None)):
         raise LookupError("CausalLM.make_generate_function")
-    return [
-        Patch(
-            module.__name__, "CausalLM.make_generate_function", _make_generate_function
-        )
-    ]
+    name = "CausalLM.make_generate_function"
+    return [Patch(module.__name__, name, _make_generate_function)]
 
 
 IMPLEMENTATION = Implementation(patches, after_revert=tokens.forget)

@@ -20,7 +20,7 @@ from keras_dtensor_fix.dtensor.einsum import linear_equation, local_dense
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import compiling
-from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED, FirstCall
+from keras_dtensor_fix.ops.first_call import FirstCall
 from keras_dtensor_fix.ops.values import resolve
 
 #: Keras activations (``keras.activations.<name>``) by how far they reach.
@@ -63,29 +63,19 @@ def _dense_call(wrapped, instance, args, kwargs):
         or len(args) + len(kwargs) < 1
     ):
         return wrapped(*args, **kwargs)
-    known = FIRST.known(instance)
-    if known is REFUSED:
-        return wrapped(*args, **kwargs)
 
     def local() -> Any:
         inputs = resolve(args[0] if args else kwargs.get("inputs"))
-        bias = instance.bias
-        activation = instance.activation
-        operands = (
-            inputs,
-            resolve(instance.kernel),
-            None if bias is None else resolve(bias),
-            activation,
-            "elementwise" if activation is None else activation_scope(activation),
-        )
         equation = getattr(instance, "equation", None)  # EinsumDense's own
         if not isinstance(equation, str):
             equation = linear_equation(getattr(inputs, "ndim", 0))
-        return None if equation is None else local_dense(equation, *operands)
+        if equation is None:
+            return None
+        activation = instance.activation
+        scope = "elementwise" if activation is None else activation_scope(activation)
+        kernel, bias = resolve(instance.kernel), resolve(instance.bias)
+        return local_dense(equation, inputs, kernel, bias, activation, scope)
 
-    if known is PROVEN:
-        result = local()
-        return wrapped(*args, **kwargs) if result is None else result
     return FIRST.run(instance, local, lambda: wrapped(*args, **kwargs))
 
 

@@ -24,7 +24,7 @@ from keras_dtensor_fix.dtensor import wrap_local as _wrap
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import compiling
-from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED, FirstCall
+from keras_dtensor_fix.ops.first_call import REFUSED, FirstCall, first_line
 from keras_dtensor_fix.ops.values import (
     flatten_call,
     local_tensors,
@@ -63,42 +63,35 @@ def _laid_out(layer: Any) -> bool:
     return _LAID_OUT[layer]
 
 
-def _plain(instance: Any) -> bool:
-    """Whether ``instance`` must run as it is (after :func:`_call`'s cheap tests)."""
-    return bool(
-        getattr(instance, "_layers", True)
+def _call(wrapped, instance, args, kwargs):
+    """``Layer.__call__`` on local tensors where every rank's piece computes alone."""
+    if (
+        _ACTIVE
+        or not args
+        or not isinstance(args[0], DTensor)
+        or getattr(instance, "_layers", True)
         or getattr(instance, "_seed_generators", True)
         or not getattr(instance, "built", False)
         or getattr(instance, "activity_regularizer", None) is not None
         or compiling()
         or targets.keras_object("global_state").get_global_attribute("stateless_scope")
         is not None
-    )
-
-
-def _call(wrapped, instance, args, kwargs):
-    """``Layer.__call__`` on local tensors where every rank's piece computes alone."""
-    if _ACTIVE or not args or not isinstance(args[0], DTensor) or _plain(instance):
-        return wrapped(*args, **kwargs)
-    known = FIRST.known(instance)
-    if known is REFUSED:
+        or FIRST.known(instance) is REFUSED
+    ):
         return wrapped(*args, **kwargs)
     variables = instance._trainable_variables + instance._non_trainable_variables
-    for variable in variables:
-        value = getattr(variable, "_value", None)
-        if isinstance(value, DTensor) and not whole(value):
-            return wrapped(*args, **kwargs)
+    values = [getattr(variable, "_value", None) for variable in variables]
     leaves, structure = flatten_call(args, kwargs)
-    for leaf in leaves:
-        if getattr(leaf, "_keras_mask", None) is not None:
-            return wrapped(*args, **kwargs)
-    first = args[0]
+    if any(isinstance(v, DTensor) and not whole(v) for v in values) or any(
+        getattr(leaf, "_keras_mask", None) is not None for leaf in leaves
+    ):
+        return wrapped(*args, **kwargs)
     try:
         # A layer with weights: only where everything is replicated.
-        axes = None if variables else mixes(instance, first.ndim)
+        axes = None if variables else mixes(instance, args[0].ndim)
         found = local_region(leaves, axes)
     except Exception as error:  # the recognition itself: DTensor's path
-        FIRST.failed(instance, error)
+        FIRST.refuse(instance, f"raised ({first_line(error)})")
         return wrapped(*args, **kwargs)
     if found is None or _laid_out(instance):
         return wrapped(*args, **kwargs)
@@ -114,8 +107,6 @@ def _call(wrapped, instance, args, kwargs):
             _ACTIVE.pop()
         return _wrap_all(result, mesh, placements)
 
-    if known is PROVEN:
-        return local()
     written = instance._non_trainable_variables
     return FIRST.run(instance, local, lambda: wrapped(*args, **kwargs), written)
 
