@@ -35,9 +35,8 @@ def report() -> dict[str, Any]:
     if len(installed) > 1:
         names = ", ".join(f"{name} {version}" for name, version in installed)
         warnings.append(f"several Keras distributions are installed ({names})")
-    enabled = part.pop("active")
     why = part.pop("why")
-    if not enabled and why == "not activated":
+    if not part["enabled"] and why == "not activated":
         why = _bootstrap.reason if _bootstrap.reason != "not booted" else cfg.reason
     backend, backend_source = install.configured_backend()
     return {
@@ -48,11 +47,9 @@ def report() -> dict[str, Any]:
         "torch": {"version": targets.torch_version()},
         "backend": targets.backend(),
         "layout": targets.layout(),
-        "enabled": enabled,
         "why": why,
         **part,
         "warnings": warnings,
-        "notes": patcher.notes(),
     }
 
 
@@ -68,33 +65,6 @@ def problems(import_error: str | None = None) -> list[str]:
             f"`{install.INSTALL_NIGHTLY}`"
         )
     return [problem for problem in (keras, backend) if problem]
-
-
-def _judge(
-    families: dict[str, dict[str, Any]],
-    unexpected: list[str],
-    disabled: set[str],
-    working: bool,
-    exists: Callable[[str], bool],
-) -> None:
-    """Give each family its state; flag one that applied nothing it could."""
-    for name, family in families.items():
-        modules = family.pop("modules")
-        if family[APPLIED]:
-            family["state"] = APPLIED
-        elif family[DISABLED] or name in disabled or ANY in disabled:
-            family["state"] = DISABLED
-        elif family[PENDING]:
-            family["state"] = PENDING
-        else:
-            family["state"] = SKIPPED
-            present = sorted(m for m in modules if exists(m))
-            flagged = any(line.startswith(f"{name}: ") for line in unexpected)
-            if working and present and not flagged:
-                unexpected.append(
-                    f"{name}: nothing applied although this Keras has "
-                    f"{', '.join(present)}"
-                )
 
 
 def summarize(
@@ -136,7 +106,23 @@ def summarize(
         elif state == PENDING and working and all_targets and exists(module):
             unexpected.append(f"{row['family']}: {target} pending: {reason}")
     disabled = set(report["disabled_families"])
-    _judge(families, unexpected, disabled, working, exists)
+    for name, family in families.items():
+        modules = family.pop("modules")
+        if family[APPLIED]:
+            family["state"] = APPLIED
+        elif family[DISABLED] or name in disabled or ANY in disabled:
+            family["state"] = DISABLED
+        elif family[PENDING]:
+            family["state"] = PENDING
+        else:  # a family that applied nothing it could is news
+            family["state"] = SKIPPED
+            present = sorted(m for m in modules if exists(m))
+            flagged = any(line.startswith(f"{name}: ") for line in unexpected)
+            if working and present and not flagged:
+                unexpected.append(
+                    f"{name}: nothing applied although this Keras has "
+                    f"{', '.join(present)}"
+                )
     problems = report.get("problems") or []
     if report["enabled"]:
         unexpected.extend(problems)

@@ -25,7 +25,6 @@ __all__ = [
     "Cause",
     "clear_placeholders",
     "EXPECTED",
-    "engine_part",
     "forget",
     "notes",
     "record",
@@ -100,17 +99,12 @@ def clear_placeholders() -> None:
         del _recorded[key]
 
 
-def _row(
-    family: str, module: str, attribute: str, state: str, cause: Cause, reason: str
-) -> dict[str, str]:
-    return {
-        "family": family,
-        "module": module,
-        "attribute": attribute,
-        "state": state,
-        "cause": cause,
-        "reason": reason,
-    }
+#: A status row's keys, in :func:`record`'s order.
+COLUMNS = ("family", "module", "attribute", "state", "cause", "reason")
+
+
+def _row(*values: str) -> dict[str, str]:
+    return dict(zip(COLUMNS, values, strict=True))
 
 
 def _placeholder(
@@ -170,25 +164,3 @@ def notes(families: Iterable[Family]) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - a report must not fail
             found.append(f"{family.name}: notes unavailable ({exc})")
     return found
-
-
-def engine_part(
-    families: Iterable[Family],
-    cfg: _config.Config | None,
-    active: bool,
-    why: str,
-    warnings: Iterable[str],
-) -> dict[str, Any]:
-    """The engine's part of the report (``engine.state()``)."""
-    gate = targets.gate()
-    disabled: list[str] = []
-    if cfg is not None:
-        disabled = [_config.ALL] if cfg.disable_all else sorted(cfg.disabled)
-    return {
-        "active": active,
-        "why": why,
-        "disabled_families": disabled,
-        "gate": {"ok": gate.ok, "reason": gate.reason},
-        "targets": rows(families, cfg, active),
-        "warnings": list(warnings),
-    }

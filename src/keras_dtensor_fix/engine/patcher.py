@@ -17,8 +17,7 @@ import types
 from typing import Any
 
 from keras_dtensor_fix.engine import config as _config
-from keras_dtensor_fix.engine import hooks, loader, targets, wrappers
-from keras_dtensor_fix.engine import ledger as _report
+from keras_dtensor_fix.engine import hooks, ledger, loader, targets, wrappers
 from keras_dtensor_fix.engine import state as _state
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.ledger import (
@@ -45,7 +44,6 @@ __all__ = [
     "families",
     "is_active",
     "is_fix_wrapper",
-    "notes",
     "original",
     "register_family",
     "rows",
@@ -87,17 +85,7 @@ def _fail(message: str) -> None:
 
 def _row(family: loader.Family, module: str, attr: str, *why: str | Cause) -> None:
     """A status row: ``why`` is (state, cause, reason)."""
-    _report.record(family.name, module, attr, *why)
-
-
-def _implementation(family: loader.Family) -> Implementation | None:
-    """The family's implementation, imported on first use; None if unusable."""
-    if family.implementation is None and family.error is None:
-        try:
-            loader.import_implementation(family)
-        except Exception:  # noqa: BLE001 - never break the user's import
-            _fail(f"patch family {family.name} ({family.source}) failed to import")
-    return family.implementation
+    ledger.record(family.name, module, attr, *why)
 
 
 def families() -> list[str]:
@@ -109,20 +97,15 @@ def families() -> list[str]:
 def register_family(module: types.ModuleType) -> None:
     """Add a family beside the table's (see :func:`.loader.from_module`); hooked at once
     if the engine is active."""
-    family = loader.from_module(module)
     with _lock:
-        if loader.register(family) and _active:
-            _hook_family(family)
+        family = loader.register(module)
+        if family is not None and _active and _enabled(family):
+            for name in family.modules:
+                hooks.ensure(name, _on_import)
 
 
 def _enabled(family: loader.Family) -> bool:
     return family.error is None and (_cfg is None or _cfg.family_enabled(family.name))
-
-
-def _hook_family(family: loader.Family) -> None:
-    if _enabled(family):
-        for name in family.modules:
-            hooks.ensure(name, _on_import)
 
 
 def _on_import(module: types.ModuleType) -> None:
@@ -202,8 +185,12 @@ def _apply_family(family: loader.Family, module: types.ModuleType) -> None:
     name = module.__name__
     if not _gate_open(family, name):
         return
-    _report.forget(family.name, name)
-    implementation = _implementation(family)
+    ledger.forget(family.name, name)
+    try:
+        implementation = loader.implementation(family)
+    except Exception:  # noqa: BLE001 - never break the user's import
+        implementation = None
+        _fail(f"patch family {family.name} ({family.source}) failed to import")
     if implementation is None:
         _row(family, name, ANY, SKIPPED, Cause.IMPORT_FAILED, str(family.error))
         return
@@ -261,16 +248,14 @@ def _apply_one(family: loader.Family, patch: Patch) -> None:
         return
     try:
         owner, name = wrappers.resolve(module, patch.attribute)
-    except AttributeError as exc:
-        _row(family, *row, SKIPPED, Cause.NOT_FOUND, f"not found: {exc}")
-        _fail(f"family {family.name}: {patch.module}.{patch.attribute} not found")
-        return
+    except AttributeError:  # a class on the path is missing
+        owner, name = None, ""
     raw, inherited_from = wrappers.stored(owner, name)
     if patch.added and raw is not wrappers.MISSING:
         if row not in _applied or _applied[row].wrapper is not raw:
             _row(family, *row, SKIPPED, Cause.NOTHING_TO_PATCH, "has its own: kept")
         return
-    if raw is wrappers.MISSING and not patch.added:
+    if raw is wrappers.MISSING and (owner is None or not patch.added):
         why = f"not found: {patch.module}.{patch.attribute}"
         _row(family, *row, SKIPPED, Cause.NOT_FOUND, why)
         _fail(f"family {family.name}: {patch.module}.{patch.attribute} not found")
@@ -296,13 +281,8 @@ def _apply_one(family: loader.Family, patch: Patch) -> None:
     record = wrappers.install(family.name, patch, owner, name, raw)
     _applied[row] = record
     also = f" (also in {', '.join(sorted(record.also))})" if record.also else ""
-    _row(
-        family,
-        *row,
-        APPLIED,
-        Cause.WRAPPED,
-        "added" if patch.added else f"wrapped{also}",
-    )
+    why = "added" if patch.added else f"wrapped{also}"
+    _row(family, *row, APPLIED, Cause.WRAPPED, why)
     log.debug("patched %s.%s", patch.module, patch.attribute)
 
 
@@ -310,13 +290,13 @@ def _revert_one(record: wrappers.Applied) -> None:
     patch = record.patch
     row = (record.family, patch.module, patch.attribute)
     if wrappers.restore(record):
-        _report.record(*row, REVERTED, Cause.RESTORED, "original restored")
+        ledger.record(*row, REVERTED, Cause.RESTORED, "original restored")
     else:
         _warn(
             f"{patch.module}.{patch.attribute} was replaced after patching; left alone"
         )
         why = "replaced by someone else after patching; not reverted"
-        _report.record(*row, SKIPPED, Cause.REPLACED, why)
+        ledger.record(*row, SKIPPED, Cause.REPLACED, why)
 
 
 def activate(
@@ -378,7 +358,7 @@ def deactivate() -> None:
         _state.undo_attributes()
         _deferred.clear()
         hooks.forget_held()
-        _report.clear_placeholders()
+        ledger.clear_placeholders()
         done = list(_done.values())
         _done.clear()
         for family in done:
@@ -400,18 +380,24 @@ def original(module: str, attribute: str) -> Any:
 def rows() -> list[dict[str, str]]:
     """One status row per (family, module, attribute), plus placeholders."""
     with _lock:
-        return _report.rows(loader.families(), _cfg, _active)
-
-
-def notes() -> list[str]:
-    """What the imported family implementations say about this Keras build."""
-    with _lock:
-        loaded = list(loader.families())
-    return _report.notes(loaded)
+        return ledger.rows(loader.families(), _cfg, _active)
 
 
 def state() -> dict[str, Any]:
-    """The engine's own part of the status report."""
+    """The engine's part of the status report; ``notes``: what the imported families
+    say about this Keras build."""
     with _lock:
         families = loader.families()
-        return _report.engine_part(families, _cfg, _active, _why, _warnings)
+        gate = targets.gate()
+        disabled = []
+        if _cfg is not None:
+            disabled = [_config.ALL] if _cfg.disable_all else sorted(_cfg.disabled)
+        part = {
+            "enabled": _active,
+            "why": _why,
+            "disabled_families": disabled,
+            "gate": {"ok": gate.ok, "reason": gate.reason},
+            "targets": ledger.rows(families, _cfg, _active),
+            "warnings": list(_warnings),
+        }
+    return {**part, "notes": ledger.notes(families)}
