@@ -46,11 +46,9 @@ def _load_keras(all_targets: bool) -> tuple[list[str], str | None]:
         except Exception as exc:  # noqa: BLE001 - report, never fail
             error = f"{type(exc).__name__}: {exc}"
             return [f"import keras failed: {error}"], error
-        if not all_targets:
-            return notes, None
         from keras_dtensor_fix.engine import patcher, targets
 
-        if targets.gate().ok:
+        if all_targets and targets.gate().ok:
             for row in patcher.rows():
                 module = row["module"]
                 if row["state"] == PENDING and targets.find_spec(module):

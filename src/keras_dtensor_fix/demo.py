@@ -170,11 +170,10 @@ def _worker(out: Path, runs: Sequence[str]) -> None:
         if rank == 0:
             print(PROGRESS + line, flush=True)
 
-    if world > 1:
-        set_model_parallel(LAYOUT)  # imports Keras: the plugin's patches land
     report: dict[str, Any] = {"plugin_active": keras_dtensor_fix.is_active()}
     report["runs"] = {}
     if world > 1:
+        set_model_parallel(LAYOUT)  # imports Keras: the plugin's patches land
         try:
             report["jit_probe"] = _jit_probe()
         except Exception as exc:  # noqa: BLE001 - a probe must not stop the demo

@@ -90,13 +90,11 @@ def by_family(report: dict[str, Any]) -> str:
     groups: dict[str, list[dict[str, str]]] = {}
     for row in report["targets"]:
         groups.setdefault(row["family"], []).append(row)
+    summaries = {row.name: row.summary for row in _families.FAMILIES}
     lines = ["patches by group (KERAS_DTENSOR_FIX_DISABLE takes these names):"]
     for name, rows in groups.items():
         family = summary["families"].get(name, {})
-        try:
-            what = _families.get(name).summary
-        except KeyError:
-            what = "registered at run time"
+        what = summaries.get(name, "registered at run time")
         counts = ", ".join(
             f"{family[s]} {s}" for s in (APPLIED, SKIPPED) if family.get(s)
         )

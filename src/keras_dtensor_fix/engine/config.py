@@ -8,6 +8,7 @@ writer) and ``KERAS_DTENSOR_FIX_COMPILE`` (what ``jit_compile=True`` compiles)."
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -81,9 +82,17 @@ def parse_disable(raw: str | None) -> tuple[frozenset[str], str | None]:
     return disabled, message
 
 
-_cache: dict[tuple[str | None, ...], Config] = {}
+@functools.cache
+def _parse(enable: str | None, disable: str | None, strict: str | None) -> Config:
+    enabled, reason, enable_warning = parse_enabled(enable)
+    disabled, disable_warning = parse_disable(disable)
+    messages = tuple(m for m in (enable_warning, disable_warning) if m)
+    on = (strict or "").strip().lower() in ON_VALUES
+    return Config(enabled, reason, disabled - {ALL}, messages, ALL in disabled, on)
+
+
 _warned: set[tuple[str | None, ...]] = set()
-_cache_lock = threading.Lock()
+_lock = threading.Lock()
 
 
 def load(environ: Mapping[str, str] | None = None, *, warn: bool = True) -> Config:
@@ -91,17 +100,8 @@ def load(environ: Mapping[str, str] | None = None, *, warn: bool = True) -> Conf
     process, so a malformed one warns once."""
     env = os.environ if environ is None else environ
     key = (env.get(ENV_ENABLE), env.get(ENV_DISABLE), env.get(ENV_STRICT))
-    with _cache_lock:
-        config = _cache.get(key)
-        if config is None:
-            enabled, reason, enable_warning = parse_enabled(key[0])
-            disabled, disable_warning = parse_disable(key[1])
-            messages = tuple(m for m in (enable_warning, disable_warning) if m)
-            all_off = ALL in disabled
-            disabled = disabled - {ALL}
-            strict = (key[2] or "").strip().lower() in ON_VALUES
-            config = Config(enabled, reason, disabled, messages, all_off, strict)
-            _cache[key] = config
+    config = _parse(*key)
+    with _lock:
         emit = warn and key not in _warned
         if emit:
             _warned.add(key)

@@ -95,7 +95,7 @@ def families() -> list[str]:
 
 
 def register_family(module: types.ModuleType) -> None:
-    """Add a family beside the table's (see :func:`.loader.from_module`); hooked at once
+    """Add a family beside the table's (see :func:`.loader.register`); hooked at once
     if the engine is active."""
     with _lock:
         family = loader.register(module)
@@ -229,8 +229,7 @@ def _apply_family(family: loader.Family, module: types.ModuleType) -> None:
 
 
 def _call_optional(family: loader.Family, hook: str) -> None:
-    implementation = family.implementation
-    function = getattr(implementation, hook, None) if implementation else None
+    function = getattr(family.implementation, hook, None)
     if function is None:
         return
     try:

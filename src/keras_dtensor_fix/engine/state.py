@@ -107,14 +107,6 @@ def _record(obj: Any) -> dict[str, Any]:
     return entry[1]
 
 
-def _flush_pending() -> None:
-    """Record the attributes set while dynamo traced as absent before."""
-    while _PENDING:
-        obj, name = _PENDING.pop()
-        with _lock:
-            _record(obj).setdefault(name, _ABSENT)
-
-
 def _target(ref: Any) -> Any:
     return ref() if isinstance(ref, weakref.ref) else ref
 
@@ -127,13 +119,14 @@ def _forget(key: int) -> None:
 
 
 def undo_attributes() -> None:
-    """Put back every attribute :func:`set_attribute` changed."""
-    _flush_pending()
+    """Put back every attribute :func:`set_attribute` changed (those set while dynamo
+    traced first: a value recorded outside a trace is older)."""
     with _lock:
-        entries = list(_set.values())
+        entries = [(obj, {name: _ABSENT}) for obj, name in _PENDING]
+        entries += [(_target(ref), before) for ref, before in _set.values()]
+        _PENDING.clear()
         _set.clear()
-    for ref, before in entries:
-        obj = _target(ref)
+    for obj, before in entries:
         if obj is None:
             continue
         for name, value in before.items():

@@ -205,11 +205,7 @@ def keras_object(name: str) -> Any:
     if found is None:
         modules, attribute = OBJECTS[name]
         candidates = (modules,) if isinstance(modules, str) else modules
-        for module in candidates[:-1]:
-            if find_spec(module) is not None:
-                break
-        else:
-            module = candidates[-1]
+        module = next(filter(find_spec, candidates[:-1]), candidates[-1])
         found = _FOUND[name] = getattr(importlib.import_module(module), attribute)
     return found
 
@@ -308,15 +304,8 @@ def backend() -> str | None:
 
 def installed_keras() -> list[tuple[str, str]]:
     """Installed Keras distributions as ``(name, version)``, nightly first."""
-    import importlib.metadata as metadata
-
-    found = []
-    for dist in KERAS_DISTRIBUTIONS:
-        try:
-            found.append((dist, metadata.version(dist)))
-        except metadata.PackageNotFoundError:
-            continue
-    return found
+    found = ((dist, _installed(dist)) for dist in KERAS_DISTRIBUTIONS)
+    return [(dist, version) for dist, version in found if version]
 
 
 def keras_version() -> tuple[str | None, str | None]:
@@ -333,10 +322,14 @@ def keras_version() -> tuple[str | None, str | None]:
 
 def torch_version() -> str | None:
     """The installed torch version, from its metadata (torch is not imported)."""
+    return _installed("torch")
+
+
+def _installed(dist: str) -> str | None:
     import importlib.metadata as metadata
 
     try:
-        return metadata.version("torch")
+        return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
 
@@ -348,14 +341,6 @@ def _source(path: str) -> str | None:
             return handle.read()
     except OSError:
         return None
-
-
-def _source_defines(path: str, name: str) -> bool | None:
-    source = _source(path)
-    if source is None:
-        return None
-    pattern = rf"^(?:def\s+{name}\b|{name}\s*=)"
-    return re.search(pattern, source, re.MULTILINE) is not None
 
 
 def _source_value(path: str, name: str) -> str | None:
@@ -376,10 +361,11 @@ def distribution_support() -> bool | None:
     imports = package and package.origin and _source(package.origin)
     if spec is None or (imports is not None and "distribution_lib" not in imports):
         return False
-    origin = spec.origin
-    if origin and origin.endswith(".py"):
-        return _source_defines(origin, "distribute_data_input")
-    return None
+    source = _source(spec.origin) if (spec.origin or "").endswith(".py") else None
+    if source is None:
+        return None
+    defines = r"^(?:def\s+distribute_data_input\b|distribute_data_input\s*=)"
+    return re.search(defines, source, re.MULTILINE) is not None
 
 
 @dataclass(frozen=True)

@@ -157,11 +157,9 @@ MISSING = object()
 def stored(owner: Any, name: str) -> tuple[Any, type | None]:
     """The object stored under ``name`` and, if inherited, the class owning it."""
     if isinstance(owner, type):
-        if name in owner.__dict__:
-            return owner.__dict__[name], None
-        for klass in owner.__mro__[1:]:
+        for klass in owner.__mro__:
             if name in klass.__dict__:
-                return klass.__dict__[name], klass
+                return klass.__dict__[name], None if klass is owner else klass
         return MISSING, None
     return getattr(owner, name, MISSING), None
 
@@ -234,20 +232,16 @@ def restore(record: Applied) -> bool:
 
 #: The wrapt these wrappers are written for; older ones lack what it uses.
 WRAPT_MAJOR = 2
-_WRAPT_NEEDS = ("register_post_import_hook",)
 
 
 def wrapt_problem() -> str | None:
     """Why the installed wrapt cannot run the engine (one line), or ``None``."""
     version = str(getattr(wrapt, "__version__", "unknown"))
-    missing = [name for name in _WRAPT_NEEDS if not hasattr(wrapt, name)]
-    try:
-        too_old = int(version.split(".")[0]) < WRAPT_MAJOR
-    except ValueError:
-        too_old = False
-    if not too_old and not missing:
+    major = version.split(".")[0]
+    hook = hasattr(wrapt, "register_post_import_hook")
+    if hook and not (major.isdigit() and int(major) < WRAPT_MAJOR):
         return None
-    lacking = f" without {', '.join(missing)}" if missing else ""
+    lacking = "" if hook else " without register_post_import_hook"
     return (
         f"keras-dtensor-fix needs wrapt>={WRAPT_MAJOR} (found {version}{lacking}); "
         "not activated"
