@@ -80,9 +80,7 @@ def boot() -> None:
     """
     global _watcher
     try:
-        if not parse_enabled(os.environ.get(ENV_ENABLE))[0]:
-            return
-        if PACKAGE in sys.modules:
+        if PACKAGE in sys.modules or not parse_enabled(os.environ.get(ENV_ENABLE))[0]:
             return
         if any(name in sys.modules for name in WATCHED):
             __import__(PACKAGE)

@@ -44,12 +44,12 @@ ANY = "*"
 class Cause(enum.StrEnum):
     """Why a row is in its state (a row's ``cause``)."""
 
-    WRAPPED = "wrapped"  # applied
-    RESTORED = "restored"  # reverted
+    WRAPPED = "wrapped"
+    RESTORED = "restored"
     DISABLED = "disabled"  # by KERAS_DTENSOR_FIX_DISABLE
-    NOT_ACTIVE = "not_active"  # pending: the fix is off
-    NOT_IMPORTED = "not_imported"  # pending: the module is not imported yet
-    GATE_UNDECIDED = "gate_undecided"  # pending: Keras not far enough imported
+    NOT_ACTIVE = "not_active"  # the fix is off
+    NOT_IMPORTED = "not_imported"  # the module is not imported yet
+    GATE_UNDECIDED = "gate_undecided"  # Keras not far enough imported
     # Skipped, and expected on a healthy install (see EXPECTED).
     GATE_CLOSED = "gate_closed"  # not the torch backend, or no DTensor support
     OTHER_LAYOUT = "other_layout"  # the module belongs to the other Keras layout
@@ -68,6 +68,16 @@ class Cause(enum.StrEnum):
     REPLACED = "replaced"  # replaced by someone else after patching: not reverted
 
 
+#: A row's state by its cause; every other cause is a skip.
+STATE: dict[Cause, str] = {
+    Cause.WRAPPED: APPLIED,
+    Cause.RESTORED: REVERTED,
+    Cause.DISABLED: DISABLED,
+    Cause.NOT_ACTIVE: PENDING,
+    Cause.NOT_IMPORTED: PENDING,
+    Cause.GATE_UNDECIDED: PENDING,
+}
+
 #: Skips a healthy install has, and the summary's word for each.
 EXPECTED: dict[Cause, str] = {
     Cause.INHERITED: "inherited",
@@ -77,15 +87,13 @@ EXPECTED: dict[Cause, str] = {
     Cause.GATE_CLOSED: "gate",
 }
 
-# (family, module, attribute) -> (state, cause, reason), as the engine recorded.
-_recorded: dict[tuple[str, str, str], tuple[str, Cause, str]] = {}
+# (family, module, attribute) -> (cause, reason), as the engine recorded.
+_recorded: dict[tuple[str, str, str], tuple[Cause, str]] = {}
 
 
-def record(
-    family: str, module: str, attribute: str, state: str, cause: Cause, reason: str
-) -> None:
+def record(family: str, module: str, attribute: str, cause: Cause, reason: str) -> None:
     """Set the row of one target (``attribute`` :data:`ANY`: a whole module)."""
-    _recorded[(family, module, attribute)] = (state, cause, reason)
+    _recorded[(family, module, attribute)] = (cause, reason)
 
 
 def forget(family: str, module: str) -> None:
@@ -99,31 +107,29 @@ def clear_placeholders() -> None:
         del _recorded[key]
 
 
-#: A status row's keys, in :func:`record`'s order.
+#: A status row's keys.
 COLUMNS = ("family", "module", "attribute", "state", "cause", "reason")
 
 
-def _row(*values: str) -> dict[str, str]:
+def _row(key: tuple[str, str, str], cause: Cause, reason: str) -> dict[str, str]:
+    values = (*key, STATE.get(cause, SKIPPED), cause, reason)
     return dict(zip(COLUMNS, values, strict=True))
 
 
 def _placeholder(
     family: Family, module: str, cfg: _config.Config, active: bool, gate: Any
-) -> dict[str, str]:
-    """The row of a module the family has not acted on."""
+) -> tuple[Cause, str]:
+    """Why the family has not acted on ``module``."""
     if not cfg.family_enabled(family.name):
-        why = f"disabled by {_config.ENV_DISABLE}"
-        return _row(family.name, module, ANY, DISABLED, Cause.DISABLED, why)
+        return Cause.DISABLED, f"disabled by {_config.ENV_DISABLE}"
     if not active:
-        why = "keras_dtensor_fix is not active"
-        return _row(family.name, module, ANY, PENDING, Cause.NOT_ACTIVE, why)
+        return Cause.NOT_ACTIVE, "keras_dtensor_fix is not active"
     if family.gated and gate.ok is False:
-        return _row(family.name, module, ANY, SKIPPED, Cause.GATE_CLOSED, gate.reason)
+        return Cause.GATE_CLOSED, gate.reason
     if targets.KERAS in sys.modules and targets.find_spec(module) is None:
         why = f"no such module in this Keras (layout {targets.layout()})"
-        return _row(family.name, module, ANY, SKIPPED, Cause.OTHER_LAYOUT, why)
-    why = "module not imported yet"
-    return _row(family.name, module, ANY, PENDING, Cause.NOT_IMPORTED, why)
+        return Cause.OTHER_LAYOUT, why
+    return Cause.NOT_IMPORTED, "module not imported yet"
 
 
 def rows(
@@ -136,9 +142,8 @@ def rows(
     out: list[dict[str, str]] = []
     for family in families:
         if family.error is not None:
-            why = family.error
-            cause = Cause.IMPORT_FAILED
-            out.append(_row(family.name, family.source, ANY, SKIPPED, cause, why))
+            key = (family.name, family.source, ANY)
+            out.append(_row(key, Cause.IMPORT_FAILED, family.error))
             continue
         recorded = [k for k in _recorded if k[0] == family.name]
         modules = list(family.modules)
@@ -146,9 +151,10 @@ def rows(
         for module in modules:
             keys = [k for k in recorded if k[1] == module]
             if keys:
-                out.extend(_row(*k, *_recorded[k]) for k in keys)
+                out.extend(_row(k, *_recorded[k]) for k in keys)
             else:
-                out.append(_placeholder(family, module, cfg, active, gate))
+                why = _placeholder(family, module, cfg, active, gate)
+                out.append(_row((family.name, module, ANY), *why))
     return out
 
 

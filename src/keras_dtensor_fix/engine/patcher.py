@@ -20,14 +20,7 @@ from keras_dtensor_fix.engine import config as _config
 from keras_dtensor_fix.engine import hooks, ledger, loader, targets, wrappers
 from keras_dtensor_fix.engine import state as _state
 from keras_dtensor_fix.engine.contract import Implementation, Patch
-from keras_dtensor_fix.engine.ledger import (
-    ANY,
-    APPLIED,
-    PENDING,
-    REVERTED,
-    SKIPPED,
-    Cause,
-)
+from keras_dtensor_fix.engine.ledger import ANY, Cause
 from keras_dtensor_fix.engine.wrappers import (
     chain_length,
     is_fix_wrapper,
@@ -83,9 +76,8 @@ def _fail(message: str) -> None:
     _warn(message, exc_info=sys.exc_info()[0] is not None)
 
 
-def _row(family: loader.Family, module: str, attr: str, *why: str | Cause) -> None:
-    """A status row: ``why`` is (state, cause, reason)."""
-    ledger.record(family.name, module, attr, *why)
+def _row(family: loader.Family, module: str, attr: str, cause: Cause, why: str) -> None:
+    ledger.record(family.name, module, attr, cause, why)
 
 
 def families() -> list[str]:
@@ -153,19 +145,14 @@ def _gate_open(family: loader.Family, module: str) -> bool:
     """Whether ``family`` may act on ``module`` now (undecided: deferred); a target
     module gets a row saying why not."""
     key = (id(family), module)
-    if family.gated:
-        verdict = targets.gate()
-        if verdict.ok is not True:
-            if verdict.ok is None:
-                _deferred[key] = family
-            if module in family.modules:
-                state, cause = (
-                    (PENDING, Cause.GATE_UNDECIDED)
-                    if verdict.ok is None
-                    else (SKIPPED, Cause.GATE_CLOSED)
-                )
-                _row(family, module, ANY, state, cause, verdict.reason)
-            return False
+    if family.gated and (verdict := targets.gate()).ok is not True:
+        undecided = verdict.ok is None
+        if undecided:
+            _deferred[key] = family
+        if module in family.modules:
+            cause = Cause.GATE_UNDECIDED if undecided else Cause.GATE_CLOSED
+            _row(family, module, ANY, cause, verdict.reason)
+        return False
     _deferred.pop(key, None)
     return True
 
@@ -192,26 +179,26 @@ def _apply_family(family: loader.Family, module: types.ModuleType) -> None:
         implementation = None
         _fail(f"patch family {family.name} ({family.source}) failed to import")
     if implementation is None:
-        _row(family, name, ANY, SKIPPED, Cause.IMPORT_FAILED, str(family.error))
+        _row(family, name, ANY, Cause.IMPORT_FAILED, str(family.error))
         return
     try:
         patches = list(implementation.patches(module))
     except LookupError as exc:
         # The family's way of saying "this Keras has no such target": a
         # one-line warning and a status row, no traceback.
-        _row(family, name, ANY, SKIPPED, Cause.NOT_IN_THIS_KERAS, str(exc))
+        _row(family, name, ANY, Cause.NOT_IN_THIS_KERAS, str(exc))
         if _strict():
             raise PatchError(f"family {family.name} skips {name}: {exc}") from exc
         _warn(f"keras_dtensor_fix: family {family.name} skips {name}: {exc}")
         return
     except Exception as exc:  # noqa: BLE001
         why = f"{type(exc).__name__}: {exc}"
-        _row(family, name, ANY, SKIPPED, Cause.PATCHES_FAILED, why)
+        _row(family, name, ANY, Cause.PATCHES_FAILED, why)
         _fail(f"family {family.name}: patches({name}) failed")
         return
     if not patches:
         why = "nothing to patch in this Keras"
-        _row(family, name, ANY, SKIPPED, Cause.NOTHING_TO_PATCH, why)
+        _row(family, name, ANY, Cause.NOTHING_TO_PATCH, why)
     for patch in patches:
         try:
             _apply_one(family, patch)
@@ -220,7 +207,7 @@ def _apply_family(family: loader.Family, module: types.ModuleType) -> None:
         except Exception as exc:  # noqa: BLE001
             why = f"{type(exc).__name__}: {exc}"
             row = (patch.module, patch.attribute)
-            _row(family, *row, SKIPPED, Cause.PATCH_FAILED, why)
+            _row(family, *row, Cause.PATCH_FAILED, why)
             _fail(f"family {family.name}: patching {patch.attribute} failed")
     key = (id(family), name)
     if key not in _done:
@@ -243,7 +230,7 @@ def _apply_one(family: loader.Family, patch: Patch) -> None:
     module = sys.modules.get(patch.module)
     if module is None:
         why = f"module {patch.module} is not imported"
-        _row(family, *row, SKIPPED, Cause.MODULE_NOT_IMPORTED, why)
+        _row(family, *row, Cause.MODULE_NOT_IMPORTED, why)
         return
     try:
         owner, name = wrappers.resolve(module, patch.attribute)
@@ -252,36 +239,34 @@ def _apply_one(family: loader.Family, patch: Patch) -> None:
     raw, inherited_from = wrappers.stored(owner, name)
     if patch.added and raw is not wrappers.MISSING:
         if row not in _applied or _applied[row].wrapper is not raw:
-            _row(family, *row, SKIPPED, Cause.NOTHING_TO_PATCH, "has its own: kept")
+            _row(family, *row, Cause.NOTHING_TO_PATCH, "has its own: kept")
         return
     if raw is wrappers.MISSING and (owner is None or not patch.added):
         why = f"not found: {patch.module}.{patch.attribute}"
-        _row(family, *row, SKIPPED, Cause.NOT_FOUND, why)
+        _row(family, *row, Cause.NOT_FOUND, why)
         _fail(f"family {family.name}: {patch.module}.{patch.attribute} not found")
         return
     if inherited_from is not None:
-        base = inherited_from.__name__
+        base = f"inherited from {inherited_from.__name__}"
         if is_fix_wrapper(raw):
-            why, cause = f"inherited from {base}; covered by its patch", Cause.INHERITED
+            _row(family, *row, Cause.INHERITED, f"{base}; covered by its patch")
         else:
-            why = f"inherited from {base}; not patched there"
-            cause = Cause.INHERITED_UNPATCHED
-        _row(family, *row, SKIPPED, cause, why)
+            _row(family, *row, Cause.INHERITED_UNPATCHED, f"{base}; not patched there")
         return
     if is_fix_wrapper(raw):
         existing = _applied.get(row)
         if existing is None or existing.wrapper is not raw:
             why = "already wrapped by another keras_dtensor_fix"
-            _row(family, *row, SKIPPED, Cause.ALREADY_WRAPPED, why)
+            _row(family, *row, Cause.ALREADY_WRAPPED, why)
         elif existing.family != family.name:
             why = f"already patched by family {existing.family}"
-            _row(family, *row, SKIPPED, Cause.PATCHED_BY_FAMILY, why)
+            _row(family, *row, Cause.PATCHED_BY_FAMILY, why)
         return
     record = wrappers.install(family.name, patch, owner, name, raw)
     _applied[row] = record
     also = f" (also in {', '.join(sorted(record.also))})" if record.also else ""
     why = "added" if patch.added else f"wrapped{also}"
-    _row(family, *row, APPLIED, Cause.WRAPPED, why)
+    _row(family, *row, Cause.WRAPPED, why)
     log.debug("patched %s.%s", patch.module, patch.attribute)
 
 
@@ -289,13 +274,13 @@ def _revert_one(record: wrappers.Applied) -> None:
     patch = record.patch
     row = (record.family, patch.module, patch.attribute)
     if wrappers.restore(record):
-        ledger.record(*row, REVERTED, Cause.RESTORED, "original restored")
+        ledger.record(*row, Cause.RESTORED, "original restored")
     else:
         _warn(
             f"{patch.module}.{patch.attribute} was replaced after patching; left alone"
         )
         why = "replaced by someone else after patching; not reverted"
-        ledger.record(*row, SKIPPED, Cause.REPLACED, why)
+        ledger.record(*row, Cause.REPLACED, why)
 
 
 def activate(

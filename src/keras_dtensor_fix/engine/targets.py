@@ -233,17 +233,12 @@ def trainer_compiles_model_parallel(module: ModuleType) -> bool:
 FIRST_COMPILING_TORCH = (2, 12)
 
 
-def release(version: str) -> tuple[int, int]:
-    """``(major, minor)`` of a version string such as ``"2.13.0+cpu"``."""
-    found = re.match(r"(\d+)\.(\d+)", version)
-    return (int(found[1]), int(found[2])) if found else (0, 0)
-
-
 def torch_compiles_dtensor_grad() -> bool:
     """Whether the installed torch can compile a ModelParallel train step."""
     torch = sys.modules.get("torch")
     version = getattr(torch, "__version__", None) or torch_version() or "0.0"
-    return release(str(version)) >= FIRST_COMPILING_TORCH
+    found = re.match(r"(\d+)\.(\d+)", str(version))  # "2.13.0+cpu"
+    return bool(found) and (int(found[1]), int(found[2])) >= FIRST_COMPILING_TORCH
 
 
 def convert_to_numpy_gathers(function: Any) -> bool:
