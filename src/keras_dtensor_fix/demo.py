@@ -1,11 +1,5 @@
-"""``python -m keras_dtensor_fix demo``: why install the plugin, measured here.
-
-One training script (an MLP with column/row sharded kernels, ``model.fit``
-under ``ModelParallel`` on 2 CPU processes over gloo) runs with the plugin
-off (upstream Keras), then on (eager, then ``jit_compile=True``), then on one
-process for the reference losses. Prints each phase, the time per step, the
-losses side by side and a verdict; exit status 0 when the plugin's runs match.
-"""
+"""``python -m keras_dtensor_fix demo``: why install the plugin, measured here (what
+it runs, :func:`main` prints first); exit status 0 when the plugin's runs match."""
 
 from __future__ import annotations
 

@@ -97,9 +97,8 @@ def summarize(
             family["modules"].add(module)
         target = module if row["attribute"] == ANY else f"{module}.{row['attribute']}"
         if state == SKIPPED:
-            word = EXPECTED.get(row["cause"])
-            if word is None:
-                word = "unexpected"
+            word = EXPECTED.get(row["cause"], "unexpected")
+            if word == "unexpected":
                 unexpected.append(f"{row['family']}: {target} skipped: {reason}")
             because = family["skipped_because"]
             because[word] = because.get(word, 0) + 1

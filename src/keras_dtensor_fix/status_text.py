@@ -98,8 +98,7 @@ def by_family(report: dict[str, Any]) -> str:
         counts = ", ".join(
             f"{family[s]} {s}" for s in (APPLIED, SKIPPED) if family.get(s)
         )
-        lines.append("")
-        lines.append(f"{name} [{family.get('state', '?')}; {counts or '-'}]: {what}")
+        lines += ["", f"{name} [{family.get('state', '?')}; {counts or '-'}]: {what}"]
         applied: dict[str, list[str]] = {}
         for row in rows:
             if row["state"] == APPLIED:

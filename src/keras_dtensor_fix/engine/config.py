@@ -66,12 +66,11 @@ class Config:
 def parse_disable(raw: str | None) -> tuple[frozenset[str], str | None]:
     """Parse ``KERAS_DTENSOR_FIX_DISABLE``: ``(disabled families, warning)``; ``*``
     disables every family."""
-    names = [item.strip().lower() for item in (raw or "").split(",")]
-    names = [name for name in names if name]
+    names = {name for item in (raw or "").split(",") if (name := item.strip().lower())}
     if ALL in names:
         return frozenset((*FAMILIES, ALL)), None
-    unknown = sorted({name for name in names if name not in FAMILIES})
-    disabled = frozenset(name for name in names if name in FAMILIES)
+    unknown = sorted(names - set(FAMILIES))
+    disabled = frozenset(names & set(FAMILIES))
     if not unknown:
         return disabled, None
     message = (

@@ -39,18 +39,12 @@ def keras_problem() -> str | None:
     if targets.distribution_support() is not False:
         return None
     version, dist = targets.keras_version()
+    why = f"{dist} {version} has no ModelParallel on torch"
     if dist == "keras" and "keras-nightly" in installed:
-        return (
-            f"keras {version} is installed over keras-nightly "
-            f"{installed['keras-nightly']} and replaced its files; keras {version} "
-            "has no ModelParallel on torch: run `pip uninstall -y keras "
-            f"keras-nightly`, then `{INSTALL_NIGHTLY}`"
-        )
+        over = f"keras {version} is installed over keras-nightly"
+        why = f"{over} {installed['keras-nightly']} and replaced its files; {why}"
     uninstall = " ".join(sorted(installed))
-    return (
-        f"{dist} {version} has no ModelParallel on torch: run `pip uninstall -y "
-        f"{uninstall}`, then `{INSTALL_NIGHTLY}`"
-    )
+    return f"{why}: run `pip uninstall -y {uninstall}`, then `{INSTALL_NIGHTLY}`"
 
 
 def backend_problem() -> str | None:

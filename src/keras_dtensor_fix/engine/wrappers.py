@@ -131,11 +131,8 @@ def is_fix_wrapper(obj: object) -> bool:
 
 def chain_length(obj: object) -> int:
     """How many engine wrappers are stacked on ``obj`` (0 when unpatched)."""
-    count = 0
-    seen: set[int] = set()
-    fix = _fix_of(obj)
-    while fix is not None and id(fix) not in seen:
-        seen.add(id(fix))
+    count, fix = 0, _fix_of(obj)
+    while fix is not None:
         count += 1
         fix = _fix_of(fix.__wrapped__)
     return count
