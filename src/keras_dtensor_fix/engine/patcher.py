@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import logging
 import sys
 import threading
@@ -107,21 +108,16 @@ def _on_import(module: types.ModuleType) -> None:
             hooks.fired(module)
             if not _active:
                 return
-            _apply_module(module)
-            for other in hooks.ready(_on_import):
-                _apply_module(other)
+            # Then the modules held back half-imported, now finished.
+            for each in itertools.chain([module], hooks.ready(_on_import)):
+                for family in filter(_enabled, loader.families()):
+                    _apply_to(family, each)
             if _deferred:
                 _flush_deferred()
     except PatchError:
         raise  # strict mode: the import fails
     except Exception:  # noqa: BLE001 - never break the user's import
         _warn(f"keras_dtensor_fix: hook for {module!r} failed", exc_info=True)
-
-
-def _apply_module(module: types.ModuleType) -> None:
-    for family in loader.families():
-        if _enabled(family):
-            _apply_to(family, module)
 
 
 def _apply_to(family: loader.Family, module: types.ModuleType) -> None:

@@ -220,7 +220,7 @@ def restore(record: Applied) -> bool:
         delattr(record.owner, record.name)
     elif ours:
         setattr(record.owner, record.name, record.original)
-    for module_name in set(record.patch.also_in) | record.also:
+    for module_name in record.patch.also_in:
         owner = _also_owner(record, module_name)
         if owner is not None and stored(owner, record.name)[0] is record.wrapper:
             setattr(owner, record.name, record.original)
