@@ -6,11 +6,9 @@ linter), so this module only reads ``KERAS_DTENSOR_FIX`` and puts a finder on
 :data:`WATCHED` imports ``keras_dtensor_fix``, whose import activates the fix,
 the way ddtrace's and OpenTelemetry's site hooks wait for the library they
 patch. It lives outside the package because importing the package is what
-activates. Standard library already loaded at start only; never raises.
-
-It also holds the one parser of ``KERAS_DTENSOR_FIX`` (:func:`parse_enabled`),
-which ``keras_dtensor_fix.engine.config`` imports from here: this module is
-installed beside the package and must decide without importing it.
+activates, and so holds the one parser of ``KERAS_DTENSOR_FIX``
+(:func:`parse_enabled`, which ``engine.config`` imports). Standard library
+already loaded at start only; never raises.
 """
 
 import os

@@ -75,8 +75,7 @@ def _status(args: argparse.Namespace) -> int:
     else:
         print(status_text.checked(report))
         if args.verbose:
-            print()
-            print(status_text.by_family(report))
+            print(f"\n{status_text.by_family(report)}")
     return 1 if args.check and not report["summary"]["ok"] else 0
 
 

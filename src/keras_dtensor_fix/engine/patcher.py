@@ -306,14 +306,9 @@ def activate(
             # Each module once: a module hook applies every family that
             # targets it, so a failing family warns once. ``keras`` runs the
             # preloads; it and ``distribution_lib`` decide a deferred gate.
-            names = dict.fromkeys(
-                name
-                for family in loader.families()
-                if _enabled(family)
-                for name in family.modules
-            )
-            names.update(dict.fromkeys((targets.KERAS, targets.DISTRIBUTION_LIB)))
-            for name in names:
+            names = [n for f in filter(_enabled, loader.families()) for n in f.modules]
+            names += [targets.KERAS, targets.DISTRIBUTION_LIB]
+            for name in dict.fromkeys(names):
                 hooks.ensure(name, _on_import)
         except PatchError:
             raise

@@ -56,22 +56,16 @@ def torch_module(*kinds: str) -> tuple[str, ...]:
 
 _OPTIMIZERS = f"{KERAS_TORCH}.optimizers"
 
-#: Of :data:`OPTIMIZERS`, those whose ``_parallel_update_step`` reads and
-#: writes only the variables given and their own slots (Nadam's also advances
-#: a product shared by every variable): updating a few at a time is exact.
-PER_VARIABLE_OPTIMIZERS: tuple[str, ...] = tuple(n for n in OPTIMIZERS if n != "nadam")
-
-
-_PER_VARIABLE_MODULES = frozenset(
-    f"{_OPTIMIZERS}.torch_{name}" for name in PER_VARIABLE_OPTIMIZERS
-)
-
 
 def per_variable_update(function: object) -> bool:
     """Whether ``function`` is the ``_parallel_update_step`` of one of Keras's
-    :data:`PER_VARIABLE_OPTIMIZERS` (not a subclass's own)."""
+    :data:`OPTIMIZERS` (not a subclass's own) that reads and writes only the variables
+    given and their own slots, so that updating a few at a time is exact: not Nadam's,
+    which also advances a product shared by every variable."""
+    module = getattr(function, "__module__", None)
     return (
-        getattr(function, "__module__", None) in _PER_VARIABLE_MODULES
+        module in MODULES["optimizers"]
+        and module != f"{_OPTIMIZERS}.torch_nadam"
         and getattr(function, "__name__", None) == "_parallel_update_step"
     )
 
