@@ -20,9 +20,7 @@ def configured_backend() -> tuple[str, str]:
         return imported, "the imported Keras"
     if os.environ.get("KERAS_BACKEND"):
         return os.environ["KERAS_BACKEND"], "KERAS_BACKEND"
-    home = os.environ.get("KERAS_HOME") or os.path.join(
-        os.path.expanduser("~"), ".keras"
-    )
+    home = os.environ.get("KERAS_HOME") or os.path.expanduser("~/.keras")
     path = os.path.join(home, "keras.json")
     try:
         with open(path, encoding="utf-8") as handle:

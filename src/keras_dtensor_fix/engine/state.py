@@ -85,11 +85,10 @@ def set_attribute(obj: Any, name: str, value: Any) -> None:
         # append is a side effect it replays. Attributes set only here are
         # the plugin's own caches, absent before: undone by deleting them.
         _PENDING.append((obj, name))
-        setattr(obj, name, value)
-        return
-    before = getattr(obj, "__dict__", {}).get(name, _ABSENT)
-    with _lock:
-        _record(obj).setdefault(name, before)
+    else:
+        before = getattr(obj, "__dict__", {}).get(name, _ABSENT)
+        with _lock:
+            _record(obj).setdefault(name, before)
     setattr(obj, name, value)
 
 
@@ -102,8 +101,7 @@ def _record(obj: Any) -> dict[str, Any]:
             ref: Any = weakref.ref(obj, lambda _, key=key: _forget(key))
         except TypeError:
             ref = obj
-        entry = (ref, {})
-        _set[key] = entry
+        entry = _set[key] = (ref, {})
     return entry[1]
 
 
