@@ -20,7 +20,7 @@ def boot() -> None:
             return
         from keras_dtensor_fix.engine import patcher
 
-        patcher.activate(cfg, why=f"activated at start-up or import ({cfg.reason})")
+        patcher.activate(cfg, why=cfg.reason)
     except Exception:  # noqa: BLE001 - interpreter start must never fail here
         import logging
 

@@ -23,12 +23,6 @@ def _items(title: str, items: list[str]) -> list[str]:
     return lines
 
 
-def _why(why: str) -> str:
-    """The engine's activation reason without its wrapping."""
-    prefix = "activated at start-up or import ("
-    return why[len(prefix) : -1] if why.startswith(prefix) else why
-
-
 def _versions(report: dict[str, Any]) -> list[str]:
     keras = report["keras"]
     backend = report.get("configured_backend") or {}
@@ -38,7 +32,7 @@ def _versions(report: dict[str, Any]) -> list[str]:
         if backend:
             keras_text += f", {backend['name']} backend (from {backend['from']})"
     return [
-        f"  plugin:  {'on' if report['enabled'] else 'off'} ({_why(report['why'])})",
+        f"  plugin:  {'on' if report['enabled'] else 'off'} ({report['why']})",
         f"  Keras:   {keras_text}",
         f"  torch:   {report['torch']['version'] or 'not installed'}",
         f"  Python:  {report['summary']['python']}",
