@@ -14,12 +14,15 @@ from keras_dtensor_fix.engine.ledger import ANY, APPLIED, SKIPPED
 WIDTH = 100
 
 
+def _wrap(indent: str, text: str) -> list[str]:
+    hang = " " * len(indent)
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=hang)
+
+
 def _items(title: str, items: list[str]) -> list[str]:
     lines = [f"{title}: {len(items) or 'none'}"]
     for item in items:
-        lines.extend(
-            textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
-        )
+        lines += _wrap("  - ", item)
     return lines
 
 
@@ -72,12 +75,6 @@ def checked(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _wrapped(label: str, text: str) -> list[str]:
-    return textwrap.wrap(
-        text, WIDTH, initial_indent=f"  {label:8} ", subsequent_indent=" " * 11
-    )
-
-
 def by_family(report: dict[str, Any]) -> str:
     """Every target, grouped by patch group (family) and module."""
     summary = report["summary"]
@@ -101,8 +98,8 @@ def by_family(report: dict[str, Any]) -> str:
             target = row["module"]
             if row["attribute"] != ANY:
                 target += f".{row['attribute']}"
-            lines += _wrapped(row["state"], f"{target}: {row['reason']}")
+            lines += _wrap(f"  {row['state']:8} ", f"{target}: {row['reason']}")
         for module, attributes in applied.items():
-            lines += _wrapped(APPLIED, f"{module}: {', '.join(attributes)}")
+            lines += _wrap(f"  {APPLIED:8} ", f"{module}: {', '.join(attributes)}")
     lines += ["", *_items("notes", report.get("notes") or [])]
     return "\n".join(lines)

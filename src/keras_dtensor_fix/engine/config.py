@@ -110,23 +110,23 @@ def load(environ: Mapping[str, str] | None = None, *, warn: bool = True) -> Conf
     return config
 
 
+def _ignored(name: str, raw: str, why: str) -> None:
+    """Warn, at the caller's caller, that ``name``'s value is not used."""
+    warnings.warn(f"keras-dtensor-fix: {name}={raw!r} {why}.", stacklevel=3)
+
+
 def save_seconds(environ: Mapping[str, str] | None = None) -> float:
     """``KERAS_DTENSOR_FIX_SAVE_TIMEOUT`` in seconds, read at each save; a bad value
     warns and :data:`DEFAULT_SAVE_SECONDS` stands."""
     raw = (os.environ if environ is None else environ).get(ENV_SAVE_TIMEOUT, "")
-    if not raw.strip():
-        return DEFAULT_SAVE_SECONDS
     try:
-        seconds = float(raw)
+        seconds = float(raw) if raw.strip() else DEFAULT_SAVE_SECONDS
     except ValueError:
         seconds = -1.0
     if seconds > 0:
         return seconds
-    warnings.warn(
-        f"keras-dtensor-fix: {ENV_SAVE_TIMEOUT}={raw!r} is not a positive number "
-        f"of seconds; using {DEFAULT_SAVE_SECONDS:g}.",
-        stacklevel=2,
-    )
+    why = f"is not a positive number of seconds; using {DEFAULT_SAVE_SECONDS:g}"
+    _ignored(ENV_SAVE_TIMEOUT, raw, why)
     return DEFAULT_SAVE_SECONDS
 
 
@@ -134,14 +134,11 @@ def compile_mode(environ: Mapping[str, str] | None = None) -> str:
     """``KERAS_DTENSOR_FIX_COMPILE``, one of :data:`COMPILE_MODES`, read when a step is
     built; a value not understood warns and ``auto`` stands."""
     raw = (os.environ if environ is None else environ).get(ENV_COMPILE, "")
-    value = raw.strip().lower()
-    if not value:
-        return COMPILE_MODES[0]
+    value = raw.strip().lower() or COMPILE_MODES[0]
     if value in COMPILE_MODES:
         return value
-    warnings.warn(
-        f"keras-dtensor-fix: {ENV_COMPILE}={raw!r} is not understood; accepted "
-        f"values are {', '.join(COMPILE_MODES)}; using {COMPILE_MODES[0]}.",
-        stacklevel=2,
+    accepted = f"accepted values are {', '.join(COMPILE_MODES)}"
+    _ignored(
+        ENV_COMPILE, raw, f"is not understood; {accepted}; using {COMPILE_MODES[0]}"
     )
     return COMPILE_MODES[0]

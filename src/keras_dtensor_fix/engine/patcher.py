@@ -9,6 +9,7 @@ hooks). A failure is logged and the patch skipped, unless strict mode
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import itertools
 import logging
@@ -77,10 +78,6 @@ def _fail(message: str) -> None:
     _warn(message, exc_info=sys.exc_info()[0] is not None)
 
 
-def _row(family: loader.Family, module: str, attr: str, cause: Cause, why: str) -> None:
-    ledger.record(family.name, module, attr, cause, why)
-
-
 def families() -> list[str]:
     """Names of the usable families (real and registered), in order."""
     with _lock:
@@ -147,7 +144,7 @@ def _gate_open(family: loader.Family, module: str) -> bool:
             _deferred[key] = family
         if module in family.modules:
             cause = Cause.GATE_UNDECIDED if undecided else Cause.GATE_CLOSED
-            _row(family, module, ANY, cause, verdict.reason)
+            ledger.record(family.name, module, ANY, cause, verdict.reason)
         return False
     _deferred.pop(key, None)
     return True
@@ -169,32 +166,31 @@ def _apply_family(family: loader.Family, module: types.ModuleType) -> None:
     if not _gate_open(family, name):
         return
     ledger.forget(family.name, name)
+    note = functools.partial(ledger.record, family.name, name, ANY)
     try:
         implementation = loader.implementation(family)
     except Exception:  # noqa: BLE001 - never break the user's import
         implementation = None
         _fail(f"patch family {family.name} ({family.source}) failed to import")
     if implementation is None:
-        _row(family, name, ANY, Cause.IMPORT_FAILED, str(family.error))
+        note(Cause.IMPORT_FAILED, str(family.error))
         return
     try:
         patches = list(implementation.patches(module))
     except LookupError as exc:
         # The family's way of saying "this Keras has no such target": a
         # one-line warning and a status row, no traceback.
-        _row(family, name, ANY, Cause.NOT_IN_THIS_KERAS, str(exc))
+        note(Cause.NOT_IN_THIS_KERAS, str(exc))
         if _strict():
             raise PatchError(f"family {family.name} skips {name}: {exc}") from exc
         _warn(f"keras_dtensor_fix: family {family.name} skips {name}: {exc}")
         return
     except Exception as exc:  # noqa: BLE001
-        why = f"{type(exc).__name__}: {exc}"
-        _row(family, name, ANY, Cause.PATCHES_FAILED, why)
+        note(Cause.PATCHES_FAILED, f"{type(exc).__name__}: {exc}")
         _fail(f"family {family.name}: patches({name}) failed")
         return
     if not patches:
-        why = "nothing to patch in this Keras"
-        _row(family, name, ANY, Cause.NOTHING_TO_PATCH, why)
+        note(Cause.NOTHING_TO_PATCH, "nothing to patch in this Keras")
     for patch in patches:
         try:
             _apply_one(family, patch)
@@ -203,7 +199,7 @@ def _apply_family(family: loader.Family, module: types.ModuleType) -> None:
         except Exception as exc:  # noqa: BLE001
             why = f"{type(exc).__name__}: {exc}"
             row = (patch.module, patch.attribute)
-            _row(family, *row, Cause.PATCH_FAILED, why)
+            ledger.record(family.name, *row, Cause.PATCH_FAILED, why)
             _fail(f"family {family.name}: patching {patch.attribute} failed")
     key = (id(family), name)
     if key not in _done:
@@ -223,10 +219,10 @@ def _call_optional(family: loader.Family, hook: str) -> None:
 
 def _apply_one(family: loader.Family, patch: Patch) -> None:
     row = (patch.module, patch.attribute)
+    note = functools.partial(ledger.record, family.name, *row)
     module = sys.modules.get(patch.module)
     if module is None:
-        why = f"module {patch.module} is not imported"
-        _row(family, *row, Cause.MODULE_NOT_IMPORTED, why)
+        note(Cause.MODULE_NOT_IMPORTED, f"module {patch.module} is not imported")
         return
     try:
         owner, name = wrappers.resolve(module, patch.attribute)
@@ -235,34 +231,32 @@ def _apply_one(family: loader.Family, patch: Patch) -> None:
     raw, inherited_from = wrappers.stored(owner, name)
     if patch.added and raw is not wrappers.MISSING:
         if row not in _applied or _applied[row].wrapper is not raw:
-            _row(family, *row, Cause.NOTHING_TO_PATCH, "has its own: kept")
+            note(Cause.NOTHING_TO_PATCH, "has its own: kept")
         return
     if raw is wrappers.MISSING and (owner is None or not patch.added):
-        why = f"not found: {patch.module}.{patch.attribute}"
-        _row(family, *row, Cause.NOT_FOUND, why)
+        note(Cause.NOT_FOUND, f"not found: {patch.module}.{patch.attribute}")
         _fail(f"family {family.name}: {patch.module}.{patch.attribute} not found")
         return
     if inherited_from is not None:
         base = f"inherited from {inherited_from.__name__}"
         if is_fix_wrapper(raw):
-            _row(family, *row, Cause.INHERITED, f"{base}; covered by its patch")
+            note(Cause.INHERITED, f"{base}; covered by its patch")
         else:
-            _row(family, *row, Cause.INHERITED_UNPATCHED, f"{base}; not patched there")
+            note(Cause.INHERITED_UNPATCHED, f"{base}; not patched there")
         return
     if is_fix_wrapper(raw):
         existing = _applied.get(row)
         if existing is None or existing.wrapper is not raw:
-            why = "already wrapped by another keras_dtensor_fix"
-            _row(family, *row, Cause.ALREADY_WRAPPED, why)
+            note(Cause.ALREADY_WRAPPED, "already wrapped by another keras_dtensor_fix")
         elif existing.family != family.name:
-            why = f"already patched by family {existing.family}"
-            _row(family, *row, Cause.PATCHED_BY_FAMILY, why)
+            note(
+                Cause.PATCHED_BY_FAMILY, f"already patched by family {existing.family}"
+            )
         return
     record = wrappers.install(family.name, patch, owner, name, raw)
     _applied[row] = record
     also = f" (also in {', '.join(sorted(record.also))})" if record.also else ""
-    why = "added" if patch.added else f"wrapped{also}"
-    _row(family, *row, Cause.WRAPPED, why)
+    note(Cause.WRAPPED, "added" if patch.added else f"wrapped{also}")
     log.debug("patched %s.%s", patch.module, patch.attribute)
 
 

@@ -304,7 +304,9 @@ def keras_version() -> tuple[str | None, str | None]:
     if not found:
         return None, None
     spec = find_spec("keras.src.version")
-    in_use = spec and spec.origin and _source_value(spec.origin, "__version__")
+    source = (spec and spec.origin and _source(spec.origin)) or ""
+    assigned = re.search(r"^__version__\s*=\s*[\"']([^\"']+)", source, re.M)
+    in_use = assigned and assigned[1]
     dist, version = next(((d, v) for d, v in found if v == in_use), found[0])
     return version, dist
 
@@ -330,12 +332,6 @@ def _source(path: str) -> str | None:
             return handle.read()
     except OSError:
         return None
-
-
-def _source_value(path: str, name: str) -> str | None:
-    """The string a module's source assigns to ``name`` (``__version__``)."""
-    found = re.search(rf"^{name}\s*=\s*[\"']([^\"']+)", _source(path) or "", re.M)
-    return found[1] if found else None
 
 
 def distribution_support() -> bool | None:
