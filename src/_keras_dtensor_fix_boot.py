@@ -96,10 +96,8 @@ def disarm() -> bool:
     watcher, _watcher = _watcher, None
     if watcher is None:
         return False
-    try:
+    if watcher in sys.meta_path:
         sys.meta_path.remove(watcher)
-    except ValueError:
-        pass
     return True
 
 

@@ -29,8 +29,7 @@ def _quiet() -> Iterator[None]:
     previous = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"):
             yield
     finally:
         logging.disable(previous)

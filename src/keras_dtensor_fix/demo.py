@@ -84,14 +84,9 @@ def _train(jit_compile: bool, say: Any) -> dict[str, Any]:
     w = rng.normal(size=(FEATURES, OUTPUTS)) / np.sqrt(FEATURES)
     y = (x @ w + 0.1 * rng.normal(size=(SAMPLES, OUTPUTS))).astype("float32")
     dense = keras.layers.Dense
-    model = keras.Sequential(
-        [
-            keras.layers.Input((FEATURES,)),
-            dense(HIDDEN, activation="relu", name="hidden"),
-            dense(HIDDEN, activation="relu", name="hidden2"),
-            dense(OUTPUTS, name="output"),
-        ]
-    )
+    hidden = [dense(HIDDEN, activation="relu", name=n) for n in ("hidden", "hidden2")]
+    output = dense(OUTPUTS, name="output")
+    model = keras.Sequential([keras.layers.Input((FEATURES,)), *hidden, output])
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=jit_compile
     )
@@ -111,8 +106,7 @@ def _train(jit_compile: bool, say: Any) -> dict[str, Any]:
             )
 
     graphs = _dynamo_graphs()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True, action="always") as caught:
         history = model.fit(
             x,
             y,
@@ -143,8 +137,7 @@ def _jit_probe() -> str:
     use = getattr(model, "_use_torch_compile", None)
     if use is None:
         return ""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True, action="always") as caught:
         if use():
             return ""
     return _jit_warning(caught) or "runs eagerly"
