@@ -134,8 +134,7 @@ def _jit_probe() -> str:
 
     model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
     model.compile(optimizer="adam", loss="mse", jit_compile=True)
-    use = getattr(model, "_use_torch_compile", None)
-    if use is None:
+    if (use := getattr(model, "_use_torch_compile", None)) is None:
         return ""
     with warnings.catch_warnings(record=True, action="always") as caught:
         if use():

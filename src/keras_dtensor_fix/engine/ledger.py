@@ -146,8 +146,7 @@ def rows(
             out.append(_row(key, Cause.IMPORT_FAILED, family.error))
             continue
         recorded = [k for k in _recorded if k[0] == family.name]
-        modules = list(family.modules)
-        modules += [m for _, m, _ in recorded if m not in modules]
+        modules = dict.fromkeys([*family.modules, *(m for _, m, _ in recorded)])
         for module in modules:
             keys = [k for k in recorded if k[1] == module]
             if keys:

@@ -129,8 +129,7 @@ def _flush_deferred() -> None:
         return
     for key, family in list(_deferred.items()):
         _deferred.pop(key, None)
-        module = sys.modules.get(key[1])
-        if module is not None:
+        if (module := sys.modules.get(key[1])) is not None:
             _apply_to(family, module)
 
 
@@ -208,8 +207,7 @@ def _apply_family(family: loader.Family, module: types.ModuleType) -> None:
 
 
 def _call_optional(family: loader.Family, hook: str) -> None:
-    function = getattr(family.implementation, hook, None)
-    if function is None:
+    if (function := getattr(family.implementation, hook, None)) is None:
         return
     try:
         function()
@@ -283,8 +281,7 @@ def activate(
     defaults to :func:`.config.load`, ``strict`` overrides its. Idempotent."""
     global _active, _cfg, _why
     with _lock:
-        problem = wrapt_problem()
-        if problem is not None:
+        if (problem := wrapt_problem()) is not None:
             _why = problem
             if problem not in _warnings:
                 _warn(problem)

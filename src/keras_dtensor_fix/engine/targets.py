@@ -254,8 +254,7 @@ def initializing(module: object) -> bool:
 
 def find_spec(name: str) -> ModuleSpec | None:
     """The spec of module ``name``, or None, without importing parent packages."""
-    module = sys.modules.get(name)
-    if module is not None:
+    if (module := sys.modules.get(name)) is not None:
         return getattr(module, "__spec__", None)
     parent, _, _ = name.rpartition(".")
     if not parent or parent in sys.modules:
@@ -282,8 +281,7 @@ def layout() -> str | None:
 
 def backend() -> str | None:
     """Keras's backend name, read only if Keras is already imported."""
-    config = sys.modules.get(CONFIG_MODULE)
-    if config is None:
+    if (config := sys.modules.get(CONFIG_MODULE)) is None:
         return None
     try:
         return str(config.backend())
@@ -363,13 +361,11 @@ class Gate:
 
 def gate() -> Gate:
     """Check the backend and the Keras build; never imports anything."""
-    name = backend()
-    if name is None:
+    if (name := backend()) is None:
         return Gate(None, "Keras is not imported yet")
     if name != "torch":
         return Gate(False, f"Keras backend is {name!r}, not 'torch': nothing to patch")
-    support = distribution_support()
-    if support is None:
+    if (support := distribution_support()) is None:
         return Gate(None, "cannot tell yet whether this Keras supports torch DTensors")
     if not support:
         version, dist = keras_version()

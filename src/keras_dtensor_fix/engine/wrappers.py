@@ -202,8 +202,7 @@ def install(family: str, patch: Patch, owner: Any, name: str, raw: Any) -> Appli
 
 
 def _also_owner(record: Applied, module_name: str) -> Any:
-    module = sys.modules.get(module_name)
-    if module is None:
+    if (module := sys.modules.get(module_name)) is None:
         return None
     try:
         owner, _ = resolve(module, record.patch.attribute)
