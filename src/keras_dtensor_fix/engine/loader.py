@@ -80,12 +80,10 @@ def register(module: types.ModuleType) -> Family | None:
         raise TypeError(f"{module!r}: invalid family module: {what}")
     if module in _registered:
         return None
-    implementation = Implementation(
-        module.patches,
-        getattr(module, "after_apply", None),
-        getattr(module, "after_revert", None),
-        getattr(module, "notes", None),
+    optional = (
+        getattr(module, n, None) for n in ("after_apply", "after_revert", "notes")
     )
+    implementation = Implementation(module.patches, *optional)
     family = Family(
         str(module.FAMILY),
         tuple(module.MODULES),

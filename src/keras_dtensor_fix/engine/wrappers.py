@@ -45,10 +45,8 @@ class FixFunctionWrapper(FixWrapper):
 
     @property
     def _torchdynamo_inline(self) -> Callable[..., Any]:
-        try:
-            return self._self_inline
-        except AttributeError:
-            pass
+        if (cached := getattr(self, "_self_inline", None)) is not None:
+            return cached
         wrapper, wrapped = self._self_wrapper, self.__wrapped__
         enabled = self._self_enabled
         local = state.LOCAL_CALL if getattr(self, "_self_traced", False) else ()
