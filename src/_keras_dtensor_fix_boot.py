@@ -1,15 +1,13 @@
 """keras-dtensor-fix's interpreter-start hook, run by its ``.pth`` (``.start``).
 
-The ``.pth`` runs in every Python process of the environment (pip, pytest, a
-linter), so this module only reads ``KERAS_DTENSOR_FIX`` and puts a finder on
-``sys.meta_path`` that finds nothing: the first import of one of
-:data:`WATCHED` imports ``keras_dtensor_fix``, whose import activates the fix,
-the way ddtrace's and OpenTelemetry's site hooks wait for the library they
-patch. It lives outside the package because importing the package is what
-activates, and so holds the one parser of ``KERAS_DTENSOR_FIX``
-(:func:`parse_enabled`, which ``engine.config`` imports). Standard library
-already loaded at start only; never raises.
-"""
+The ``.pth`` runs in every Python process of the environment (pip, pytest, a linter), so
+this module only reads ``KERAS_DTENSOR_FIX`` and puts a finder on ``sys.meta_path`` that
+finds nothing: the first import of one of :data:`WATCHED` imports ``keras_dtensor_fix``,
+whose import activates the fix, the way ddtrace's and OpenTelemetry's site hooks wait
+for the library they patch. It lives outside the package because importing the package
+is what activates, and so holds the one parser of ``KERAS_DTENSOR_FIX``
+(:func:`parse_enabled`, which ``engine.config`` imports). Standard library already
+loaded at start only; never raises."""
 
 import os
 import sys
@@ -72,10 +70,8 @@ _watcher: Watcher | None = None
 
 
 def boot() -> None:
-    """Arm the watcher unless ``KERAS_DTENSOR_FIX`` says off (idempotent).
-
-    With the package or a watched one already imported, activate at once.
-    """
+    """Arm the watcher unless ``KERAS_DTENSOR_FIX`` says off (idempotent); with the
+    package or a watched one already imported, activate at once."""
     global _watcher
     try:
         if PACKAGE in sys.modules or not parse_enabled(os.environ.get(ENV_ENABLE))[0]:

@@ -1,7 +1,6 @@
 """``python -m keras_dtensor_fix status [--verbose|--json] [--check]``, ``demo``,
 ``plan``: parses arguments, loads Keras where asked, prints
-:mod:`keras_dtensor_fix.report`'s report as :mod:`.status_text` writes it.
-"""
+:mod:`keras_dtensor_fix.report`'s report as :mod:`.status_text` writes it."""
 
 from __future__ import annotations
 

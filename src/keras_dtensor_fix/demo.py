@@ -311,10 +311,9 @@ def report(
 ) -> int:
     """Print the comparison of the three launches' reports; the exit status.
 
-    FAIL (1) when a plugin run did not finish, its losses differ from one
-    process's by more than :data:`RTOL`, or a dispatch mode was active with
-    the plugin. Upstream's speed or failure is reported, never a failure.
-    """
+    FAIL (1) when a plugin run did not finish, its losses differ from one process's by
+    more than :data:`RTOL`, or a dispatch mode was active with the plugin. Upstream's
+    speed or failure is reported, never a failure."""
     up = upstream["runs"]["eager"]
     eager = plugin["runs"]["eager"]
     jit = {**plugin["runs"].get("jit", {"error": "did not run"}), "jit": True}

@@ -1,7 +1,5 @@
 """The status report: ``keras_dtensor_fix.status()`` (:func:`report`) and
-:func:`summarize`, which judges it by cause. It reads the engine, never the
-other way.
-"""
+:func:`summarize`, which judges it by cause; read from the engine, never by it."""
 
 from __future__ import annotations
 
@@ -75,12 +73,10 @@ def summarize(
 ) -> dict[str, Any]:
     """What a person needs from ``report``: state, family counts, the unexpected.
 
-    ``exists``: whether this Keras has a module; ``all_targets``: every
-    existing target module was imported (one still pending is news). Keys:
-    ``state`` (active, off, not ready, idle, waiting), ``headline``,
-    ``python``, ``families`` (state, a count per row state,
-    ``skipped_because``), ``unexpected`` (lines) and ``ok``.
-    """
+    ``exists``: whether this Keras has a module; ``all_targets``: every existing target
+    module was imported (one still pending is news). Keys: ``state`` (active, off, not
+    ready, idle, waiting), ``headline``, ``python``, ``families`` (state, a count per
+    row state, ``skipped_because``), ``unexpected`` (lines) and ``ok``."""
     import platform
 
     exists = exists or (lambda name: targets.find_spec(name) is not None)

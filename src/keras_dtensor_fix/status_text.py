@@ -1,7 +1,6 @@
-"""``python -m keras_dtensor_fix status`` as text for a person: :func:`quick`
-(the default, without importing Keras), :func:`checked` (``--check``) and
-:func:`by_family` (``--verbose``). The terms are docs/status.md's.
-"""
+"""``python -m keras_dtensor_fix status`` as text for a person: :func:`quick` (the
+default, without importing Keras), :func:`checked` (``--check``) and :func:`by_family`
+(``--verbose``). The terms are docs/status.md's."""
 
 from __future__ import annotations
 
