@@ -273,14 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs:
         parser.error(f"unrecognized arguments: {' '.join(args.runs)}")
     print(
-        "Why install keras-dtensor-fix: one training script, with the plugin off "
-        "and on.\n"
-        f"  model.fit of a {FEATURES}-{HIDDEN}-{HIDDEN}-{OUTPUTS} MLP (Adam, "
-        f"{EPOCHS} epochs of {STEPS} steps) under ModelParallel on 2 CPU\n"
-        "  processes (gloo), hidden kernels sharded column- and row-wise; then "
-        "one process\n"
-        "  for the reference losses. Time per step: the median of the epochs "
-        "after the first.",
+        "Why install keras-dtensor-fix: one training script, with the plugin off and "
+        f"on.\n  model.fit of a {FEATURES}-{HIDDEN}-{HIDDEN}-{OUTPUTS} MLP (Adam, "
+        f"{EPOCHS} epochs of {STEPS} steps)\n  under ModelParallel on 2 CPU processes "
+        "(gloo), hidden kernels sharded column- and\n  row-wise; then one process for "
+        "the reference losses. Time per step: the median\n  of the epochs after the "
+        "first.",
         flush=True,
     )
     started = time.perf_counter()

@@ -62,11 +62,8 @@ def promotion_modes() -> list[object]:
         return []
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    return [
-        mode
-        for mode in _get_current_dispatch_mode_stack()
-        if type(mode).__name__ == PROMOTION_MODE
-    ]
+    stack = _get_current_dispatch_mode_stack()
+    return [mode for mode in stack if type(mode).__name__ == PROMOTION_MODE]
 
 
 _ABSENT = object()
