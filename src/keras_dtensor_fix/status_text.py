@@ -94,9 +94,8 @@ def by_family(report: dict[str, Any]) -> str:
             if row["state"] == APPLIED:
                 applied.setdefault(row["module"], []).append(row["attribute"])
                 continue
-            target = row["module"]
-            if row["attribute"] != ANY:
-                target += f".{row['attribute']}"
+            attribute = "" if row["attribute"] == ANY else f".{row['attribute']}"
+            target = row["module"] + attribute
             lines += _wrap(f"  {row['state']:8} ", f"{target}: {row['reason']}")
         for module, attributes in applied.items():
             lines += _wrap(f"  {APPLIED:8} ", f"{module}: {', '.join(attributes)}")

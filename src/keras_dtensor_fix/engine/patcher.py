@@ -354,7 +354,6 @@ def state() -> dict[str, Any]:
     say about this Keras build."""
     with _lock:
         families = loader.families()
-        gate = targets.gate()
         disabled = []
         if _cfg is not None:
             disabled = [_config.ALL] if _cfg.disable_all else sorted(_cfg.disabled)
@@ -362,7 +361,7 @@ def state() -> dict[str, Any]:
             "enabled": _active,
             "why": _why,
             "disabled_families": disabled,
-            "gate": {"ok": gate.ok, "reason": gate.reason},
+            "gate": dataclasses.asdict(targets.gate()),
             "targets": ledger.rows(families, _cfg, _active),
             "warnings": list(_warnings),
         }
