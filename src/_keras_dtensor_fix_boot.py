@@ -57,13 +57,9 @@ class Watcher:
         # Activation put wrapt's post-import finder on sys.meta_path after the
         # import machinery took the finders to try for ``name``: ask them
         # again, so that the watched package's own hooks fire too.
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
-            if find is not None:
-                spec = find(name, path, target)
-                if spec is not None:
-                    return spec
-        return None
+        finders = (getattr(finder, "find_spec", None) for finder in list(sys.meta_path))
+        specs = (find(name, path, target) for find in finders if find is not None)
+        return next((spec for spec in specs if spec is not None), None)
 
 
 _watcher: Watcher | None = None
