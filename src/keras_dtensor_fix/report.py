@@ -28,14 +28,14 @@ def report() -> dict[str, Any]:
     cfg = _config.load(warn=False)
     part = patcher.state()
     keras_version, keras_dist = targets.keras_version()
-    warnings = list(cfg.warnings) + part.pop("warnings")
+    warnings = part["warnings"] = list(cfg.warnings) + part["warnings"]
     installed = targets.installed_keras()
     if len(installed) > 1:
         names = ", ".join(f"{name} {version}" for name, version in installed)
         warnings.append(f"several Keras distributions are installed ({names})")
-    why = part.pop("why")
-    if not part["enabled"] and why == "not activated":
-        why = _bootstrap.reason if _bootstrap.reason != "not booted" else cfg.reason
+    if not part["enabled"] and part["why"] == "not activated":
+        booted = _bootstrap.reason != "not booted"
+        part["why"] = _bootstrap.reason if booted else cfg.reason
     backend, backend_source = install.configured_backend()
     return {
         "version": __version__,
@@ -45,9 +45,7 @@ def report() -> dict[str, Any]:
         "torch": {"version": targets.torch_version()},
         "backend": targets.backend(),
         "layout": targets.layout(),
-        "why": why,
         **part,
-        "warnings": warnings,
     }
 
 

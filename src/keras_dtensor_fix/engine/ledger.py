@@ -161,8 +161,7 @@ def notes(families: Iterable[Family]) -> list[str]:
     """What the imported family implementations say about this Keras build."""
     found: list[str] = []
     for family in families:
-        function = family.implementation and family.implementation.notes
-        if function is None:
+        if (function := family.implementation and family.implementation.notes) is None:
             continue
         try:
             found.extend(function())

@@ -39,10 +39,8 @@ def model_parallel() -> Any | None:
     distribution_lib = sys.modules.get(targets.DISTRIBUTION_API)
     if distribution_lib is None or not hasattr(distribution_lib, "DataParallel"):
         return None  # not (fully) imported yet: no distribution can be set
-    dist = distribution_lib.distribution()
-    if dist is None or isinstance(dist, distribution_lib.DataParallel):
-        return None
-    return dist
+    dist = distribution_lib.distribution()  # None: no distribution set
+    return None if isinstance(dist, distribution_lib.DataParallel) else dist
 
 
 def compiling() -> bool:
