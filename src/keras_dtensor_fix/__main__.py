@@ -80,14 +80,9 @@ def _status(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["demo"]:
-        from keras_dtensor_fix import demo
-
-        return demo.main(argv[1:])
-    if argv[:1] == ["plan"]:
-        from keras_dtensor_fix.planning import cli
-
-        return cli.main(argv[1:])
+    own = {"demo": "keras_dtensor_fix.demo", "plan": "keras_dtensor_fix.planning.cli"}
+    if argv and argv[0] in own:  # a command that parses its own arguments
+        return importlib.import_module(own[argv[0]]).main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m keras_dtensor_fix")
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="report what is patched and why")
