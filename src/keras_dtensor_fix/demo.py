@@ -261,8 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        unknown = sorted(set(args.runs) - set(RUNS))
-        if unknown:
+        if unknown := sorted(set(args.runs) - set(RUNS)):
             parser.error(f"unknown runs {unknown}; known: {', '.join(RUNS)}")
         _worker(args.worker, args.runs or ["eager"])
         # No interpreter teardown: a gloo thread still releasing tensors

@@ -84,12 +84,11 @@ def register(module: types.ModuleType) -> Family | None:
         getattr(module, n, None) for n in ("after_apply", "after_revert", "notes")
     )
     implementation = Implementation(module.patches, *optional)
-    family = Family(
+    family = _registered[module] = Family(
         str(module.FAMILY),
         tuple(module.MODULES),
         module.__name__,
         bool(getattr(module, "GATED", True)),
         implementation=implementation,
     )
-    _registered[module] = family
     return family
