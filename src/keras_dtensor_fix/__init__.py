@@ -33,8 +33,7 @@ def activate(*, strict: bool | None = None) -> None:
 
 def deactivate() -> None:
     """Restore every patched object (the very same objects) and stop patching."""
-    patcher = _patcher()
-    if patcher is not None:
+    if (patcher := _patcher()) is not None:
         patcher.deactivate()
 
 
