@@ -1,17 +1,13 @@
 """keras-dtensor-fix's interpreter-start hook, run by its ``.pth`` (``.start``).
 
-The ``.pth`` runs in every Python process of the environment (pip, pytest, a
-linter), so this module only reads ``KERAS_DTENSOR_FIX`` and puts a finder on
-``sys.meta_path`` that finds nothing: the first import of one of
-:data:`WATCHED` imports ``keras_dtensor_fix``, whose import activates the fix,
-the way ddtrace's and OpenTelemetry's site hooks wait for the library they
-patch. It lives outside the package because importing the package is what
-activates. Standard library already loaded at start only; never raises.
-
-It also holds the one parser of ``KERAS_DTENSOR_FIX`` (:func:`parse_enabled`),
-which ``keras_dtensor_fix.engine.config`` imports from here: this module is
-installed beside the package and must decide without importing it.
-"""
+The ``.pth`` runs in every Python process of the environment (pip, pytest, a linter), so
+this module only reads ``KERAS_DTENSOR_FIX`` and puts a finder on ``sys.meta_path`` that
+finds nothing: the first import of one of :data:`WATCHED` imports ``keras_dtensor_fix``,
+whose import activates the fix, the way ddtrace's and OpenTelemetry's site hooks wait
+for the library they patch. It lives outside the package because importing the package
+is what activates, and so holds the one parser of ``KERAS_DTENSOR_FIX``
+(:func:`parse_enabled`, which ``engine.config`` imports). Standard library already
+loaded at start only; never raises."""
 
 import os
 import sys
@@ -61,28 +57,20 @@ class Watcher:
         # Activation put wrapt's post-import finder on sys.meta_path after the
         # import machinery took the finders to try for ``name``: ask them
         # again, so that the watched package's own hooks fire too.
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
-            if find is not None:
-                spec = find(name, path, target)
-                if spec is not None:
-                    return spec
-        return None
+        finders = (getattr(finder, "find_spec", None) for finder in list(sys.meta_path))
+        specs = (find(name, path, target) for find in finders if find is not None)
+        return next((spec for spec in specs if spec is not None), None)
 
 
 _watcher: Watcher | None = None
 
 
 def boot() -> None:
-    """Arm the watcher unless ``KERAS_DTENSOR_FIX`` says off (idempotent).
-
-    With the package or a watched one already imported, activate at once.
-    """
+    """Arm the watcher unless ``KERAS_DTENSOR_FIX`` says off (idempotent); with the
+    package or a watched one already imported, activate at once."""
     global _watcher
     try:
-        if not parse_enabled(os.environ.get(ENV_ENABLE))[0]:
-            return
-        if PACKAGE in sys.modules:
+        if PACKAGE in sys.modules or not parse_enabled(os.environ.get(ENV_ENABLE))[0]:
             return
         if any(name in sys.modules for name in WATCHED):
             __import__(PACKAGE)
@@ -100,10 +88,8 @@ def disarm() -> bool:
     watcher, _watcher = _watcher, None
     if watcher is None:
         return False
-    try:
+    if watcher in sys.meta_path:
         sys.meta_path.remove(watcher)
-    except ValueError:
-        pass
     return True
 
 

@@ -1,9 +1,8 @@
 """keras-dtensor-fix: make ``keras.distribution.ModelParallel`` work on torch.
 
-Importing the package (or, once installed, starting Python: a ``.pth`` file)
-activates the fix unless ``KERAS_DTENSOR_FIX`` says off; patches land when
-Keras's torch backend modules are imported.
-"""
+Importing the package (or, once installed, starting Python: a ``.pth`` file) activates
+the fix unless ``KERAS_DTENSOR_FIX`` says off; patches land when Keras's torch backend
+modules are imported."""
 
 from __future__ import annotations
 
@@ -25,9 +24,8 @@ __all__ = [
 
 def activate(*, strict: bool | None = None) -> None:
     """Patch Keras's torch backend now and on every later import (also when
-    ``KERAS_DTENSOR_FIX`` is off). ``strict=True`` (or
-    ``KERAS_DTENSOR_FIX_STRICT=1``): a patch that cannot apply raises. Idempotent.
-    """
+    ``KERAS_DTENSOR_FIX`` is off). ``strict=True`` (or ``KERAS_DTENSOR_FIX_STRICT=1``):
+    a patch that cannot apply raises. Idempotent."""
     from keras_dtensor_fix.engine import patcher
 
     patcher.activate(strict=strict)
@@ -35,8 +33,7 @@ def activate(*, strict: bool | None = None) -> None:
 
 def deactivate() -> None:
     """Restore every patched object (the very same objects) and stop patching."""
-    patcher = _patcher()
-    if patcher is not None:
+    if (patcher := _patcher()) is not None:
         patcher.deactivate()
 
 
@@ -61,11 +58,10 @@ def _patcher() -> Any:
 
 
 def status() -> dict[str, Any]:
-    """A structured report: versions, backend, layout, ``enabled`` and
-    ``why``, ``gate``, ``disabled_families``, ``targets`` (a row per patch:
-    family, module, attribute, state, cause, reason), ``warnings``, ``notes``.
-    Imports neither keras nor torch.
-    """
+    """A structured report: versions, backend, layout, ``enabled`` and ``why``,
+    ``gate``, ``disabled_families``, ``targets`` (a row per patch: family, module,
+    attribute, state, cause, reason), ``warnings``, ``notes``. Imports neither keras
+    nor torch."""
     from keras_dtensor_fix import report
 
     return report.report()

@@ -1,7 +1,6 @@
 """``python -m keras_dtensor_fix status [--verbose|--json] [--check]``, ``demo``,
 ``plan``: parses arguments, loads Keras where asked, prints
-:mod:`keras_dtensor_fix.report`'s report as :mod:`.status_text` writes it.
-"""
+:mod:`keras_dtensor_fix.report`'s report as :mod:`.status_text` writes it."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def _quiet() -> Iterator[None]:
     previous = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"):
             yield
     finally:
         logging.disable(previous)
@@ -46,11 +44,9 @@ def _load_keras(all_targets: bool) -> tuple[list[str], str | None]:
         except Exception as exc:  # noqa: BLE001 - report, never fail
             error = f"{type(exc).__name__}: {exc}"
             return [f"import keras failed: {error}"], error
-        if not all_targets:
-            return notes, None
         from keras_dtensor_fix.engine import patcher, targets
 
-        if targets.gate().ok:
+        if all_targets and targets.gate().ok:
             for row in patcher.rows():
                 module = row["module"]
                 if row["state"] == PENDING and targets.find_spec(module):
@@ -77,22 +73,16 @@ def _status(args: argparse.Namespace) -> int:
     else:
         print(status_text.checked(report))
         if args.verbose:
-            print()
-            print(status_text.by_family(report))
+            print(f"\n{status_text.by_family(report)}")
     return 1 if args.check and not report["summary"]["ok"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["demo"]:
-        from keras_dtensor_fix import demo
-
-        return demo.main(argv[1:])
-    if argv[:1] == ["plan"]:
-        from keras_dtensor_fix.planning import cli
-
-        return cli.main(argv[1:])
+    own = {"demo": "keras_dtensor_fix.demo", "plan": "keras_dtensor_fix.planning.cli"}
+    if argv and argv[0] in own:  # a command that parses its own arguments
+        return importlib.import_module(own[argv[0]]).main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m keras_dtensor_fix")
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="report what is patched and why")

@@ -1,11 +1,6 @@
-"""The package's activation, run once by ``import keras_dtensor_fix``.
-
-The interpreter-start hook (``_keras_dtensor_fix_boot``, run by the ``.pth``
-or ``.start`` file) only imports the package when Keras or torch is first
-imported; that import calls :func:`boot`, which reads the environment and,
-when the fix is on, activates the engine (its post-import hooks). Imports
-neither torch, nor keras, nor numpy, and never raises.
-"""
+"""The package's activation, run once by ``import keras_dtensor_fix`` (which the
+interpreter-start hook ``_keras_dtensor_fix_boot`` does at the first import of Keras or
+torch). Imports neither torch, nor keras, nor numpy, and never raises."""
 
 from __future__ import annotations
 
@@ -25,7 +20,7 @@ def boot() -> None:
             return
         from keras_dtensor_fix.engine import patcher
 
-        patcher.activate(cfg, why=f"activated at start-up or import ({cfg.reason})")
+        patcher.activate(cfg, why=cfg.reason)
     except Exception:  # noqa: BLE001 - interpreter start must never fail here
         import logging
 

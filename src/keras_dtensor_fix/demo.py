@@ -1,11 +1,5 @@
-"""``python -m keras_dtensor_fix demo``: why install the plugin, measured here.
-
-One training script (an MLP with column/row sharded kernels, ``model.fit``
-under ``ModelParallel`` on 2 CPU processes over gloo) runs with the plugin
-off (upstream Keras), then on (eager, then ``jit_compile=True``), then on one
-process for the reference losses. Prints each phase, the time per step, the
-losses side by side and a verdict; exit status 0 when the plugin's runs match.
-"""
+"""``python -m keras_dtensor_fix demo``: why install the plugin, measured here (what
+it runs, :func:`main` prints first); exit status 0 when the plugin's runs match."""
 
 from __future__ import annotations
 
@@ -90,14 +84,9 @@ def _train(jit_compile: bool, say: Any) -> dict[str, Any]:
     w = rng.normal(size=(FEATURES, OUTPUTS)) / np.sqrt(FEATURES)
     y = (x @ w + 0.1 * rng.normal(size=(SAMPLES, OUTPUTS))).astype("float32")
     dense = keras.layers.Dense
-    model = keras.Sequential(
-        [
-            keras.layers.Input((FEATURES,)),
-            dense(HIDDEN, activation="relu", name="hidden"),
-            dense(HIDDEN, activation="relu", name="hidden2"),
-            dense(OUTPUTS, name="output"),
-        ]
-    )
+    hidden = [dense(HIDDEN, activation="relu", name=n) for n in ("hidden", "hidden2")]
+    output = dense(OUTPUTS, name="output")
+    model = keras.Sequential([keras.layers.Input((FEATURES,)), *hidden, output])
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=jit_compile
     )
@@ -117,8 +106,7 @@ def _train(jit_compile: bool, say: Any) -> dict[str, Any]:
             )
 
     graphs = _dynamo_graphs()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True, action="always") as caught:
         history = model.fit(
             x,
             y,
@@ -146,11 +134,9 @@ def _jit_probe() -> str:
 
     model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(2)])
     model.compile(optimizer="adam", loss="mse", jit_compile=True)
-    use = getattr(model, "_use_torch_compile", None)
-    if use is None:
+    if (use := getattr(model, "_use_torch_compile", None)) is None:
         return ""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True, action="always") as caught:
         if use():
             return ""
     return _jit_warning(caught) or "runs eagerly"
@@ -170,11 +156,10 @@ def _worker(out: Path, runs: Sequence[str]) -> None:
         if rank == 0:
             print(PROGRESS + line, flush=True)
 
-    if world > 1:
-        set_model_parallel(LAYOUT)  # imports Keras: the plugin's patches land
     report: dict[str, Any] = {"plugin_active": keras_dtensor_fix.is_active()}
     report["runs"] = {}
     if world > 1:
+        set_model_parallel(LAYOUT)  # imports Keras: the plugin's patches land
         try:
             report["jit_probe"] = _jit_probe()
         except Exception as exc:  # noqa: BLE001 - a probe must not stop the demo
@@ -276,8 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        unknown = sorted(set(args.runs) - set(RUNS))
-        if unknown:
+        if unknown := sorted(set(args.runs) - set(RUNS)):
             parser.error(f"unknown runs {unknown}; known: {', '.join(RUNS)}")
         _worker(args.worker, args.runs or ["eager"])
         # No interpreter teardown: a gloo thread still releasing tensors
@@ -288,14 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs:
         parser.error(f"unrecognized arguments: {' '.join(args.runs)}")
     print(
-        "Why install keras-dtensor-fix: one training script, with the plugin off "
-        "and on.\n"
-        f"  model.fit of a {FEATURES}-{HIDDEN}-{HIDDEN}-{OUTPUTS} MLP (Adam, "
-        f"{EPOCHS} epochs of {STEPS} steps) under ModelParallel on 2 CPU\n"
-        "  processes (gloo), hidden kernels sharded column- and row-wise; then "
-        "one process\n"
-        "  for the reference losses. Time per step: the median of the epochs "
-        "after the first.",
+        "Why install keras-dtensor-fix: one training script, with the plugin off and "
+        f"on.\n  model.fit of a {FEATURES}-{HIDDEN}-{HIDDEN}-{OUTPUTS} MLP (Adam, "
+        f"{EPOCHS} epochs of {STEPS} steps)\n  under ModelParallel on 2 CPU processes "
+        "(gloo), hidden kernels sharded column- and\n  row-wise; then one process for "
+        "the reference losses. Time per step: the median\n  of the epochs after the "
+        "first.",
         flush=True,
     )
     started = time.perf_counter()
@@ -326,10 +308,9 @@ def report(
 ) -> int:
     """Print the comparison of the three launches' reports; the exit status.
 
-    FAIL (1) when a plugin run did not finish, its losses differ from one
-    process's by more than :data:`RTOL`, or a dispatch mode was active with
-    the plugin. Upstream's speed or failure is reported, never a failure.
-    """
+    FAIL (1) when a plugin run did not finish, its losses differ from one process's by
+    more than :data:`RTOL`, or a dispatch mode was active with the plugin. Upstream's
+    speed or failure is reported, never a failure."""
     up = upstream["runs"]["eager"]
     eager = plugin["runs"]["eager"]
     jit = {**plugin["runs"].get("jit", {"error": "did not run"}), "jit": True}

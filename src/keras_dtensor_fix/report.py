@@ -1,7 +1,5 @@
 """The status report: ``keras_dtensor_fix.status()`` (:func:`report`) and
-:func:`summarize`, which judges it by cause. It reads the engine, never the
-other way.
-"""
+:func:`summarize`, which judges it by cause; read from the engine, never by it."""
 
 from __future__ import annotations
 
@@ -30,15 +28,14 @@ def report() -> dict[str, Any]:
     cfg = _config.load(warn=False)
     part = patcher.state()
     keras_version, keras_dist = targets.keras_version()
-    warnings = list(cfg.warnings) + part.pop("warnings")
+    warnings = part["warnings"] = list(cfg.warnings) + part["warnings"]
     installed = targets.installed_keras()
     if len(installed) > 1:
         names = ", ".join(f"{name} {version}" for name, version in installed)
         warnings.append(f"several Keras distributions are installed ({names})")
-    enabled = part.pop("active")
-    why = part.pop("why")
-    if not enabled and why == "not activated":
-        why = _bootstrap.reason if _bootstrap.reason != "not booted" else cfg.reason
+    if not part["enabled"] and part["why"] == "not activated":
+        booted = _bootstrap.reason != "not booted"
+        part["why"] = _bootstrap.reason if booted else cfg.reason
     backend, backend_source = install.configured_backend()
     return {
         "version": __version__,
@@ -48,11 +45,7 @@ def report() -> dict[str, Any]:
         "torch": {"version": targets.torch_version()},
         "backend": targets.backend(),
         "layout": targets.layout(),
-        "enabled": enabled,
-        "why": why,
         **part,
-        "warnings": warnings,
-        "notes": patcher.notes(),
     }
 
 
@@ -70,33 +63,6 @@ def problems(import_error: str | None = None) -> list[str]:
     return [problem for problem in (keras, backend) if problem]
 
 
-def _judge(
-    families: dict[str, dict[str, Any]],
-    unexpected: list[str],
-    disabled: set[str],
-    working: bool,
-    exists: Callable[[str], bool],
-) -> None:
-    """Give each family its state; flag one that applied nothing it could."""
-    for name, family in families.items():
-        modules = family.pop("modules")
-        if family[APPLIED]:
-            family["state"] = APPLIED
-        elif family[DISABLED] or name in disabled or ANY in disabled:
-            family["state"] = DISABLED
-        elif family[PENDING]:
-            family["state"] = PENDING
-        else:
-            family["state"] = SKIPPED
-            present = sorted(m for m in modules if exists(m))
-            flagged = any(line.startswith(f"{name}: ") for line in unexpected)
-            if working and present and not flagged:
-                unexpected.append(
-                    f"{name}: nothing applied although this Keras has "
-                    f"{', '.join(present)}"
-                )
-
-
 def summarize(
     report: dict[str, Any],
     *,
@@ -105,12 +71,10 @@ def summarize(
 ) -> dict[str, Any]:
     """What a person needs from ``report``: state, family counts, the unexpected.
 
-    ``exists``: whether this Keras has a module; ``all_targets``: every
-    existing target module was imported (one still pending is news). Keys:
-    ``state`` (active, off, not ready, idle, waiting), ``headline``,
-    ``python``, ``families`` (state, a count per row state,
-    ``skipped_because``), ``unexpected`` (lines) and ``ok``.
-    """
+    ``exists``: whether this Keras has a module; ``all_targets``: every existing target
+    module was imported (one still pending is news). Keys: ``state`` (active, off, not
+    ready, idle, waiting), ``headline``, ``python``, ``families`` (state, a count per
+    row state, ``skipped_because``), ``unexpected`` (lines) and ``ok``."""
     import platform
 
     exists = exists or (lambda name: targets.find_spec(name) is not None)
@@ -127,16 +91,31 @@ def summarize(
             family["modules"].add(module)
         target = module if row["attribute"] == ANY else f"{module}.{row['attribute']}"
         if state == SKIPPED:
-            word = EXPECTED.get(row["cause"])
-            if word is None:
-                word = "unexpected"
+            word = EXPECTED.get(row["cause"], "unexpected")
+            if word == "unexpected":
                 unexpected.append(f"{row['family']}: {target} skipped: {reason}")
             because = family["skipped_because"]
             because[word] = because.get(word, 0) + 1
         elif state == PENDING and working and all_targets and exists(module):
             unexpected.append(f"{row['family']}: {target} pending: {reason}")
     disabled = set(report["disabled_families"])
-    _judge(families, unexpected, disabled, working, exists)
+    for name, family in families.items():
+        modules = family.pop("modules")
+        if family[APPLIED]:
+            family["state"] = APPLIED
+        elif family[DISABLED] or name in disabled or ANY in disabled:
+            family["state"] = DISABLED
+        elif family[PENDING]:
+            family["state"] = PENDING
+        else:  # a family that applied nothing it could is news
+            family["state"] = SKIPPED
+            present = sorted(m for m in modules if exists(m))
+            flagged = any(line.startswith(f"{name}: ") for line in unexpected)
+            if working and present and not flagged:
+                unexpected.append(
+                    f"{name}: nothing applied although this Keras has "
+                    f"{', '.join(present)}"
+                )
     problems = report.get("problems") or []
     if report["enabled"]:
         unexpected.extend(problems)

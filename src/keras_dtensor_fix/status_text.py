@@ -1,7 +1,6 @@
-"""``python -m keras_dtensor_fix status`` as text for a person: :func:`quick`
-(the default, without importing Keras), :func:`checked` (``--check``) and
-:func:`by_family` (``--verbose``). The terms are docs/status.md's.
-"""
+"""``python -m keras_dtensor_fix status`` as text for a person: :func:`quick` (the
+default, without importing Keras), :func:`checked` (``--check``) and :func:`by_family`
+(``--verbose``). The terms are docs/status.md's."""
 
 from __future__ import annotations
 
@@ -14,19 +13,16 @@ from keras_dtensor_fix.engine.ledger import ANY, APPLIED, SKIPPED
 WIDTH = 100
 
 
+def _wrap(indent: str, text: str) -> list[str]:
+    hang = " " * len(indent)
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=hang)
+
+
 def _items(title: str, items: list[str]) -> list[str]:
     lines = [f"{title}: {len(items) or 'none'}"]
     for item in items:
-        lines.extend(
-            textwrap.wrap(item, WIDTH, initial_indent="  - ", subsequent_indent="    ")
-        )
+        lines += _wrap("  - ", item)
     return lines
-
-
-def _why(why: str) -> str:
-    """The engine's activation reason without its wrapping."""
-    prefix = "activated at start-up or import ("
-    return why[len(prefix) : -1] if why.startswith(prefix) else why
 
 
 def _versions(report: dict[str, Any]) -> list[str]:
@@ -38,7 +34,7 @@ def _versions(report: dict[str, Any]) -> list[str]:
         if backend:
             keras_text += f", {backend['name']} backend (from {backend['from']})"
     return [
-        f"  plugin:  {'on' if report['enabled'] else 'off'} ({_why(report['why'])})",
+        f"  plugin:  {'on' if report['enabled'] else 'off'} ({report['why']})",
         f"  Keras:   {keras_text}",
         f"  torch:   {report['torch']['version'] or 'not installed'}",
         f"  Python:  {report['summary']['python']}",
@@ -78,40 +74,30 @@ def checked(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _wrapped(label: str, text: str) -> list[str]:
-    return textwrap.wrap(
-        text, WIDTH, initial_indent=f"  {label:8} ", subsequent_indent=" " * 11
-    )
-
-
 def by_family(report: dict[str, Any]) -> str:
     """Every target, grouped by patch group (family) and module."""
     summary = report["summary"]
     groups: dict[str, list[dict[str, str]]] = {}
     for row in report["targets"]:
         groups.setdefault(row["family"], []).append(row)
+    summaries = {row.name: row.summary for row in _families.FAMILIES}
     lines = ["patches by group (KERAS_DTENSOR_FIX_DISABLE takes these names):"]
     for name, rows in groups.items():
         family = summary["families"].get(name, {})
-        try:
-            what = _families.get(name).summary
-        except KeyError:
-            what = "registered at run time"
+        what = summaries.get(name, "registered at run time")
         counts = ", ".join(
             f"{family[s]} {s}" for s in (APPLIED, SKIPPED) if family.get(s)
         )
-        lines.append("")
-        lines.append(f"{name} [{family.get('state', '?')}; {counts or '-'}]: {what}")
+        lines += ["", f"{name} [{family.get('state', '?')}; {counts or '-'}]: {what}"]
         applied: dict[str, list[str]] = {}
         for row in rows:
             if row["state"] == APPLIED:
                 applied.setdefault(row["module"], []).append(row["attribute"])
                 continue
-            target = row["module"]
-            if row["attribute"] != ANY:
-                target += f".{row['attribute']}"
-            lines += _wrapped(row["state"], f"{target}: {row['reason']}")
+            attribute = "" if row["attribute"] == ANY else f".{row['attribute']}"
+            target = row["module"] + attribute
+            lines += _wrap(f"  {row['state']:8} ", f"{target}: {row['reason']}")
         for module, attributes in applied.items():
-            lines += _wrapped(APPLIED, f"{module}: {', '.join(attributes)}")
+            lines += _wrap(f"  {APPLIED:8} ", f"{module}: {', '.join(attributes)}")
     lines += ["", *_items("notes", report.get("notes") or [])]
     return "\n".join(lines)

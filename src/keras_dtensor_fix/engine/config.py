@@ -8,6 +8,7 @@ writer) and ``KERAS_DTENSOR_FIX_COMPILE`` (what ``jit_compile=True`` compiles)."
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -65,12 +66,11 @@ class Config:
 def parse_disable(raw: str | None) -> tuple[frozenset[str], str | None]:
     """Parse ``KERAS_DTENSOR_FIX_DISABLE``: ``(disabled families, warning)``; ``*``
     disables every family."""
-    names = [item.strip().lower() for item in (raw or "").split(",")]
-    names = [name for name in names if name]
+    names = {name for item in (raw or "").split(",") if (name := item.strip().lower())}
     if ALL in names:
         return frozenset((*FAMILIES, ALL)), None
-    unknown = sorted({name for name in names if name not in FAMILIES})
-    disabled = frozenset(name for name in names if name in FAMILIES)
+    unknown = sorted(names - set(FAMILIES))
+    disabled = frozenset(names & set(FAMILIES))
     if not unknown:
         return disabled, None
     message = (
@@ -81,9 +81,17 @@ def parse_disable(raw: str | None) -> tuple[frozenset[str], str | None]:
     return disabled, message
 
 
-_cache: dict[tuple[str | None, ...], Config] = {}
+@functools.cache
+def _parse(enable: str | None, disable: str | None, strict: str | None) -> Config:
+    enabled, reason, enable_warning = parse_enabled(enable)
+    disabled, disable_warning = parse_disable(disable)
+    messages = tuple(m for m in (enable_warning, disable_warning) if m)
+    on = (strict or "").strip().lower() in ON_VALUES
+    return Config(enabled, reason, disabled - {ALL}, messages, ALL in disabled, on)
+
+
 _warned: set[tuple[str | None, ...]] = set()
-_cache_lock = threading.Lock()
+_lock = threading.Lock()
 
 
 def load(environ: Mapping[str, str] | None = None, *, warn: bool = True) -> Config:
@@ -91,17 +99,8 @@ def load(environ: Mapping[str, str] | None = None, *, warn: bool = True) -> Conf
     process, so a malformed one warns once."""
     env = os.environ if environ is None else environ
     key = (env.get(ENV_ENABLE), env.get(ENV_DISABLE), env.get(ENV_STRICT))
-    with _cache_lock:
-        config = _cache.get(key)
-        if config is None:
-            enabled, reason, enable_warning = parse_enabled(key[0])
-            disabled, disable_warning = parse_disable(key[1])
-            messages = tuple(m for m in (enable_warning, disable_warning) if m)
-            all_off = ALL in disabled
-            disabled = disabled - {ALL}
-            strict = (key[2] or "").strip().lower() in ON_VALUES
-            config = Config(enabled, reason, disabled, messages, all_off, strict)
-            _cache[key] = config
+    config = _parse(*key)
+    with _lock:
         emit = warn and key not in _warned
         if emit:
             _warned.add(key)
@@ -111,23 +110,23 @@ def load(environ: Mapping[str, str] | None = None, *, warn: bool = True) -> Conf
     return config
 
 
+def _ignored(name: str, raw: str, why: str) -> None:
+    """Warn, at the caller's caller, that ``name``'s value is not used."""
+    warnings.warn(f"keras-dtensor-fix: {name}={raw!r} {why}.", stacklevel=3)
+
+
 def save_seconds(environ: Mapping[str, str] | None = None) -> float:
     """``KERAS_DTENSOR_FIX_SAVE_TIMEOUT`` in seconds, read at each save; a bad value
     warns and :data:`DEFAULT_SAVE_SECONDS` stands."""
     raw = (os.environ if environ is None else environ).get(ENV_SAVE_TIMEOUT, "")
-    if not raw.strip():
-        return DEFAULT_SAVE_SECONDS
     try:
-        seconds = float(raw)
+        seconds = float(raw) if raw.strip() else DEFAULT_SAVE_SECONDS
     except ValueError:
         seconds = -1.0
     if seconds > 0:
         return seconds
-    warnings.warn(
-        f"keras-dtensor-fix: {ENV_SAVE_TIMEOUT}={raw!r} is not a positive number "
-        f"of seconds; using {DEFAULT_SAVE_SECONDS:g}.",
-        stacklevel=2,
-    )
+    why = f"is not a positive number of seconds; using {DEFAULT_SAVE_SECONDS:g}"
+    _ignored(ENV_SAVE_TIMEOUT, raw, why)
     return DEFAULT_SAVE_SECONDS
 
 
@@ -135,14 +134,11 @@ def compile_mode(environ: Mapping[str, str] | None = None) -> str:
     """``KERAS_DTENSOR_FIX_COMPILE``, one of :data:`COMPILE_MODES`, read when a step is
     built; a value not understood warns and ``auto`` stands."""
     raw = (os.environ if environ is None else environ).get(ENV_COMPILE, "")
-    value = raw.strip().lower()
-    if not value:
-        return COMPILE_MODES[0]
+    value = raw.strip().lower() or COMPILE_MODES[0]
     if value in COMPILE_MODES:
         return value
-    warnings.warn(
-        f"keras-dtensor-fix: {ENV_COMPILE}={raw!r} is not understood; accepted "
-        f"values are {', '.join(COMPILE_MODES)}; using {COMPILE_MODES[0]}.",
-        stacklevel=2,
+    accepted = f"accepted values are {', '.join(COMPILE_MODES)}"
+    _ignored(
+        ENV_COMPILE, raw, f"is not understood; {accepted}; using {COMPILE_MODES[0]}"
     )
     return COMPILE_MODES[0]

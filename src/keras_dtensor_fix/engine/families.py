@@ -172,11 +172,3 @@ FAMILIES: tuple[Family, ...] = (
 def names() -> tuple[str, ...]:
     """Every family's name, in table order."""
     return tuple(family.name for family in FAMILIES)
-
-
-def get(name: str) -> Family:
-    """The row of family ``name`` (``KeyError`` if there is none)."""
-    for family in FAMILIES:
-        if family.name == name:
-            return family
-    raise KeyError(name)

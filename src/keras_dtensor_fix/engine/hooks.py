@@ -21,8 +21,7 @@ _held: dict[str, None] = {}  # half-imported at activation, in order
 
 def ensure(name: str, hook: Hook) -> None:
     """Run ``hook`` on module ``name`` now if it is imported, else when it is."""
-    module = sys.modules.get(name)
-    if module is not None:
+    if (module := sys.modules.get(name)) is not None:
         if targets.initializing(module):
             _held[name] = None
             return

@@ -20,9 +20,7 @@ def configured_backend() -> tuple[str, str]:
         return imported, "the imported Keras"
     if os.environ.get("KERAS_BACKEND"):
         return os.environ["KERAS_BACKEND"], "KERAS_BACKEND"
-    home = os.environ.get("KERAS_HOME") or os.path.join(
-        os.path.expanduser("~"), ".keras"
-    )
+    home = os.environ.get("KERAS_HOME") or os.path.expanduser("~/.keras")
     path = os.path.join(home, "keras.json")
     try:
         with open(path, encoding="utf-8") as handle:
@@ -39,18 +37,12 @@ def keras_problem() -> str | None:
     if targets.distribution_support() is not False:
         return None
     version, dist = targets.keras_version()
+    why = f"{dist} {version} has no ModelParallel on torch"
     if dist == "keras" and "keras-nightly" in installed:
-        return (
-            f"keras {version} is installed over keras-nightly "
-            f"{installed['keras-nightly']} and replaced its files; keras {version} "
-            "has no ModelParallel on torch: run `pip uninstall -y keras "
-            f"keras-nightly`, then `{INSTALL_NIGHTLY}`"
-        )
+        over = f"keras {version} is installed over keras-nightly"
+        why = f"{over} {installed['keras-nightly']} and replaced its files; {why}"
     uninstall = " ".join(sorted(installed))
-    return (
-        f"{dist} {version} has no ModelParallel on torch: run `pip uninstall -y "
-        f"{uninstall}`, then `{INSTALL_NIGHTLY}`"
-    )
+    return f"{why}: run `pip uninstall -y {uninstall}`, then `{INSTALL_NIGHTLY}`"
 
 
 def backend_problem() -> str | None:

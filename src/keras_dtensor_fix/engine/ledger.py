@@ -25,7 +25,6 @@ __all__ = [
     "Cause",
     "clear_placeholders",
     "EXPECTED",
-    "engine_part",
     "forget",
     "notes",
     "record",
@@ -45,12 +44,12 @@ ANY = "*"
 class Cause(enum.StrEnum):
     """Why a row is in its state (a row's ``cause``)."""
 
-    WRAPPED = "wrapped"  # applied
-    RESTORED = "restored"  # reverted
+    WRAPPED = "wrapped"
+    RESTORED = "restored"
     DISABLED = "disabled"  # by KERAS_DTENSOR_FIX_DISABLE
-    NOT_ACTIVE = "not_active"  # pending: the fix is off
-    NOT_IMPORTED = "not_imported"  # pending: the module is not imported yet
-    GATE_UNDECIDED = "gate_undecided"  # pending: Keras not far enough imported
+    NOT_ACTIVE = "not_active"  # the fix is off
+    NOT_IMPORTED = "not_imported"  # the module is not imported yet
+    GATE_UNDECIDED = "gate_undecided"  # Keras not far enough imported
     # Skipped, and expected on a healthy install (see EXPECTED).
     GATE_CLOSED = "gate_closed"  # not the torch backend, or no DTensor support
     OTHER_LAYOUT = "other_layout"  # the module belongs to the other Keras layout
@@ -69,6 +68,16 @@ class Cause(enum.StrEnum):
     REPLACED = "replaced"  # replaced by someone else after patching: not reverted
 
 
+#: A row's state by its cause; every other cause is a skip.
+STATE: dict[Cause, str] = {
+    Cause.WRAPPED: APPLIED,
+    Cause.RESTORED: REVERTED,
+    Cause.DISABLED: DISABLED,
+    Cause.NOT_ACTIVE: PENDING,
+    Cause.NOT_IMPORTED: PENDING,
+    Cause.GATE_UNDECIDED: PENDING,
+}
+
 #: Skips a healthy install has, and the summary's word for each.
 EXPECTED: dict[Cause, str] = {
     Cause.INHERITED: "inherited",
@@ -78,15 +87,13 @@ EXPECTED: dict[Cause, str] = {
     Cause.GATE_CLOSED: "gate",
 }
 
-# (family, module, attribute) -> (state, cause, reason), as the engine recorded.
-_recorded: dict[tuple[str, str, str], tuple[str, Cause, str]] = {}
+# (family, module, attribute) -> (cause, reason), as the engine recorded.
+_recorded: dict[tuple[str, str, str], tuple[Cause, str]] = {}
 
 
-def record(
-    family: str, module: str, attribute: str, state: str, cause: Cause, reason: str
-) -> None:
+def record(family: str, module: str, attribute: str, cause: Cause, reason: str) -> None:
     """Set the row of one target (``attribute`` :data:`ANY`: a whole module)."""
-    _recorded[(family, module, attribute)] = (state, cause, reason)
+    _recorded[(family, module, attribute)] = (cause, reason)
 
 
 def forget(family: str, module: str) -> None:
@@ -100,36 +107,29 @@ def clear_placeholders() -> None:
         del _recorded[key]
 
 
-def _row(
-    family: str, module: str, attribute: str, state: str, cause: Cause, reason: str
-) -> dict[str, str]:
-    return {
-        "family": family,
-        "module": module,
-        "attribute": attribute,
-        "state": state,
-        "cause": cause,
-        "reason": reason,
-    }
+#: A status row's keys.
+COLUMNS = ("family", "module", "attribute", "state", "cause", "reason")
+
+
+def _row(key: tuple[str, str, str], cause: Cause, reason: str) -> dict[str, str]:
+    values = (*key, STATE.get(cause, SKIPPED), cause, reason)
+    return dict(zip(COLUMNS, values, strict=True))
 
 
 def _placeholder(
     family: Family, module: str, cfg: _config.Config, active: bool, gate: Any
-) -> dict[str, str]:
-    """The row of a module the family has not acted on."""
+) -> tuple[Cause, str]:
+    """Why the family has not acted on ``module``."""
     if not cfg.family_enabled(family.name):
-        why = f"disabled by {_config.ENV_DISABLE}"
-        return _row(family.name, module, ANY, DISABLED, Cause.DISABLED, why)
+        return Cause.DISABLED, f"disabled by {_config.ENV_DISABLE}"
     if not active:
-        why = "keras_dtensor_fix is not active"
-        return _row(family.name, module, ANY, PENDING, Cause.NOT_ACTIVE, why)
+        return Cause.NOT_ACTIVE, "keras_dtensor_fix is not active"
     if family.gated and gate.ok is False:
-        return _row(family.name, module, ANY, SKIPPED, Cause.GATE_CLOSED, gate.reason)
+        return Cause.GATE_CLOSED, gate.reason
     if targets.KERAS in sys.modules and targets.find_spec(module) is None:
         why = f"no such module in this Keras (layout {targets.layout()})"
-        return _row(family.name, module, ANY, SKIPPED, Cause.OTHER_LAYOUT, why)
-    why = "module not imported yet"
-    return _row(family.name, module, ANY, PENDING, Cause.NOT_IMPORTED, why)
+        return Cause.OTHER_LAYOUT, why
+    return Cause.NOT_IMPORTED, "module not imported yet"
 
 
 def rows(
@@ -142,19 +142,18 @@ def rows(
     out: list[dict[str, str]] = []
     for family in families:
         if family.error is not None:
-            why = family.error
-            cause = Cause.IMPORT_FAILED
-            out.append(_row(family.name, family.source, ANY, SKIPPED, cause, why))
+            key = (family.name, family.source, ANY)
+            out.append(_row(key, Cause.IMPORT_FAILED, family.error))
             continue
         recorded = [k for k in _recorded if k[0] == family.name]
-        modules = list(family.modules)
-        modules += [m for _, m, _ in recorded if m not in modules]
+        modules = dict.fromkeys([*family.modules, *(m for _, m, _ in recorded)])
         for module in modules:
             keys = [k for k in recorded if k[1] == module]
             if keys:
-                out.extend(_row(*k, *_recorded[k]) for k in keys)
+                out.extend(_row(k, *_recorded[k]) for k in keys)
             else:
-                out.append(_placeholder(family, module, cfg, active, gate))
+                why = _placeholder(family, module, cfg, active, gate)
+                out.append(_row((family.name, module, ANY), *why))
     return out
 
 
@@ -162,33 +161,10 @@ def notes(families: Iterable[Family]) -> list[str]:
     """What the imported family implementations say about this Keras build."""
     found: list[str] = []
     for family in families:
-        function = family.implementation and family.implementation.notes
-        if function is None:
+        if (function := family.implementation and family.implementation.notes) is None:
             continue
         try:
             found.extend(function())
         except Exception as exc:  # noqa: BLE001 - a report must not fail
             found.append(f"{family.name}: notes unavailable ({exc})")
     return found
-
-
-def engine_part(
-    families: Iterable[Family],
-    cfg: _config.Config | None,
-    active: bool,
-    why: str,
-    warnings: Iterable[str],
-) -> dict[str, Any]:
-    """The engine's part of the report (``engine.state()``)."""
-    gate = targets.gate()
-    disabled: list[str] = []
-    if cfg is not None:
-        disabled = [_config.ALL] if cfg.disable_all else sorted(cfg.disabled)
-    return {
-        "active": active,
-        "why": why,
-        "disabled_families": disabled,
-        "gate": {"ok": gate.ok, "reason": gate.reason},
-        "targets": rows(families, cfg, active),
-        "warnings": list(warnings),
-    }

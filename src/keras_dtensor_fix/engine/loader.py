@@ -12,13 +12,7 @@ from keras_dtensor_fix.engine import families as _table
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation
 
-__all__ = [
-    "Family",
-    "families",
-    "from_module",
-    "import_implementation",
-    "register",
-]
+__all__ = ["Family", "families", "implementation", "register"]
 
 #: Package of the families' implementation modules.
 PATCHES = "keras_dtensor_fix.patches"
@@ -35,7 +29,6 @@ class Family:
     preload: bool = False  # import ``modules`` once Keras is imported
     implementation: Implementation | None = None
     error: str | None = None  # why the implementation is unusable
-    key: object = None  # what registered it (a family module)
 
 
 def _from_row(row: _table.Family) -> Family:
@@ -47,7 +40,7 @@ def _from_row(row: _table.Family) -> Family:
 
 
 _families: list[Family] | None = None
-_extra: list[Family] = []
+_registered: dict[types.ModuleType, Family] = {}
 
 
 def families() -> list[Family]:
@@ -55,55 +48,47 @@ def families() -> list[Family]:
     global _families
     if _families is None:
         _families = [_from_row(row) for row in _table.FAMILIES]
-    return _families + _extra
+    return _families + list(_registered.values())
 
 
-def _check(found: object, source: str) -> Implementation:
-    if not isinstance(found, Implementation):
-        raise TypeError(
-            f"{source}.IMPLEMENTATION is {type(found).__name__}, not "
-            "keras_dtensor_fix.engine.contract.Implementation"
-        )
-    return found
+def implementation(family: Family) -> Implementation | None:
+    """``family``'s implementation, imported on first use; a failure says why in
+    ``error`` and raises (once: later calls return None)."""
+    if family.implementation is None and family.error is None:
+        try:
+            module = importlib.import_module(family.source)
+            found = getattr(module, "IMPLEMENTATION", None)
+            if not isinstance(found, Implementation):
+                raise TypeError(
+                    f"{family.source}.IMPLEMENTATION is {type(found).__name__}, not "
+                    "keras_dtensor_fix.engine.contract.Implementation"
+                )
+            family.implementation = found
+        except Exception as exc:
+            family.error = f"import failed: {type(exc).__name__}: {exc}"
+            raise
+    return family.implementation
 
 
-def import_implementation(family: Family) -> None:
-    """Import ``family``'s implementation; on failure say why in ``error``, raise."""
-    try:
-        module = importlib.import_module(family.source)
-        found = getattr(module, "IMPLEMENTATION", None)
-        family.implementation = _check(found, family.source)
-    except Exception as exc:
-        family.error = f"import failed: {type(exc).__name__}: {exc}"
-        raise
-
-
-def from_module(module: types.ModuleType) -> Family:
+def register(module: types.ModuleType) -> Family | None:
     """A family from a module with ``FAMILY``, ``MODULES`` and ``patches`` (optional:
-    ``after_apply``, ``after_revert``, ``notes``, ``GATED``)."""
+    ``after_apply``, ``after_revert``, ``notes``, ``GATED``), added after the table's;
+    None if that module was added before."""
     missing = [n for n in ("FAMILY", "MODULES", "patches") if not hasattr(module, n)]
     if missing or not callable(getattr(module, "patches", None)):
         what = f"missing {', '.join(missing)}" if missing else "patches not callable"
         raise TypeError(f"{module!r}: invalid family module: {what}")
-    implementation = Implementation(
-        module.patches,
-        getattr(module, "after_apply", None),
-        getattr(module, "after_revert", None),
-        getattr(module, "notes", None),
+    if module in _registered:
+        return None
+    optional = (
+        getattr(module, n, None) for n in ("after_apply", "after_revert", "notes")
     )
-    return Family(
+    implementation = Implementation(module.patches, *optional)
+    family = _registered[module] = Family(
         str(module.FAMILY),
         tuple(module.MODULES),
         module.__name__,
         bool(getattr(module, "GATED", True)),
         implementation=implementation,
-        key=module,
     )
-
-
-def register(family: Family) -> bool:
-    """Add ``family`` after the table's; False if its module was added before."""
-    if any(other.key is family.key for other in _extra):
-        return False
-    _extra.append(family)
-    return True
+    return family

@@ -9,7 +9,9 @@ hooks). A failure is logged and the patch skipped, unless strict mode
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import itertools
 import logging
 import sys
 import threading
@@ -17,18 +19,10 @@ import types
 from typing import Any
 
 from keras_dtensor_fix.engine import config as _config
-from keras_dtensor_fix.engine import hooks, loader, targets, wrappers
-from keras_dtensor_fix.engine import ledger as _report
+from keras_dtensor_fix.engine import hooks, ledger, loader, targets, wrappers
 from keras_dtensor_fix.engine import state as _state
 from keras_dtensor_fix.engine.contract import Implementation, Patch
-from keras_dtensor_fix.engine.ledger import (
-    ANY,
-    APPLIED,
-    PENDING,
-    REVERTED,
-    SKIPPED,
-    Cause,
-)
+from keras_dtensor_fix.engine.ledger import ANY, Cause
 from keras_dtensor_fix.engine.wrappers import (
     chain_length,
     is_fix_wrapper,
@@ -45,7 +39,6 @@ __all__ = [
     "families",
     "is_active",
     "is_fix_wrapper",
-    "notes",
     "original",
     "register_family",
     "rows",
@@ -85,21 +78,6 @@ def _fail(message: str) -> None:
     _warn(message, exc_info=sys.exc_info()[0] is not None)
 
 
-def _row(family: loader.Family, module: str, attr: str, *why: str | Cause) -> None:
-    """A status row: ``why`` is (state, cause, reason)."""
-    _report.record(family.name, module, attr, *why)
-
-
-def _implementation(family: loader.Family) -> Implementation | None:
-    """The family's implementation, imported on first use; None if unusable."""
-    if family.implementation is None and family.error is None:
-        try:
-            loader.import_implementation(family)
-        except Exception:  # noqa: BLE001 - never break the user's import
-            _fail(f"patch family {family.name} ({family.source}) failed to import")
-    return family.implementation
-
-
 def families() -> list[str]:
     """Names of the usable families (real and registered), in order."""
     with _lock:
@@ -107,22 +85,17 @@ def families() -> list[str]:
 
 
 def register_family(module: types.ModuleType) -> None:
-    """Add a family beside the table's (see :func:`.loader.from_module`); hooked at once
+    """Add a family beside the table's (see :func:`.loader.register`); hooked at once
     if the engine is active."""
-    family = loader.from_module(module)
     with _lock:
-        if loader.register(family) and _active:
-            _hook_family(family)
+        family = loader.register(module)
+        if family is not None and _active and _enabled(family):
+            for name in family.modules:
+                hooks.ensure(name, _on_import)
 
 
 def _enabled(family: loader.Family) -> bool:
     return family.error is None and (_cfg is None or _cfg.family_enabled(family.name))
-
-
-def _hook_family(family: loader.Family) -> None:
-    if _enabled(family):
-        for name in family.modules:
-            hooks.ensure(name, _on_import)
 
 
 def _on_import(module: types.ModuleType) -> None:
@@ -132,21 +105,16 @@ def _on_import(module: types.ModuleType) -> None:
             hooks.fired(module)
             if not _active:
                 return
-            _apply_module(module)
-            for other in hooks.ready(_on_import):
-                _apply_module(other)
+            # Then the modules held back half-imported, now finished.
+            for each in itertools.chain([module], hooks.ready(_on_import)):
+                for family in filter(_enabled, loader.families()):
+                    _apply_to(family, each)
             if _deferred:
                 _flush_deferred()
     except PatchError:
         raise  # strict mode: the import fails
     except Exception:  # noqa: BLE001 - never break the user's import
         _warn(f"keras_dtensor_fix: hook for {module!r} failed", exc_info=True)
-
-
-def _apply_module(module: types.ModuleType) -> None:
-    for family in loader.families():
-        if _enabled(family):
-            _apply_to(family, module)
 
 
 def _apply_to(family: loader.Family, module: types.ModuleType) -> None:
@@ -161,8 +129,7 @@ def _flush_deferred() -> None:
         return
     for key, family in list(_deferred.items()):
         _deferred.pop(key, None)
-        module = sys.modules.get(key[1])
-        if module is not None:
+        if (module := sys.modules.get(key[1])) is not None:
             _apply_to(family, module)
 
 
@@ -170,19 +137,14 @@ def _gate_open(family: loader.Family, module: str) -> bool:
     """Whether ``family`` may act on ``module`` now (undecided: deferred); a target
     module gets a row saying why not."""
     key = (id(family), module)
-    if family.gated:
-        verdict = targets.gate()
-        if verdict.ok is not True:
-            if verdict.ok is None:
-                _deferred[key] = family
-            if module in family.modules:
-                state, cause = (
-                    (PENDING, Cause.GATE_UNDECIDED)
-                    if verdict.ok is None
-                    else (SKIPPED, Cause.GATE_CLOSED)
-                )
-                _row(family, module, ANY, state, cause, verdict.reason)
-            return False
+    if family.gated and (verdict := targets.gate()).ok is not True:
+        undecided = verdict.ok is None
+        if undecided:
+            _deferred[key] = family
+        if module in family.modules:
+            cause = Cause.GATE_UNDECIDED if undecided else Cause.GATE_CLOSED
+            ledger.record(family.name, module, ANY, cause, verdict.reason)
+        return False
     _deferred.pop(key, None)
     return True
 
@@ -202,29 +164,32 @@ def _apply_family(family: loader.Family, module: types.ModuleType) -> None:
     name = module.__name__
     if not _gate_open(family, name):
         return
-    _report.forget(family.name, name)
-    implementation = _implementation(family)
+    ledger.forget(family.name, name)
+    note = functools.partial(ledger.record, family.name, name, ANY)
+    try:
+        implementation = loader.implementation(family)
+    except Exception:  # noqa: BLE001 - never break the user's import
+        implementation = None
+        _fail(f"patch family {family.name} ({family.source}) failed to import")
     if implementation is None:
-        _row(family, name, ANY, SKIPPED, Cause.IMPORT_FAILED, str(family.error))
+        note(Cause.IMPORT_FAILED, str(family.error))
         return
     try:
         patches = list(implementation.patches(module))
     except LookupError as exc:
         # The family's way of saying "this Keras has no such target": a
         # one-line warning and a status row, no traceback.
-        _row(family, name, ANY, SKIPPED, Cause.NOT_IN_THIS_KERAS, str(exc))
+        note(Cause.NOT_IN_THIS_KERAS, str(exc))
         if _strict():
             raise PatchError(f"family {family.name} skips {name}: {exc}") from exc
         _warn(f"keras_dtensor_fix: family {family.name} skips {name}: {exc}")
         return
     except Exception as exc:  # noqa: BLE001
-        why = f"{type(exc).__name__}: {exc}"
-        _row(family, name, ANY, SKIPPED, Cause.PATCHES_FAILED, why)
+        note(Cause.PATCHES_FAILED, f"{type(exc).__name__}: {exc}")
         _fail(f"family {family.name}: patches({name}) failed")
         return
     if not patches:
-        why = "nothing to patch in this Keras"
-        _row(family, name, ANY, SKIPPED, Cause.NOTHING_TO_PATCH, why)
+        note(Cause.NOTHING_TO_PATCH, "nothing to patch in this Keras")
     for patch in patches:
         try:
             _apply_one(family, patch)
@@ -233,7 +198,7 @@ def _apply_family(family: loader.Family, module: types.ModuleType) -> None:
         except Exception as exc:  # noqa: BLE001
             why = f"{type(exc).__name__}: {exc}"
             row = (patch.module, patch.attribute)
-            _row(family, *row, SKIPPED, Cause.PATCH_FAILED, why)
+            ledger.record(family.name, *row, Cause.PATCH_FAILED, why)
             _fail(f"family {family.name}: patching {patch.attribute} failed")
     key = (id(family), name)
     if key not in _done:
@@ -242,9 +207,7 @@ def _apply_family(family: loader.Family, module: types.ModuleType) -> None:
 
 
 def _call_optional(family: loader.Family, hook: str) -> None:
-    implementation = family.implementation
-    function = getattr(implementation, hook, None) if implementation else None
-    if function is None:
+    if (function := getattr(family.implementation, hook, None)) is None:
         return
     try:
         function()
@@ -254,55 +217,44 @@ def _call_optional(family: loader.Family, hook: str) -> None:
 
 def _apply_one(family: loader.Family, patch: Patch) -> None:
     row = (patch.module, patch.attribute)
+    note = functools.partial(ledger.record, family.name, *row)
     module = sys.modules.get(patch.module)
     if module is None:
-        why = f"module {patch.module} is not imported"
-        _row(family, *row, SKIPPED, Cause.MODULE_NOT_IMPORTED, why)
+        note(Cause.MODULE_NOT_IMPORTED, f"module {patch.module} is not imported")
         return
     try:
         owner, name = wrappers.resolve(module, patch.attribute)
-    except AttributeError as exc:
-        _row(family, *row, SKIPPED, Cause.NOT_FOUND, f"not found: {exc}")
-        _fail(f"family {family.name}: {patch.module}.{patch.attribute} not found")
-        return
+    except AttributeError:  # a class on the path is missing
+        owner, name = None, ""
     raw, inherited_from = wrappers.stored(owner, name)
     if patch.added and raw is not wrappers.MISSING:
         if row not in _applied or _applied[row].wrapper is not raw:
-            _row(family, *row, SKIPPED, Cause.NOTHING_TO_PATCH, "has its own: kept")
+            note(Cause.NOTHING_TO_PATCH, "has its own: kept")
         return
-    if raw is wrappers.MISSING and not patch.added:
-        why = f"not found: {patch.module}.{patch.attribute}"
-        _row(family, *row, SKIPPED, Cause.NOT_FOUND, why)
+    if raw is wrappers.MISSING and (owner is None or not patch.added):
+        note(Cause.NOT_FOUND, f"not found: {patch.module}.{patch.attribute}")
         _fail(f"family {family.name}: {patch.module}.{patch.attribute} not found")
         return
     if inherited_from is not None:
-        base = inherited_from.__name__
+        base = f"inherited from {inherited_from.__name__}"
         if is_fix_wrapper(raw):
-            why, cause = f"inherited from {base}; covered by its patch", Cause.INHERITED
+            note(Cause.INHERITED, f"{base}; covered by its patch")
         else:
-            why = f"inherited from {base}; not patched there"
-            cause = Cause.INHERITED_UNPATCHED
-        _row(family, *row, SKIPPED, cause, why)
+            note(Cause.INHERITED_UNPATCHED, f"{base}; not patched there")
         return
     if is_fix_wrapper(raw):
         existing = _applied.get(row)
         if existing is None or existing.wrapper is not raw:
-            why = "already wrapped by another keras_dtensor_fix"
-            _row(family, *row, SKIPPED, Cause.ALREADY_WRAPPED, why)
+            note(Cause.ALREADY_WRAPPED, "already wrapped by another keras_dtensor_fix")
         elif existing.family != family.name:
-            why = f"already patched by family {existing.family}"
-            _row(family, *row, SKIPPED, Cause.PATCHED_BY_FAMILY, why)
+            note(
+                Cause.PATCHED_BY_FAMILY, f"already patched by family {existing.family}"
+            )
         return
     record = wrappers.install(family.name, patch, owner, name, raw)
     _applied[row] = record
     also = f" (also in {', '.join(sorted(record.also))})" if record.also else ""
-    _row(
-        family,
-        *row,
-        APPLIED,
-        Cause.WRAPPED,
-        "added" if patch.added else f"wrapped{also}",
-    )
+    note(Cause.WRAPPED, "added" if patch.added else f"wrapped{also}")
     log.debug("patched %s.%s", patch.module, patch.attribute)
 
 
@@ -310,13 +262,13 @@ def _revert_one(record: wrappers.Applied) -> None:
     patch = record.patch
     row = (record.family, patch.module, patch.attribute)
     if wrappers.restore(record):
-        _report.record(*row, REVERTED, Cause.RESTORED, "original restored")
+        ledger.record(*row, Cause.RESTORED, "original restored")
     else:
         _warn(
             f"{patch.module}.{patch.attribute} was replaced after patching; left alone"
         )
         why = "replaced by someone else after patching; not reverted"
-        _report.record(*row, SKIPPED, Cause.REPLACED, why)
+        ledger.record(*row, Cause.REPLACED, why)
 
 
 def activate(
@@ -329,8 +281,7 @@ def activate(
     defaults to :func:`.config.load`, ``strict`` overrides its. Idempotent."""
     global _active, _cfg, _why
     with _lock:
-        problem = wrapt_problem()
-        if problem is not None:
+        if (problem := wrapt_problem()) is not None:
             _why = problem
             if problem not in _warnings:
                 _warn(problem)
@@ -346,14 +297,9 @@ def activate(
             # Each module once: a module hook applies every family that
             # targets it, so a failing family warns once. ``keras`` runs the
             # preloads; it and ``distribution_lib`` decide a deferred gate.
-            names = dict.fromkeys(
-                name
-                for family in loader.families()
-                if _enabled(family)
-                for name in family.modules
-            )
-            names.update(dict.fromkeys((targets.KERAS, targets.DISTRIBUTION_LIB)))
-            for name in names:
+            names = [n for f in filter(_enabled, loader.families()) for n in f.modules]
+            names += [targets.KERAS, targets.DISTRIBUTION_LIB]
+            for name in dict.fromkeys(names):
                 hooks.ensure(name, _on_import)
         except PatchError:
             raise
@@ -378,7 +324,7 @@ def deactivate() -> None:
         _state.undo_attributes()
         _deferred.clear()
         hooks.forget_held()
-        _report.clear_placeholders()
+        ledger.clear_placeholders()
         done = list(_done.values())
         _done.clear()
         for family in done:
@@ -400,18 +346,23 @@ def original(module: str, attribute: str) -> Any:
 def rows() -> list[dict[str, str]]:
     """One status row per (family, module, attribute), plus placeholders."""
     with _lock:
-        return _report.rows(loader.families(), _cfg, _active)
-
-
-def notes() -> list[str]:
-    """What the imported family implementations say about this Keras build."""
-    with _lock:
-        loaded = list(loader.families())
-    return _report.notes(loaded)
+        return ledger.rows(loader.families(), _cfg, _active)
 
 
 def state() -> dict[str, Any]:
-    """The engine's own part of the status report."""
+    """The engine's part of the status report; ``notes``: what the imported families
+    say about this Keras build."""
     with _lock:
         families = loader.families()
-        return _report.engine_part(families, _cfg, _active, _why, _warnings)
+        disabled = []
+        if _cfg is not None:
+            disabled = [_config.ALL] if _cfg.disable_all else sorted(_cfg.disabled)
+        part = {
+            "enabled": _active,
+            "why": _why,
+            "disabled_families": disabled,
+            "gate": dataclasses.asdict(targets.gate()),
+            "targets": ledger.rows(families, _cfg, _active),
+            "warnings": list(_warnings),
+        }
+    return {**part, "notes": ledger.notes(families)}

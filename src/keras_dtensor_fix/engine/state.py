@@ -39,10 +39,8 @@ def model_parallel() -> Any | None:
     distribution_lib = sys.modules.get(targets.DISTRIBUTION_API)
     if distribution_lib is None or not hasattr(distribution_lib, "DataParallel"):
         return None  # not (fully) imported yet: no distribution can be set
-    dist = distribution_lib.distribution()
-    if dist is None or isinstance(dist, distribution_lib.DataParallel):
-        return None
-    return dist
+    dist = distribution_lib.distribution()  # None: no distribution set
+    return None if isinstance(dist, distribution_lib.DataParallel) else dist
 
 
 def compiling() -> bool:
@@ -62,11 +60,8 @@ def promotion_modes() -> list[object]:
         return []
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    return [
-        mode
-        for mode in _get_current_dispatch_mode_stack()
-        if type(mode).__name__ == PROMOTION_MODE
-    ]
+    stack = _get_current_dispatch_mode_stack()
+    return [mode for mode in stack if type(mode).__name__ == PROMOTION_MODE]
 
 
 _ABSENT = object()
@@ -85,11 +80,10 @@ def set_attribute(obj: Any, name: str, value: Any) -> None:
         # append is a side effect it replays. Attributes set only here are
         # the plugin's own caches, absent before: undone by deleting them.
         _PENDING.append((obj, name))
-        setattr(obj, name, value)
-        return
-    before = getattr(obj, "__dict__", {}).get(name, _ABSENT)
-    with _lock:
-        _record(obj).setdefault(name, before)
+    else:
+        before = getattr(obj, "__dict__", {}).get(name, _ABSENT)
+        with _lock:
+            _record(obj).setdefault(name, before)
     setattr(obj, name, value)
 
 
@@ -102,17 +96,8 @@ def _record(obj: Any) -> dict[str, Any]:
             ref: Any = weakref.ref(obj, lambda _, key=key: _forget(key))
         except TypeError:
             ref = obj
-        entry = (ref, {})
-        _set[key] = entry
+        entry = _set[key] = (ref, {})
     return entry[1]
-
-
-def _flush_pending() -> None:
-    """Record the attributes set while dynamo traced as absent before."""
-    while _PENDING:
-        obj, name = _PENDING.pop()
-        with _lock:
-            _record(obj).setdefault(name, _ABSENT)
 
 
 def _target(ref: Any) -> Any:
@@ -127,13 +112,14 @@ def _forget(key: int) -> None:
 
 
 def undo_attributes() -> None:
-    """Put back every attribute :func:`set_attribute` changed."""
-    _flush_pending()
+    """Put back every attribute :func:`set_attribute` changed (those set while dynamo
+    traced first: a value recorded outside a trace is older)."""
     with _lock:
-        entries = list(_set.values())
+        entries = [(obj, {name: _ABSENT}) for obj, name in _PENDING]
+        entries += [(_target(ref), before) for ref, before in _set.values()]
+        _PENDING.clear()
         _set.clear()
-    for ref, before in entries:
-        obj = _target(ref)
+    for obj, before in entries:
         if obj is None:
             continue
         for name, value in before.items():

@@ -56,22 +56,16 @@ def torch_module(*kinds: str) -> tuple[str, ...]:
 
 _OPTIMIZERS = f"{KERAS_TORCH}.optimizers"
 
-#: Of :data:`OPTIMIZERS`, those whose ``_parallel_update_step`` reads and
-#: writes only the variables given and their own slots (Nadam's also advances
-#: a product shared by every variable): updating a few at a time is exact.
-PER_VARIABLE_OPTIMIZERS: tuple[str, ...] = tuple(n for n in OPTIMIZERS if n != "nadam")
-
-
-_PER_VARIABLE_MODULES = frozenset(
-    f"{_OPTIMIZERS}.torch_{name}" for name in PER_VARIABLE_OPTIMIZERS
-)
-
 
 def per_variable_update(function: object) -> bool:
     """Whether ``function`` is the ``_parallel_update_step`` of one of Keras's
-    :data:`PER_VARIABLE_OPTIMIZERS` (not a subclass's own)."""
+    :data:`OPTIMIZERS` (not a subclass's own) that reads and writes only the variables
+    given and their own slots, so that updating a few at a time is exact: not Nadam's,
+    which also advances a product shared by every variable."""
+    module = getattr(function, "__module__", None)
     return (
-        getattr(function, "__module__", None) in _PER_VARIABLE_MODULES
+        module in MODULES["optimizers"]
+        and module != f"{_OPTIMIZERS}.torch_nadam"
         and getattr(function, "__name__", None) == "_parallel_update_step"
     )
 
@@ -205,11 +199,7 @@ def keras_object(name: str) -> Any:
     if found is None:
         modules, attribute = OBJECTS[name]
         candidates = (modules,) if isinstance(modules, str) else modules
-        for module in candidates[:-1]:
-            if find_spec(module) is not None:
-                break
-        else:
-            module = candidates[-1]
+        module = next(filter(find_spec, candidates[:-1]), candidates[-1])
         found = _FOUND[name] = getattr(importlib.import_module(module), attribute)
     return found
 
@@ -237,17 +227,12 @@ def trainer_compiles_model_parallel(module: ModuleType) -> bool:
 FIRST_COMPILING_TORCH = (2, 12)
 
 
-def release(version: str) -> tuple[int, int]:
-    """``(major, minor)`` of a version string such as ``"2.13.0+cpu"``."""
-    found = re.match(r"(\d+)\.(\d+)", version)
-    return (int(found[1]), int(found[2])) if found else (0, 0)
-
-
 def torch_compiles_dtensor_grad() -> bool:
     """Whether the installed torch can compile a ModelParallel train step."""
     torch = sys.modules.get("torch")
     version = getattr(torch, "__version__", None) or torch_version() or "0.0"
-    return release(str(version)) >= FIRST_COMPILING_TORCH
+    found = re.match(r"(\d+)\.(\d+)", str(version))  # "2.13.0+cpu"
+    return bool(found) and (int(found[1]), int(found[2])) >= FIRST_COMPILING_TORCH
 
 
 def convert_to_numpy_gathers(function: Any) -> bool:
@@ -269,8 +254,7 @@ def initializing(module: object) -> bool:
 
 def find_spec(name: str) -> ModuleSpec | None:
     """The spec of module ``name``, or None, without importing parent packages."""
-    module = sys.modules.get(name)
-    if module is not None:
+    if (module := sys.modules.get(name)) is not None:
         return getattr(module, "__spec__", None)
     parent, _, _ = name.rpartition(".")
     if not parent or parent in sys.modules:
@@ -297,8 +281,7 @@ def layout() -> str | None:
 
 def backend() -> str | None:
     """Keras's backend name, read only if Keras is already imported."""
-    config = sys.modules.get(CONFIG_MODULE)
-    if config is None:
+    if (config := sys.modules.get(CONFIG_MODULE)) is None:
         return None
     try:
         return str(config.backend())
@@ -308,15 +291,8 @@ def backend() -> str | None:
 
 def installed_keras() -> list[tuple[str, str]]:
     """Installed Keras distributions as ``(name, version)``, nightly first."""
-    import importlib.metadata as metadata
-
-    found = []
-    for dist in KERAS_DISTRIBUTIONS:
-        try:
-            found.append((dist, metadata.version(dist)))
-        except metadata.PackageNotFoundError:
-            continue
-    return found
+    found = ((dist, _installed(dist)) for dist in KERAS_DISTRIBUTIONS)
+    return [(dist, version) for dist, version in found if version]
 
 
 def keras_version() -> tuple[str | None, str | None]:
@@ -326,17 +302,23 @@ def keras_version() -> tuple[str | None, str | None]:
     if not found:
         return None, None
     spec = find_spec("keras.src.version")
-    in_use = spec and spec.origin and _source_value(spec.origin, "__version__")
+    source = (spec and spec.origin and _source(spec.origin)) or ""
+    assigned = re.search(r"^__version__\s*=\s*[\"']([^\"']+)", source, re.M)
+    in_use = assigned and assigned[1]
     dist, version = next(((d, v) for d, v in found if v == in_use), found[0])
     return version, dist
 
 
 def torch_version() -> str | None:
     """The installed torch version, from its metadata (torch is not imported)."""
+    return _installed("torch")
+
+
+def _installed(dist: str) -> str | None:
     import importlib.metadata as metadata
 
     try:
-        return metadata.version("torch")
+        return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
 
@@ -348,20 +330,6 @@ def _source(path: str) -> str | None:
             return handle.read()
     except OSError:
         return None
-
-
-def _source_defines(path: str, name: str) -> bool | None:
-    source = _source(path)
-    if source is None:
-        return None
-    pattern = rf"^(?:def\s+{name}\b|{name}\s*=)"
-    return re.search(pattern, source, re.MULTILINE) is not None
-
-
-def _source_value(path: str, name: str) -> str | None:
-    """The string a module's source assigns to ``name`` (``__version__``)."""
-    found = re.search(rf"^{name}\s*=\s*[\"']([^\"']+)", _source(path) or "", re.M)
-    return found[1] if found else None
 
 
 def distribution_support() -> bool | None:
@@ -376,10 +344,11 @@ def distribution_support() -> bool | None:
     imports = package and package.origin and _source(package.origin)
     if spec is None or (imports is not None and "distribution_lib" not in imports):
         return False
-    origin = spec.origin
-    if origin and origin.endswith(".py"):
-        return _source_defines(origin, "distribute_data_input")
-    return None
+    source = _source(spec.origin) if (spec.origin or "").endswith(".py") else None
+    if source is None:
+        return None
+    defines = r"^(?:def\s+distribute_data_input\b|distribute_data_input\s*=)"
+    return re.search(defines, source, re.MULTILINE) is not None
 
 
 @dataclass(frozen=True)
@@ -392,13 +361,11 @@ class Gate:
 
 def gate() -> Gate:
     """Check the backend and the Keras build; never imports anything."""
-    name = backend()
-    if name is None:
+    if (name := backend()) is None:
         return Gate(None, "Keras is not imported yet")
     if name != "torch":
         return Gate(False, f"Keras backend is {name!r}, not 'torch': nothing to patch")
-    support = distribution_support()
-    if support is None:
+    if (support := distribution_support()) is None:
         return Gate(None, "cannot tell yet whether this Keras supports torch DTensors")
     if not support:
         version, dist = keras_version()

@@ -45,10 +45,8 @@ class FixFunctionWrapper(FixWrapper):
 
     @property
     def _torchdynamo_inline(self) -> Callable[..., Any]:
-        try:
-            return self._self_inline
-        except AttributeError:
-            pass
+        if (cached := getattr(self, "_self_inline", None)) is not None:
+            return cached
         wrapper, wrapped = self._self_wrapper, self.__wrapped__
         enabled = self._self_enabled
         local = state.LOCAL_CALL if getattr(self, "_self_traced", False) else ()
@@ -131,11 +129,8 @@ def is_fix_wrapper(obj: object) -> bool:
 
 def chain_length(obj: object) -> int:
     """How many engine wrappers are stacked on ``obj`` (0 when unpatched)."""
-    count = 0
-    seen: set[int] = set()
-    fix = _fix_of(obj)
-    while fix is not None and id(fix) not in seen:
-        seen.add(id(fix))
+    count, fix = 0, _fix_of(obj)
+    while fix is not None:
         count += 1
         fix = _fix_of(fix.__wrapped__)
     return count
@@ -157,11 +152,9 @@ MISSING = object()
 def stored(owner: Any, name: str) -> tuple[Any, type | None]:
     """The object stored under ``name`` and, if inherited, the class owning it."""
     if isinstance(owner, type):
-        if name in owner.__dict__:
-            return owner.__dict__[name], None
-        for klass in owner.__mro__[1:]:
+        for klass in owner.__mro__:
             if name in klass.__dict__:
-                return klass.__dict__[name], klass
+                return klass.__dict__[name], None if klass is owner else klass
         return MISSING, None
     return getattr(owner, name, MISSING), None
 
@@ -207,8 +200,7 @@ def install(family: str, patch: Patch, owner: Any, name: str, raw: Any) -> Appli
 
 
 def _also_owner(record: Applied, module_name: str) -> Any:
-    module = sys.modules.get(module_name)
-    if module is None:
+    if (module := sys.modules.get(module_name)) is None:
         return None
     try:
         owner, _ = resolve(module, record.patch.attribute)
@@ -225,7 +217,7 @@ def restore(record: Applied) -> bool:
         delattr(record.owner, record.name)
     elif ours:
         setattr(record.owner, record.name, record.original)
-    for module_name in set(record.patch.also_in) | record.also:
+    for module_name in record.patch.also_in:
         owner = _also_owner(record, module_name)
         if owner is not None and stored(owner, record.name)[0] is record.wrapper:
             setattr(owner, record.name, record.original)
@@ -234,20 +226,16 @@ def restore(record: Applied) -> bool:
 
 #: The wrapt these wrappers are written for; older ones lack what it uses.
 WRAPT_MAJOR = 2
-_WRAPT_NEEDS = ("register_post_import_hook",)
 
 
 def wrapt_problem() -> str | None:
     """Why the installed wrapt cannot run the engine (one line), or ``None``."""
     version = str(getattr(wrapt, "__version__", "unknown"))
-    missing = [name for name in _WRAPT_NEEDS if not hasattr(wrapt, name)]
-    try:
-        too_old = int(version.split(".")[0]) < WRAPT_MAJOR
-    except ValueError:
-        too_old = False
-    if not too_old and not missing:
+    major = version.split(".")[0]
+    hook = hasattr(wrapt, "register_post_import_hook")
+    if hook and not (major.isdigit() and int(major) < WRAPT_MAJOR):
         return None
-    lacking = f" without {', '.join(missing)}" if missing else ""
+    lacking = "" if hook else " without register_post_import_hook"
     return (
         f"keras-dtensor-fix needs wrapt>={WRAPT_MAJOR} (found {version}{lacking}); "
         "not activated"
