@@ -1,21 +1,19 @@
 """Repeated blocks compiled once (``KERAS_DTENSOR_FIX_COMPILE=blocks``).
 
 A whole compiled step traces every decoder block again: its start grows with the depth.
-In blocks mode the step runs eagerly and each repeated block calls one
-``torch.compile``'d region shared by every instance of its class (as torchtitan compiles
-one transformer block at a time); dynamo guards on what the instances share, so all run
-one graph. Two things would split it:
+In blocks mode the step runs eagerly and each repeated block calls one region shared by
+every instance of its class (as torchtitan compiles one transformer block at a time).
+Two things would split its graph:
 
-- Keras's name scope: each sublayer's path would be a guard. Inside a region
-  no scope opens (:func:`.region.scopeless`); a block whose sublayers' output
-  layouts depend on a path is refused (:func:`refusal`).
-- Megatron's "f" set on the block's input, a tensor from outside the graph,
-  would be an extra output without gradient. The region's first op is instead
-  the "f" of each DTensor input (:func:`_with_f`), so its all-reduce runs in
-  the block's backward graph.
+- Keras's name scope: each sublayer's path would be a guard. Inside a region no scope
+  opens (:func:`.region.scopeless`); a block whose sublayers' output layouts depend on
+  a path is refused (:func:`refusal`).
+- Megatron's "f" set on the block's input, a tensor from outside the graph, would be
+  an extra output without gradient: the region's first op is the "f" of each DTensor
+  input (:func:`_with_f`), its all-reduce in the block's backward graph.
 
-Outside training (``torch.no_grad``), inside a compiled step, without ModelParallel and
-in symbolic calls the block's own ``call`` runs."""
+Outside training, inside a compiled step, without ModelParallel and in symbolic calls
+the block's own ``call`` runs."""
 
 from __future__ import annotations
 
@@ -39,21 +37,16 @@ from keras_dtensor_fix.dtensor import (
 from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.hub import generation as hub
 
-#: Distribution -> (block class, the user's cache key tag)
-#: -> the class's region (:func:`_region`), shared by every instance.
+#: Distribution -> (block class, the user's cache key tag) -> the class's region.
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: The attribute marking a block whose ``call`` this module installed.
 _INSTALLED = "_keras_dtensor_fix_block"
 
 
 def repeated(model: Any, least: int = 2) -> list[Any]:
-    """The model's repeated blocks, outermost first: blocks mode's and generation's.
-
-    Those a keras-hub backbone lists (``hub.generation.decoder_blocks``) where
-    it lists ``least`` or more; else layers with sublayers whose class occurs
-    at least twice, not nested in another such layer; models (a functional
-    backbone) are never blocks.
-    """
+    """The model's repeated blocks, outermost first: those a keras-hub backbone lists
+    where it lists ``least`` or more, else layers with sublayers whose class occurs
+    twice or more, not nested in another such layer, never a model."""
     listed = hub.decoder_blocks(model)
     if listed:
         return listed if len(listed) >= least else []
@@ -85,11 +78,8 @@ def refusal(block: Any) -> str | None:
 
 
 def choose(model: Any, mode: str) -> tuple[str, str]:
-    """Which compilation ``model``'s steps get, ``step`` or ``blocks``, and why.
-
-    ``auto`` (the default) goes block by block where the model repeats blocks and none
-    is refused; evaluation and prediction then compile whole (the ``compile`` family).
-    In ``blocks`` mode they run eagerly."""
+    """Which compilation ``model``'s steps get, ``step`` or ``blocks``, and why:
+    ``auto`` goes block by block where the model repeats blocks and none is refused."""
     if mode != "auto":
         return mode, f"KERAS_DTENSOR_FIX_COMPILE={mode}"
     found = repeated(model)
@@ -124,8 +114,8 @@ def tell(model: Any, building: str | None, mode: str, why: str) -> None:
 
 
 def install(model: Any) -> list[Any]:
-    """Route each repeated block of ``model`` through its class's region; returns the
-    blocks routed (those refused are named in one warning)."""
+    """Route each repeated block of ``model`` through its class's region; the blocks
+    routed (those refused named in one warning)."""
     routed, refused = [], []
     for by_class in _COMPILED.values():
         for compiled in by_class.values():

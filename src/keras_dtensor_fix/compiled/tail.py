@@ -1,20 +1,14 @@
 """The layers after a model's last repeated block and the loss, one compiled region.
 
-In blocks mode the head after the last block and the loss would run eagerly on DTensors
-(the logits' redistribution, the log-softmax and its backward) where a whole step fuses
-them. Here they run as one region per model. The region crosses the model's call, so
-while Keras's ``train_step`` runs (:func:`step` keeps its batch) three instance
-attributes are set on a functional model:
-
-- ``_run_through_graph`` runs the nodes up to the last one holding a block
-  eagerly, then the rest with the loss (and the compiled metrics' update,
-  where built) in the region;
-- ``_compute_loss`` returns the region's loss for that output and batch;
-- ``compute_metrics`` then only collects the results.
-
-The outputs pass :func:`~keras_dtensor_fix.dtensor.zero_gradients_if_unused`: the
-model's output gets zeros for a gradient, and a loss Keras computes itself from it still
-has its gradient."""
+In blocks mode they would run eagerly on DTensors (the logits' redistribution, the
+log-softmax and its backward) where a whole step fuses them. The region crosses the
+model's call, so while Keras's ``train_step`` runs (:func:`step` keeps its batch) a
+functional model gets three instance attributes: ``_run_through_graph`` runs the nodes
+up to the last one holding a block eagerly, then the rest, the loss and the built
+compiled metrics' update in the region; ``_compute_loss`` returns the region's loss;
+``compute_metrics`` only collects the results. The outputs pass
+:func:`~keras_dtensor_fix.dtensor.zero_gradients_if_unused`: a loss Keras computes
+itself from the model's output still has its gradient."""
 
 from __future__ import annotations
 
@@ -51,10 +45,8 @@ class _Plan:
     boundary: list[Any]
     #: Whether the loss reads ``x`` (a ``compute_loss`` of the model's own).
     reads_x: bool
-    #: The compiled region (:func:`_tail`), made with the plan.
     region: Any = None
-    #: The instance's own values of :data:`_ATTRIBUTES` before, put back by
-    #: :func:`uninstall` (the compile family's ``_compute_loss`` wrapper).
+    #: The instance's own values of :data:`_ATTRIBUTES` before (:func:`uninstall`).
     saved: dict[str, Any] = field(default_factory=dict)
     #: The batch of the model's ``train_step`` running now (:func:`step`).
     pending: Any = None
@@ -72,12 +64,6 @@ class _Pending:
     loss: Any = field(default=None, repr=False)
     #: Whether the region updated the compiled metrics with ``y_pred``.
     metrics: bool = False
-
-
-#: False: the tail runs eagerly in blocks mode (benchmarks compare).
-ENABLED = True
-#: False: the compiled metrics update eagerly after the step (benchmarks).
-METRICS = True
 
 
 def refusal(model: Any) -> str | None:
@@ -114,9 +100,7 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
     ids = {id(block) for block in routed}
     nodes = _nodes_of(model)
     held = [i for i, node in enumerate(nodes) if _holds(node.operation, ids)]
-    if not held:
-        return "no layer follows its last block"
-    last = held[-1]
+    last = held[-1] if held else len(nodes) - 1
     if last == len(nodes) - 1:
         return "no layer follows its last block"
     front, tail = nodes[: last + 1], nodes[last + 1 :]
@@ -144,8 +128,6 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
 def install(model: Any, routed: list[Any]) -> _Plan | str:
     """Run ``model``'s tail and loss as one region in its training steps; the plan, else
     why not."""
-    if not ENABLED:
-        return "turned off"
     found = plan(model, routed)
     if isinstance(found, str):
         return found
@@ -266,8 +248,7 @@ def _metrics_in_region(model: Any) -> bool:
     metrics = getattr(model, "_compile_metrics", None)
     base = targets.keras_object("BaseTrainer")
     return (
-        METRICS
-        and metrics is not None
+        metrics is not None
         and getattr(metrics, "built", False)
         and getattr(type(model), "compute_metrics", None) is base.compute_metrics
     )

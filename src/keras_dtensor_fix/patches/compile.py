@@ -78,15 +78,9 @@ def _compiles(instance) -> bool:
 #: The ``make_*_function`` running now (innermost last), and whether its step
 #: compiles whole.
 _BUILDING: list[list] = []
-#: Steps without a backward: compiled whole even where training goes by blocks.
-_FORWARD = ("make_test_function", "make_predict_function")
-
-
-STEP_FUNCTIONS = {
-    "make_train_function": "train_function",
-    "make_test_function": "test_function",
-    "make_predict_function": "predict_function",
-}
+#: The trainer's step builders, the two without a backward last.
+BUILDERS = ("make_train_function", "make_test_function", "make_predict_function")
+_FORWARD = BUILDERS[1:]
 
 
 def _check_layout_rules(model) -> None:
@@ -108,7 +102,7 @@ def _static_shapes(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
     finally:
         _, whole = _BUILDING.pop()
-    attribute = STEP_FUNCTIONS[wrapped.__name__]
+    attribute = wrapped.__name__[len("make_") :]
     step = getattr(instance, attribute, None)
     if (
         step is not None
@@ -197,16 +191,13 @@ def patches(module: types.ModuleType) -> list[Patch]:
     if not targets.trainer_compiles_model_parallel(module):
         return [
             Patch(module.__name__, f"{cls}.{name}", _eager_on_early_nightly)
-            for name in STEP_FUNCTIONS
+            for name in BUILDERS
         ]
     attribute = f"{cls}._use_torch_compile"
     return [
         Patch(module.__name__, attribute, _use_torch_compile),
         Patch(module.__name__, f"{cls}.train_step", plan.step, gated=True),
-    ] + [
-        Patch(module.__name__, f"{cls}.{name}", _static_shapes)
-        for name in STEP_FUNCTIONS
-    ]
+    ] + [Patch(module.__name__, f"{cls}.{name}", _static_shapes) for name in BUILDERS]
 
 
 def notes() -> list[str]:
