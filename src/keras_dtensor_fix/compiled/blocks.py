@@ -39,8 +39,6 @@ from keras_dtensor_fix.hub import generation as hub
 
 #: Distribution -> (block class, the user's cache key tag) -> the class's region.
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: The attribute marking a block whose ``call`` this module installed.
-_INSTALLED = "_keras_dtensor_fix_block"
 
 
 def repeated(model: Any, least: int = 2) -> list[Any]:
@@ -121,8 +119,8 @@ def install(model: Any) -> list[Any]:
         for compiled in by_class.values():
             compiled.reset()  # a new step: every block's guards run again
     for block in repeated(model):
-        if getattr(block, _INSTALLED, False):
-            routed.append(block)
+        if getattr(vars(block).get("call"), "func", None) is _region_call:
+            routed.append(block)  # installed already
             continue
         reason = refusal(block)
         if reason is not None:
@@ -130,7 +128,6 @@ def install(model: Any) -> list[Any]:
             continue
         call = functools.partial(_region_call, block, type(block).call)
         state.set_attribute(block, "call", call)
-        state.set_attribute(block, _INSTALLED, True)
         routed.append(block)
     if refused:
         warnings.warn(
@@ -147,12 +144,9 @@ def uninstall(routed: list[Any]) -> None:
     """Give the ``routed`` blocks their own ``call`` back."""
     for block in routed:
         vars(block).pop("call", None)
-        vars(block).pop(_INSTALLED, None)
 
 
-def _region_call(
-    block: Any, original: Callable[..., Any], *args: Any, **kwargs: Any
-) -> Any:
+def _region_call(block, original, *args, **kwargs):
     if region.SCOPELESS or not region.eligible():
         return original(block, *args, **kwargs)
     compiled = _region(type(block), original)

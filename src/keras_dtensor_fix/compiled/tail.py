@@ -218,7 +218,7 @@ def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
     _run_nodes(model, found.front, values)
     boundary = [values.get(id(ref)) for ref in found.boundary]
     if any(v is None or getattr(v, "_keras_mask", None) is not None for v in boundary):
-        return _eager_rest(model, found, values)  # a mask rides on its tensor
+        return _rest(model, found.tail, values)  # a mask rides on its tensor
     x = pending.x if found.reads_x else None
     metrics = _metrics_in_region(model)
     arguments = (model, found, boundary, x, pending.y, pending.sample_weight, metrics)
@@ -229,7 +229,7 @@ def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
     with region.scopeless():
         result = found.region(lambda: None, *arguments)
     if result is None:
-        return _eager_rest(model, found, values)
+        return _rest(model, found.tail, values)
     (outputs, loss), kept = result
     leaves, spec = pytree.tree_flatten((outputs, loss))
     leaves = zero_gradients_if_unused(leaves)
@@ -254,22 +254,13 @@ def _metrics_in_region(model: Any) -> bool:
     )
 
 
-def _tail(
-    model: Any,
-    found: _Plan,
-    boundary: list,
-    x: Any,
-    y: Any,
-    weight: Any,
-    metrics: bool,
-):
+def _tail(model, found, boundary, x, y, weight, metrics):
     """The region: the tail's nodes, the loss and, where ``metrics``, the compiled
     metrics' update."""
     # Megatron's "f" of each input as the graph's first op (as a block's).
     boundary = [reducing_input(value) for value in boundary]
     values = {id(ref): v for ref, v in zip(found.boundary, boundary, strict=True)}
-    _run_nodes(model, found.tail, values)
-    outputs = _pack(model, values)
+    outputs = _rest(model, found.tail, values)
     y_pred = targets.keras_object("unpack_singleton")(outputs)
     compute = type(model)._compute_loss
     loss = compute(model, x=x, y=y, y_pred=y_pred, sample_weight=weight, training=True)
@@ -278,11 +269,6 @@ def _tail(
     leaves, spec = pytree.tree_flatten((outputs, loss))
     kept = [kept_detached(v) if isinstance(v, DTensor) else [] for v in leaves]
     return pytree.tree_unflatten([without_kept(v) for v in leaves], spec), kept
-
-
-def _eager_rest(model: Any, found: _Plan, values: dict) -> Any:
-    _run_nodes(model, found.tail, values)
-    return _pack(model, values)
 
 
 def _nodes_of(model: Any) -> list[Any]:
@@ -295,12 +281,9 @@ def _nodes_of(model: Any) -> list[Any]:
 
 
 def _holds(operation: Any, ids: set[int]) -> bool:
-    if id(operation) in ids:
-        return True
     layers = getattr(operation, "_flatten_layers", None)
-    if layers is None:
-        return False
-    return any(id(layer) in ids for layer in layers(include_self=False, recursive=True))
+    inner = layers(include_self=False, recursive=True) if layers else ()
+    return id(operation) in ids or any(id(layer) in ids for layer in inner)
 
 
 def _run_nodes(model: Any, nodes: list[Any], values: dict[int, Any]) -> None:
@@ -317,19 +300,15 @@ def _run_nodes(model: Any, nodes: list[Any], values: dict[int, Any]) -> None:
             values[id(ref)] = value
 
 
-def _pack(model: Any, values: dict[int, Any]) -> Any:
-    tree = targets.keras_object("tree")
+def _rest(model: Any, nodes: list[Any], values: dict[int, Any]) -> Any:
+    """Run ``nodes`` into ``values``; the model's outputs."""
+    _run_nodes(model, nodes, values)
     found = [values[id(ref)] for ref in model.outputs]
-    return tree.pack_sequence_as(model._outputs_struct, found)
+    return targets.keras_object("tree").pack_sequence_as(model._outputs_struct, found)
 
 
 def _boundary(nodes: list[Any], outputs: list[Any]) -> list[Any]:
     """The tensors ``nodes`` read and ``outputs`` need that ``nodes`` do not make."""
     wanted = [ref for node in nodes for ref in node.input_tensors] + list(outputs)
-    skip = {id(ref) for node in nodes for ref in node.outputs}
-    found = []
-    for ref in wanted:
-        if id(ref) not in skip:
-            skip.add(id(ref))
-            found.append(ref)
-    return found
+    made = {id(ref) for node in nodes for ref in node.outputs}
+    return list({id(ref): ref for ref in wanted if id(ref) not in made}.values())

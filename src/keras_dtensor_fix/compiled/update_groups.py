@@ -3,19 +3,19 @@
 Eager ``_foreach_*`` updates are one op per variable, which a whole step's graph fuses.
 Here ``apply`` runs eagerly on DTensors (clipping, weight decay, the step count) and the
 optimizer's ``_parallel_update_step`` (set on the instance) runs the shard-wise update
-(:mod:`..ops.shardwise`) through a :class:`Grouped`: the variables split by owning
-block, each group through a region keyed by its shapes. The region gets stand-ins (an
-optimizer with its slot lists cut to the group, variables whose ``value`` it sets), so
-one graph serves every alike block. (Tracing the whole ``apply`` made the start grow
-with the depth: ``benchmarks/results/2026-11-29-update-per-block.md``.)
+(:mod:`..ops.shardwise`) per owning block (:class:`Grouped`), each group through a
+region keyed by its shapes and given stand-ins (an optimizer with its slot lists cut to
+the group, variables whose ``value`` it sets): one graph serves alike blocks. Tracing
+the whole ``apply`` made the start grow with the depth
+(``benchmarks/results/2026-11-29-update-per-block.md``).
 
-Only Keras's own ``train_step`` and torch optimizers whose update is per variable
-(:func:`..engine.targets.per_variable_update`: not Nadam) and that select no branch
-(gradient accumulation, EMA overwrites)."""
+Only Keras's own ``train_step`` and torch optimizers whose update is per variable (not
+Nadam) and selects no branch (gradient accumulation, EMA overwrites)."""
 
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 from typing import Any
 
 from keras_dtensor_fix.compiled import refusals, region
@@ -85,21 +85,17 @@ def _update_function(optimizer: Any) -> Any:
     return getattr(update, "__wrapped__", update)  # the family's wrapper
 
 
-class _Stand:
-    """A stand-in Keras variable: the updates read only its ``value``."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = None
+def _stands(size: int) -> list[SimpleNamespace]:
+    """Stand-in Keras variables: the updates read only their ``value``."""
+    return [SimpleNamespace(value=None) for _ in range(size)]
 
 
 class _Entry:
     """One group shape: its stand-ins and region."""
 
     def __init__(self, optimizer: Any, rows: list[str], size: int, name: str) -> None:
-        self.stands = [_Stand() for _ in range(size)]
-        self.rows = [[_Stand() for _ in range(size)] for _ in rows]
+        self.stands = _stands(size)
+        self.rows = [_stands(size) for _ in rows]
         self.proxy = object.__new__(type(optimizer))
         self.overrides = {
             "_trainable_variables": list(self.stands),
@@ -191,17 +187,9 @@ class Grouped:
             self._entries[key] = _Entry(optimizer, list(rows), len(indices), self._name)
         entry = self._entries[key]
         entry.sync(optimizer)
-        entry.region(
-            lambda: bound(group_grads, group_vars, lr),
-            self.update,
-            entry.proxy,
-            entry.stands,
-            entry.rows,
-            group_grads,
-            values,
-            slots,
-            lr,
-        )
+        fixed = (self.update, entry.proxy, entry.stands, entry.rows)
+        tensors = (group_grads, values, slots, lr)
+        entry.region(lambda: bound(group_grads, group_vars, lr), *fixed, *tensors)
         self.failed = entry.region.failed
 
     def _groups(self, variables: list) -> list[list[int]]:

@@ -125,11 +125,10 @@ def _static_shapes(wrapped, instance, args, kwargs):
 
 
 def _losses_consumed(instance) -> None:
-    """A compiled step clears the ``add_loss`` losses once its loss read them.
-
-    Left in ``_losses`` (an MoE router's loss), dynamo made them a forward output whose
-    ``grad_fn`` ``autograd.grad`` consumes (a failed trace over DTensors), and the next
-    call compiled again. Keras clears them at the next call anyway."""
+    """A compiled step clears the ``add_loss`` losses once its loss read them (Keras
+    clears them at the next call anyway): left in ``_losses`` (an MoE router's loss),
+    dynamo made them a forward output whose ``grad_fn`` ``autograd.grad`` consumes (a
+    failed trace over DTensors), and the next call compiled again."""
     compute_loss = instance._compute_loss
     if getattr(compute_loss, "_keras_dtensor_fix_clears", False):
         return
@@ -160,8 +159,7 @@ def _cache_backend_layouts(model) -> None:
 
 def _eager_on_early_nightly(wrapped, instance, args, kwargs):
     """Early nightlies cannot compile a ModelParallel step (wrong DTensor tangents,
-    ``with`` blocks dynamo cannot inline): Keras builds it with ``jit_compile=False``.
-    """
+    ``with`` blocks dynamo cannot inline): built with ``jit_compile=False``."""
     _check_layout_rules(instance)
     if not (instance.jit_compile and model_parallel() is not None):
         return wrapped(*args, **kwargs)
@@ -201,8 +199,8 @@ def patches(module: types.ModuleType) -> list[Patch]:
 
 
 def notes() -> list[str]:
-    """Whether this nightly and this torch can compile a ModelParallel step,
-    and how the last one compiled (whole or block by block) and why."""
+    """Whether this nightly and torch compile a ModelParallel step; how the last one
+    compiled and why."""
     module = sys.modules.get(targets.TRAINER)
     if module is None:
         return []

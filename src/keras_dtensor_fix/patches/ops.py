@@ -107,29 +107,21 @@ def _fori_loop(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    core = targets.is_kind(module.__name__, "core")
-    names = CORE if core else handlers.target_names(module)
-    sliced = []
+    name = module.__name__
+    core = targets.is_kind(name, "core")
+    also_in = targets.aliases("core") if core else ()
+    found = []
     if core and hasattr(module, "slice") and hasattr(module, "convert_to_tensor"):
         wrapper = _slice_wrapper(module.convert_to_tensor)
-        also_in = targets.aliases("core")
         # traced: a generation's local token call (gate shut) needs it too
-        patch = Patch(module.__name__, "slice", wrapper, also_in, True, traced=True)
-        sliced.append(patch)
+        found.append(Patch(name, "slice", wrapper, also_in, True, traced=True))
     if core and hasattr(module, "fori_loop"):
-        also_in = targets.aliases("core")
-        sliced.append(Patch(module.__name__, "fori_loop", _fori_loop, also_in, True))
-    return sliced + [
-        Patch(
-            module.__name__,
-            name,
-            handlers.wrapper_for(name, getattr(module, name), elementwise=False),
-            also_in=targets.aliases("core") if core else (),
-            gated=True,
-        )
-        for name in names
-        if hasattr(module, name)
-    ]
+        found.append(Patch(name, "fori_loop", _fori_loop, also_in, True))
+    for op in CORE if core else handlers.target_names(module):
+        if hasattr(module, op):
+            wrapper = handlers.wrapper_for(op, getattr(module, op), elementwise=False)
+            found.append(Patch(name, op, wrapper, also_in, gated=True))
+    return found
 
 
 IMPLEMENTATION = Implementation(patches)

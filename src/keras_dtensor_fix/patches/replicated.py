@@ -48,18 +48,9 @@ def local_inputs(
     return mesh, local
 
 
-def _run_local(wrapped, instance, args, kwargs):
-    """A loss on local tensors (its result keeps the gradient path)."""
-    return _call_local(wrapped, instance, args, kwargs, grad=True)
-
-
-def _update_local(wrapped, instance, args, kwargs):
-    """A metric update on local tensors (metrics take no gradients)."""
-    return _call_local(wrapped, instance, args, kwargs, grad=False)
-
-
-def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
-    """Call ``wrapped`` on local tensors, with ``instance``'s variables local."""
+def _run_local(wrapped, instance, args, kwargs, *, grad: bool = True):
+    """A loss (``grad``: its result keeps the gradient path) or a metric update on
+    local tensors, ``instance``'s variables local."""
     if compiling() or not getattr(instance, "built", True):
         return wrapped(*args, **kwargs)
     variables = list(instance.variables)
@@ -84,25 +75,25 @@ def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
     return replicate(result, mesh)
 
 
+def _update_local(wrapped, instance, args, kwargs):
+    return _run_local(wrapped, instance, args, kwargs, grad=False)
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
+    wrappers = {"Mean.update_state": _update_local}
     if module.__name__ == targets.COMPILE_UTILS:
-        names = ("CompileLoss.__call__", "CompileMetrics.update_state")
-    else:
-        names = ("Mean.update_state",)
-    for target in names:
+        wrappers = {
+            "CompileLoss.__call__": _run_local,
+            "CompileMetrics.update_state": _update_local,
+        }
+    for target in wrappers:
         owner, name = target.split(".")
         if name not in vars(getattr(module, owner, object)):
             raise LookupError(f"{target} not found: this Keras moved it")
     # traced: dynamo guards ``type(loss).__call__`` by identity.
     return [
-        Patch(
-            module.__name__,
-            target,
-            _run_local if target.endswith("__call__") else _update_local,
-            gated=True,
-            traced=True,
-        )
-        for target in names
+        Patch(module.__name__, target, wrapper, gated=True, traced=True)
+        for target, wrapper in wrappers.items()
     ]
 
 

@@ -40,8 +40,8 @@ class LayoutError(ValueError):
 
 
 def check_layout(variable: Any, layout: Any) -> None:
-    """Refuse a layout whose axes do not match the variable's dims (torch
-    fails later inside DTensor), naming the variable and a layout that works."""
+    """Refuse a layout whose axes do not match the variable's dims (torch fails later,
+    inside DTensor)."""
     axes = tuple(getattr(layout, "axes", None) or ())
     shape = tuple(getattr(variable, "shape", ()) or ())
     if not axes or len(axes) == len(shape):
@@ -138,15 +138,6 @@ def _to_backend_layout(wrapped, instance, args, kwargs):
     return layout
 
 
-def _layout_placements(layout: Any) -> tuple:
-    backend = getattr(layout, "backend_layout", layout)
-    return tuple(getattr(backend, "placements", ()) or ())
-
-
-def _mesh(layout: Any) -> Any:
-    return getattr(layout, "backend_layout", layout).device_mesh
-
-
 def _to_backend_mesh(wrapped, instance, args, kwargs):
     """One torch DeviceMesh per Keras DeviceMesh (early nightlies build one
     per ``get_metrics_result``, which dynamo cannot trace)."""
@@ -161,6 +152,15 @@ def _to_backend_mesh(wrapped, instance, args, kwargs):
     except AttributeError:
         pass
     return mesh
+
+
+def _layout_placements(layout: Any) -> tuple:
+    backend = getattr(layout, "backend_layout", layout)
+    return tuple(getattr(backend, "placements", ()) or ())
+
+
+def _mesh(layout: Any) -> Any:
+    return getattr(layout, "backend_layout", layout).device_mesh
 
 
 def _distribute_tensor(wrapped, instance, args, kwargs):
@@ -207,16 +207,13 @@ def _direct_assign(wrapped, instance, args, kwargs):
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    if targets.is_kind(module.__name__, "distribution_lib"):
+    name = module.__name__
+    if targets.is_kind(name, "distribution_lib"):
+        trainer = targets.aliases("trainer")
         return [
-            Patch(module.__name__, "distribute_tensor", _distribute_tensor),
-            Patch(module.__name__, "_to_backend_layout", _to_backend_layout),
-            Patch(
-                module.__name__,
-                "_to_backend_mesh",
-                _to_backend_mesh,
-                also_in=targets.aliases("trainer"),
-            ),
+            Patch(name, "distribute_tensor", _distribute_tensor),
+            Patch(name, "_to_backend_layout", _to_backend_layout),
+            Patch(name, "_to_backend_mesh", _to_backend_mesh, also_in=trainer),
         ]
     if "_initialize_distributed" not in vars(module.Variable):
         raise LookupError(
@@ -224,18 +221,11 @@ def patches(module: types.ModuleType) -> list[Patch]:
             "distributed variables another way"
         )
     wrapper = _make_wrapper(module.convert_to_tensor)
-    result = [Patch(module.__name__, "Variable._initialize_distributed", wrapper)]
+    result = [Patch(name, "Variable._initialize_distributed", wrapper)]
     if "_direct_assign" in vars(module.Variable):
         # traced: compiled steps assign too; dynamo must run the original.
-        result.append(
-            Patch(
-                module.__name__,
-                "Variable._direct_assign",
-                _direct_assign,
-                gated=True,
-                traced=True,
-            )
-        )
+        assign = "Variable._direct_assign"
+        result.append(Patch(name, assign, _direct_assign, gated=True, traced=True))
     return result
 
 
