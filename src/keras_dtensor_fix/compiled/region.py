@@ -138,9 +138,7 @@ class Steady:
     ``skip_guard_eval_unsafe``, which checks only the guards telling cache entries
     apart. Not at dynamo's recompile limit (misses would run eagerly, unseen), nor
     under a stance other than the default. ``settled_call`` runs settled calls
-    (without wrappers only compiling needs: a failed guard raises under the stance);
-    ``fixed`` leading arguments are the same objects at every call, left out of the
-    signature."""
+    (without wrappers only compiling needs: a failed guard raises under the stance)."""
 
     #: Signatures remembered at most (``interleaved``); more start afresh.
     LIMIT = 256
@@ -152,21 +150,14 @@ class Steady:
         *,
         interleaved: bool = False,
         settled_call: Callable[..., Any] | None = None,
-        fixed: int = 0,
     ) -> None:
         self._compiled = compiled
         self._settled_call = settled_call or compiled
-        self._fixed = fixed
         self._code = code
         self._interleaved = interleaved
         self._last: tuple | None = None
         self._seen: set[tuple] = set()
         self._settled: set[tuple] = set()
-
-    @property
-    def settled(self) -> bool:
-        """Whether calls with the last signature skip their guards."""
-        return self._last in self._settled
 
     def reset(self) -> None:
         """Evaluate every signature's guards again until it settles again."""
@@ -175,7 +166,7 @@ class Steady:
         self._settled.clear()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key = signature(args[self._fixed :], kwargs)
+        key = signature(args, kwargs)
         if key in self._settled:
             stance = _unguarded()
             if stance is not None:

@@ -105,14 +105,11 @@ class _Entry:
             **{row: list(stands) for row, stands in zip(rows, self.rows, strict=True)},
         }
         self.sync(optimizer)
-        # Its update, stand-in optimizer and stand-ins come first at every call:
-        # the signature covers the tensors only.
         self.region = region.Region(
             _group_step,
             f"the update of {type(optimizer).__name__}",
             qualname=name,
             interleaved=True,
-            fixed=4,
         )
 
     def sync(self, optimizer: Any) -> None:
