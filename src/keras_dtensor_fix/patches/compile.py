@@ -12,6 +12,8 @@ import sys
 import types
 import warnings
 
+import torch
+
 from keras_dtensor_fix.checks import layout_rules
 from keras_dtensor_fix.compiled import (
     blocks,
@@ -111,8 +113,6 @@ def _static_shapes(wrapped, instance, args, kwargs):
         and not getattr(step, "_keras_dtensor_fix_static", False)
     ):
         if whole:
-            import torch
-
             step = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(step)
             step = cache_key.keyed(step, model_parallel())
             _losses_consumed(instance)
@@ -135,8 +135,6 @@ def _losses_consumed(instance) -> None:
 
     def compute_and_clear(*args, **kwargs):
         loss = compute_loss(*args, **kwargs)
-        import torch
-
         if torch.compiler.is_compiling():
             instance._clear_losses()
         return loss
@@ -211,8 +209,6 @@ def notes() -> list[str]:
             f">={FIRST_COMPILING_NIGHTLY} compiles"
         ]
     if not targets.torch_compiles_dtensor_grad():
-        import torch
-
         return [
             "jit_compile=True under ModelParallel runs eagerly with torch "
             f"{torch.__version__} (dynamo cannot trace autograd.grad over "

@@ -15,6 +15,7 @@ Every multi-tensor function gets the op-handler table's wrapper
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
@@ -34,17 +35,9 @@ def _static(value: Any) -> bool:
     return isinstance(value, (int, torch.SymInt))
 
 
-def _slice_wrapper(convert_to_tensor: Any) -> Any:
-    """The wrapper of the core module's ``slice`` (its ``convert_to_tensor``)."""
-
-    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        return _slice(convert_to_tensor, wrapped, args, kwargs)
-
-    return wrapper
-
-
-def _slice(convert_to_tensor: Any, wrapped: Any, args: tuple, kwargs: dict) -> Any:
-    """``slice(inputs, start_indices, shape)``: a tensor start, traced, gathers."""
+def _slice(convert_to_tensor: Any, wrapped: Any, instance: Any, args, kwargs) -> Any:
+    """``slice(inputs, start_indices, shape)``: a tensor start, traced, gathers
+    (``convert_to_tensor``: the core module's)."""
     if not torch.compiler.is_compiling():
         return wrapped(*args, **kwargs)
     names = ("inputs", "start_indices", "shape")
@@ -112,7 +105,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
     also_in = targets.aliases("core") if core else ()
     found = []
     if core and hasattr(module, "slice") and hasattr(module, "convert_to_tensor"):
-        wrapper = _slice_wrapper(module.convert_to_tensor)
+        wrapper = functools.partial(_slice, module.convert_to_tensor)
         # traced: a generation's local token call (gate shut) needs it too
         found.append(Patch(name, "slice", wrapper, also_in, True, traced=True))
     if core and hasattr(module, "fori_loop"):

@@ -30,9 +30,8 @@ def _parallel_update_step(wrapped, instance, args, kwargs):
     if not shardwise.sharded(grads, variables):
         return wrapped(*args, **kwargs)
     # Traced (a compiled step), the update runs on the aligned DTensors.
-    local = not compiling()
     return shardwise.update(
-        instance, wrapped, grads, variables, learning_rate, local=local
+        instance, wrapped, grads, variables, learning_rate, local=not compiling()
     )
 
 

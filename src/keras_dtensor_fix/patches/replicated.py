@@ -27,25 +27,13 @@ from keras_dtensor_fix.engine.state import compiling
 from keras_dtensor_fix.ops.values import flatten_call, local_tensors, unflatten_call
 
 
-def local_inputs(
-    values: list[Any], *, grad: bool = True, mesh: Any = None
-) -> tuple[Any, list[Any]] | None:
-    """``values`` with whole DTensors as local tensors (a Partial one reduced
-    first), and their mesh, or None; ``mesh``: the caller's variables' mesh.
-    Only with ``grad`` does a DTensor needing a gradient take an autograd op."""
-    mesh = planner.replicated(values, mesh=mesh, partial=True)
-    if mesh is None:
-        return None
-    local = []
-    for value in values:
-        if isinstance(value, DTensor):
-            value = reduce_partial(value)
-            if grad and value.requires_grad:
-                value = unwrap_local(value)
-            else:
-                value = value._local_tensor
-        local.append(value)
-    return mesh, local
+def _local(value: Any, grad: bool) -> Any:
+    """A whole DTensor's local tensor (a Partial one reduced first); only with ``grad``
+    does one needing a gradient take an autograd op."""
+    if not isinstance(value, DTensor):
+        return value
+    value = reduce_partial(value)
+    return unwrap_local(value) if grad and value.requires_grad else value._local_tensor
 
 
 def _run_local(wrapped, instance, args, kwargs, *, grad: bool = True):
@@ -63,10 +51,10 @@ def _run_local(wrapped, instance, args, kwargs, *, grad: bool = True):
             if mesh is None:
                 mesh = value.device_mesh
     leaves, structure = flatten_call(args, kwargs)
-    found = local_inputs(leaves, grad=grad, mesh=mesh)
-    if found is None:
+    mesh = planner.replicated(leaves, mesh=mesh, partial=True)
+    if mesh is None:
         return wrapped(*args, **kwargs)
-    mesh, local = found
+    local = [_local(value, grad) for value in leaves]
     with local_tensors(variables):
         args, kwargs = unflatten_call(args, kwargs, structure, local)
         result = wrapped(*args, **kwargs)

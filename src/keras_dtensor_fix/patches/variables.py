@@ -9,8 +9,8 @@ assignments to replicated variables without DTensor's dispatch.
 
 from __future__ import annotations
 
+import functools
 import types
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,20 +59,17 @@ def check_layout(variable: Any, layout: Any) -> None:
     )
 
 
-def _make_wrapper(convert_to_tensor: Callable[..., Any]):
-    def _initialize_distributed(wrapped, instance, args, kwargs):
-        dist = model_parallel()
-        if dist is not None and instance._layout is None:
-            # What Keras's own method does first: it is not done again.
-            instance._layout = dist.get_variable_layout(instance)
-        if dist is not None:
-            check_layout(instance, instance._layout)
-        value = wrapped(*args, **kwargs)
-        if value is not None or dist is None:
-            return value
-        return _replicated_parameter(instance, dist, convert_to_tensor, *args, **kwargs)
-
-    return _initialize_distributed
+def _initialize_distributed(convert_to_tensor, wrapped, instance, args, kwargs):
+    dist = model_parallel()
+    if dist is not None and instance._layout is None:
+        # What Keras's own method does first: it is not done again.
+        instance._layout = dist.get_variable_layout(instance)
+    if dist is not None:
+        check_layout(instance, instance._layout)
+    value = wrapped(*args, **kwargs)
+    if value is not None or dist is None:
+        return value
+    return _replicated_parameter(instance, dist, convert_to_tensor, *args, **kwargs)
 
 
 def _replicated_parameter(variable, dist, convert_to_tensor, initializer):
@@ -154,25 +151,17 @@ def _to_backend_mesh(wrapped, instance, args, kwargs):
     return mesh
 
 
-def _layout_placements(layout: Any) -> tuple:
-    backend = getattr(layout, "backend_layout", layout)
-    return tuple(getattr(backend, "placements", ()) or ())
-
-
-def _mesh(layout: Any) -> Any:
-    return getattr(layout, "backend_layout", layout).device_mesh
-
-
 def _distribute_tensor(wrapped, instance, args, kwargs):
     tensor, layout = (list(args) + [kwargs.get("tensor"), kwargs.get("layout")])[:2]
     if (
         layout is not None
         and getattr(tensor, "ndim", None) == 0
         and not isinstance(tensor, DTensor)
-        and all(p.is_replicate() for p in _layout_placements(layout))
     ):
-        # A scalar for a replicated variable: the same everywhere, no broadcast.
-        return replicate(tensor, _mesh(layout))
+        backend = getattr(layout, "backend_layout", layout)
+        if all(p.is_replicate() for p in getattr(backend, "placements", None) or ()):
+            # A scalar for a replicated variable: the same everywhere, no broadcast.
+            return replicate(tensor, backend.device_mesh)
     if layout is None or not (isinstance(tensor, DTensor) and compiling()):
         return wrapped(*args, **kwargs)
     placements = placements_of(layout, tensor)
@@ -220,7 +209,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
             "Variable._initialize_distributed not found: this Keras creates "
             "distributed variables another way"
         )
-    wrapper = _make_wrapper(module.convert_to_tensor)
+    wrapper = functools.partial(_initialize_distributed, module.convert_to_tensor)
     result = [Patch(name, "Variable._initialize_distributed", wrapper)]
     if "_direct_assign" in vars(module.Variable):
         # traced: compiled steps assign too; dynamo must run the original.
