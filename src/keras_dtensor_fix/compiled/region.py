@@ -120,12 +120,11 @@ def _unguarded() -> Any:
         current = torch._dynamo.eval_frame._stance
         if current.stance != "default" or current.skip_guard_eval_unsafe:
             return None
-        stance = torch.compiler.set_stance(
+        return torch.compiler.set_stance(
             "default", skip_guard_eval_unsafe=True, force_backend=current.backend
         )
     except (AttributeError, RuntimeError, TypeError):
         return None  # another torch, or inside a compiled region
-    return stance
 
 
 class Steady:

@@ -15,6 +15,7 @@ Every multi-tensor function gets the op-handler table's wrapper
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from typing import Any
@@ -78,10 +79,8 @@ def _closed_over(fn: Any) -> list[Any]:
     """The values ``fn`` closes over (Keras variables as their tensors)."""
     values = []
     for cell in getattr(fn, "__closure__", None) or ():
-        try:
+        with contextlib.suppress(ValueError):  # a cell not yet filled
             values.append(resolve(cell.cell_contents))
-        except ValueError:  # a cell not yet filled
-            continue
     return values
 
 

@@ -9,6 +9,7 @@ assignments to replicated variables without DTensor's dispatch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from typing import Any
@@ -128,10 +129,8 @@ def _to_backend_layout(wrapped, instance, args, kwargs):
     layout = wrapped(*args, **kwargs)
     placements = getattr(layout, "placements", None)
     if placements is not None and not hasattr(layout, SPEC):
-        try:
+        with contextlib.suppress(AttributeError, TypeError):
             state.set_attribute(layout, SPEC, _spec(placements))
-        except (AttributeError, TypeError):
-            pass
     return layout
 
 
@@ -144,10 +143,8 @@ def _to_backend_mesh(wrapped, instance, args, kwargs):
         return cached
     mesh = wrapped(*args, **kwargs)
     forget_meshes()
-    try:
+    with contextlib.suppress(AttributeError):
         state.set_attribute(device_mesh, "_backend_mesh", mesh)
-    except AttributeError:
-        pass
     return mesh
 
 
