@@ -108,9 +108,9 @@ def eager_if_compile_fails(
                 "now on, as upstream Keras runs it.",
                 stacklevel=2,
             )
-            eager = _build_eagerly(instance, make)
+            without_jit_compile(instance, lambda: getattr(instance, make)(force=True))
             rewind(state)
-            return eager(*args, **kwargs)
+            return getattr(instance, make[len("make_") :])(*args, **kwargs)
         if watch:
             message = break_report(before, dynamo_counts(), len(ran))
             if message is not None and message[:60] not in told:
@@ -161,12 +161,11 @@ def break_report(
     )
 
 
-def _build_eagerly(instance, make: str):
-    """The step function ``make`` builds with ``jit_compile`` off."""
+def without_jit_compile(instance: Any, build: Callable[[], Any]) -> Any:
+    """``build()`` (a step builder) with ``instance``'s ``jit_compile`` off."""
     jit_compile = instance._jit_compile
     instance._jit_compile = False
     try:
-        getattr(instance, make)(force=True)
+        return build()
     finally:
         instance._jit_compile = jit_compile
-    return getattr(instance, make[len("make_") :])

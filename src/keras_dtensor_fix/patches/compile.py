@@ -167,11 +167,7 @@ def _eager_on_early_nightly(wrapped, instance, args, kwargs):
         f"keras-nightly>={FIRST_COMPILING_NIGHTLY} compiles it.",
         stacklevel=2,
     )
-    instance._jit_compile = False
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        instance._jit_compile = True
+    return fallback.without_jit_compile(instance, lambda: wrapped(*args, **kwargs))
 
 
 FIRST_COMPILING_NIGHTLY = "3.16.0.dev2026102704"
