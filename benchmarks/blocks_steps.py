@@ -117,11 +117,15 @@ def worker(args: argparse.Namespace) -> None:
         else:
             model.predict(data[0], **options)
 
+    own = tail.install, tail._metrics_in_region, update_groups.install
+
     def settings(config: str) -> None:
-        """The module switches ``config`` runs with, nothing installed yet."""
-        tail.ENABLED = config != "no-tail"
-        tail.METRICS = config != "no-metrics"
-        update_groups.ENABLED = config != "no-opt"
+        """The functions ``config`` runs with (a part turned off), nothing installed."""
+        off = lambda *_: "turned off"  # noqa: E731
+        eager_metrics = lambda _: False  # noqa: E731
+        tail.install = off if config == "no-tail" else own[0]
+        tail._metrics_in_region = eager_metrics if config == "no-metrics" else own[1]
+        update_groups.install = off if config == "no-opt" else own[2]
         plan.uninstall(model)
 
     def switch(config: str) -> None:

@@ -59,7 +59,7 @@ def main() -> None:
     optimizer = keras.optimizers.Adam(1e-3)
     optimizer.build(variables)
     bound = functools.partial(update_groups._update_function(optimizer), optimizer)
-    grouped = update_groups.Grouped(optimizer, blocks, lambda error: False)
+    grouped = update_groups.Grouped(optimizer, blocks)
     lr = optimizer._get_current_learning_rate()
 
     def steps(count: int, by_group: bool) -> float:

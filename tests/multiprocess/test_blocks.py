@@ -19,7 +19,7 @@ block's calls skip dynamo's guards once a step of them compiled nothing
 (``compiled/region.Steady``): the GPT decoder's 4 blocks do by its last steps.
 Megatron's "f" of each block's input runs inside the block's graph, and the
 vocabulary-split head's inside the tail's: none is made eagerly (4 in the GPT
-case's 4 steps with the tail eager, ``tail.ENABLED = False``; 20 with the "f"
+case's 4 steps with the tail eager, ``no-tail`` in ``blocks_steps.py``; 20 with the "f"
 of each block made before its region too, as the mode did before).
 
 Can it fail: with Keras's name scope left open inside the region each block
@@ -118,7 +118,7 @@ WHY = {
 
 
 #: Megatron "f" ops made eagerly during ``fit()``: none, the head's is in the
-#: tail's graph (4, one a step, with the tail eager: ``tail.ENABLED = False``).
+#: tail's graph (4, one a step, with the tail eager).
 EAGER_F = {"gpt_4_layers_blocks": 0}
 #: Training steps of every case (``fit()``: two epochs of two batches): each
 #: one's head and loss ran as the tail's region, and its update as its own.

@@ -1,21 +1,19 @@
 """Repeated blocks compiled once (``KERAS_DTENSOR_FIX_COMPILE=blocks``).
 
 A whole compiled step traces every decoder block again: its start grows with the depth.
-In blocks mode the step runs eagerly and each repeated block calls one
-``torch.compile``'d region shared by every instance of its class (as torchtitan compiles
-one transformer block at a time); dynamo guards on what the instances share, so all run
-one graph. Two things would split it:
+In blocks mode the step runs eagerly and each repeated block calls one region shared by
+every instance of its class (as torchtitan compiles one transformer block at a time).
+Two things would split its graph:
 
-- Keras's name scope: each sublayer's path would be a guard. Inside a region
-  no scope opens (:func:`.region.scopeless`); a block whose sublayers' output
-  layouts depend on a path is refused (:func:`refusal`).
-- Megatron's "f" set on the block's input, a tensor from outside the graph,
-  would be an extra output without gradient. The region's first op is instead
-  the "f" of each DTensor input (:func:`_with_f`), so its all-reduce runs in
-  the block's backward graph.
+- Keras's name scope: each sublayer's path would be a guard. Inside a region no scope
+  opens (:func:`.region.scopeless`); a block whose sublayers' output layouts depend on
+  a path is refused (:func:`refusal`).
+- Megatron's "f" set on the block's input, a tensor from outside the graph, would be
+  an extra output without gradient: the region's first op is the "f" of each DTensor
+  input (:func:`_with_f`), its all-reduce in the block's backward graph.
 
-Outside training (``torch.no_grad``), inside a compiled step, without ModelParallel and
-in symbolic calls the block's own ``call`` runs."""
+Outside training, inside a compiled step, without ModelParallel and in symbolic calls
+the block's own ``call`` runs."""
 
 from __future__ import annotations
 
@@ -39,21 +37,14 @@ from keras_dtensor_fix.dtensor import (
 from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.hub import generation as hub
 
-#: Distribution -> (block class, the user's cache key tag)
-#: -> the class's region (:func:`_region`), shared by every instance.
+#: Distribution -> (block class, the user's cache key tag) -> the class's region.
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: The attribute marking a block whose ``call`` this module installed.
-_INSTALLED = "_keras_dtensor_fix_block"
 
 
 def repeated(model: Any, least: int = 2) -> list[Any]:
-    """The model's repeated blocks, outermost first: blocks mode's and generation's.
-
-    Those a keras-hub backbone lists (``hub.generation.decoder_blocks``) where
-    it lists ``least`` or more; else layers with sublayers whose class occurs
-    at least twice, not nested in another such layer; models (a functional
-    backbone) are never blocks.
-    """
+    """The model's repeated blocks, outermost first: those a keras-hub backbone lists
+    where it lists ``least`` or more, else layers with sublayers whose class occurs
+    twice or more, not nested in another such layer, never a model."""
     listed = hub.decoder_blocks(model)
     if listed:
         return listed if len(listed) >= least else []
@@ -85,11 +76,8 @@ def refusal(block: Any) -> str | None:
 
 
 def choose(model: Any, mode: str) -> tuple[str, str]:
-    """Which compilation ``model``'s steps get, ``step`` or ``blocks``, and why.
-
-    ``auto`` (the default) goes block by block where the model repeats blocks and none
-    is refused; evaluation and prediction then compile whole (the ``compile`` family).
-    In ``blocks`` mode they run eagerly."""
+    """Which compilation ``model``'s steps get, ``step`` or ``blocks``, and why:
+    ``auto`` goes block by block where the model repeats blocks and none is refused."""
     if mode != "auto":
         return mode, f"KERAS_DTENSOR_FIX_COMPILE={mode}"
     found = repeated(model)
@@ -124,15 +112,15 @@ def tell(model: Any, building: str | None, mode: str, why: str) -> None:
 
 
 def install(model: Any) -> list[Any]:
-    """Route each repeated block of ``model`` through its class's region; returns the
-    blocks routed (those refused are named in one warning)."""
+    """Route each repeated block of ``model`` through its class's region; the blocks
+    routed (those refused named in one warning)."""
     routed, refused = [], []
     for by_class in _COMPILED.values():
         for compiled in by_class.values():
             compiled.reset()  # a new step: every block's guards run again
     for block in repeated(model):
-        if getattr(block, _INSTALLED, False):
-            routed.append(block)
+        if getattr(vars(block).get("call"), "func", None) is _region_call:
+            routed.append(block)  # installed already
             continue
         reason = refusal(block)
         if reason is not None:
@@ -140,7 +128,6 @@ def install(model: Any) -> list[Any]:
             continue
         call = functools.partial(_region_call, block, type(block).call)
         state.set_attribute(block, "call", call)
-        state.set_attribute(block, _INSTALLED, True)
         routed.append(block)
     if refused:
         warnings.warn(
@@ -157,12 +144,9 @@ def uninstall(routed: list[Any]) -> None:
     """Give the ``routed`` blocks their own ``call`` back."""
     for block in routed:
         vars(block).pop("call", None)
-        vars(block).pop(_INSTALLED, None)
 
 
-def _region_call(
-    block: Any, original: Callable[..., Any], *args: Any, **kwargs: Any
-) -> Any:
+def _region_call(block, original, *args, **kwargs):
     if region.SCOPELESS or not region.eligible():
         return original(block, *args, **kwargs)
     compiled = _region(type(block), original)

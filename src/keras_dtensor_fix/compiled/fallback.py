@@ -28,26 +28,20 @@ _SEEDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def marks(model: Any) -> Marks:
     """Each optimizer the model holds (any attribute with ``iterations``) with a copy of
     its step count, kept on the device."""
-    found = []
-    seen: set[int] = set()
+    found = {}
     for value in vars(model).values():
         try:
             counter = getattr(getattr(value, "iterations", None), "value", None)
         except Exception:  # noqa: BLE001 - a property that raises holds no count
             continue
-        if isinstance(counter, torch.Tensor) and id(counter) not in seen:
-            seen.add(id(counter))
-            local = getattr(counter, "_local_tensor", counter)
-            found.append((counter, local.detach().clone()))
-    return found
+        if isinstance(counter, torch.Tensor):
+            found[id(counter)] = (counter, _local(counter).detach().clone())
+    return list(found.values())
 
 
 def none_since(taken: Marks) -> bool:
     """Whether no optimizer has counted a step since ``taken``."""
-    return all(
-        torch.equal(getattr(counter, "_local_tensor", counter), before)
-        for counter, before in taken
-    )
+    return all(torch.equal(_local(counter), before) for counter, before in taken)
 
 
 def _state_variables(model: Any) -> list[Any]:
@@ -59,8 +53,9 @@ def _state_variables(model: Any) -> list[Any]:
     return seeds + list(model.metrics_variables)
 
 
-def _local(variable: Any) -> torch.Tensor:
-    value = variable.value
+def _local(value: Any) -> torch.Tensor:
+    """A tensor's (or a Keras variable's) local part."""
+    value = getattr(value, "value", value)
     return getattr(value, "_local_tensor", value)
 
 
@@ -113,9 +108,9 @@ def eager_if_compile_fails(
                 "now on, as upstream Keras runs it.",
                 stacklevel=2,
             )
-            eager = _build_eagerly(instance, make)
+            without_jit_compile(instance, lambda: getattr(instance, make)(force=True))
             rewind(state)
-            return eager(*args, **kwargs)
+            return getattr(instance, make[len("make_") :])(*args, **kwargs)
         if watch:
             message = break_report(before, dynamo_counts(), len(ran))
             if message is not None and message[:60] not in told:
@@ -166,12 +161,11 @@ def break_report(
     )
 
 
-def _build_eagerly(instance, make: str):
-    """The step function ``make`` builds with ``jit_compile`` off."""
+def without_jit_compile(instance: Any, build: Callable[[], Any]) -> Any:
+    """``build()`` (a step builder) with ``instance``'s ``jit_compile`` off."""
     jit_compile = instance._jit_compile
     instance._jit_compile = False
     try:
-        getattr(instance, make)(force=True)
+        return build()
     finally:
         instance._jit_compile = jit_compile
-    return getattr(instance, make[len("make_") :])

@@ -24,26 +24,25 @@ _SKIPPED: list[types.CodeType] = []
 def skip() -> None:
     """Dynamo runs :data:`HELPERS` without compiling them; set again at each step built
     (``torch._dynamo.reset()`` clears it)."""
-    from torch._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
     from torch.distributed.tensor import DTensor
 
     functions = [getattr(DTensor, name, None) for name in HELPERS]
-    for code in [f.__code__ for f in functions if hasattr(f, "__code__")]:
-        strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-        set_code_exec_strategy(code, strategy)
-        if code not in _SKIPPED:
-            _SKIPPED.append(code)
+    codes = [f.__code__ for f in functions if hasattr(f, "__code__")]
+    _set(codes, "SKIP")
+    _SKIPPED.extend(code for code in codes if code not in _SKIPPED)
 
 
 def restore() -> None:
     """Dynamo's default for the helpers again."""
-    if not _SKIPPED:
-        return
+    if _SKIPPED:
+        _set(_SKIPPED, "DEFAULT")
+        _SKIPPED.clear()
+
+
+def _set(codes: list[types.CodeType], action: str) -> None:
     from torch._dynamo.eval_frame import set_code_exec_strategy
     from torch._dynamo.types import FrameAction, FrameExecStrategy
 
-    while _SKIPPED:
-        code = _SKIPPED.pop()
-        strategy = FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
-        set_code_exec_strategy(code, strategy)
+    both = getattr(FrameAction, action)  # for the frame and the frames it calls
+    for code in codes:
+        set_code_exec_strategy(code, FrameExecStrategy(both, both))

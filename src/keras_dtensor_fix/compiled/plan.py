@@ -20,15 +20,13 @@ from keras_dtensor_fix.engine import wrappers
 class Plan:
     """What blocks mode installed on one model."""
 
-    #: The blocks routed through their class's region.
     blocks: list[Any] = field(default_factory=list)
-    #: The tail's split, where the tail is one region (:mod:`.tail`).
+    #: The tail's split, where the tail is one region.
     split: Any = None
-    #: Whether the optimizer's update runs per block (:mod:`.update_groups`).
+    #: Whether the optimizer's update runs per block.
     update: bool = False
 
 
-#: Model -> its plan.
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -71,8 +69,7 @@ def uninstall(model: Any) -> None:
 
 
 def step(train_step: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
-    """Keras's ``train_step``, its batch kept for the model's tail
-    (:func:`.tail.step`)."""
+    """Keras's ``train_step``, its batch kept for the model's tail."""
     found = _plan_of(model)
     if found is None or found.split is None:
         return train_step(*args, **kwargs)

@@ -48,11 +48,9 @@ def step(model: Any) -> str | None:
 
 
 def recurrent_layers(model) -> list[str]:
-    """Recurrent layers of ``model`` that run Keras's generic RNN loop.
-
-    LSTM and GRU on their backend path (``use_cudnn`` "auto" or True, no recurrent
-    dropout, ``reset_after``, no mask) compile; the generic loop fails under
-    ModelParallel (torch 2.13) after tracing as long as a whole step."""
+    """Recurrent layers of ``model`` that run Keras's generic RNN loop (not LSTM and GRU
+    on their backend path), which fails under ModelParallel (torch 2.13) after tracing
+    as long as a whole step."""
     rnn = targets.keras_object("RNN")
     fast = (targets.keras_object("LSTM"), targets.keras_object("GRU"))
     found = []
@@ -73,11 +71,11 @@ def recurrent_layers(model) -> list[str]:
 
 def _receives_mask(layer) -> bool:
     """Whether the model's graph feeds ``layer`` a Keras mask."""
-    for node in getattr(layer, "_inbound_nodes", None) or ():
-        for tensor in getattr(node, "input_tensors", None) or ():
-            if getattr(tensor, "_keras_mask", None) is not None:
-                return True
-    return False
+    return any(
+        getattr(tensor, "_keras_mask", None) is not None
+        for node in getattr(layer, "_inbound_nodes", None) or ()
+        for tensor in getattr(node, "input_tensors", None) or ()
+    )
 
 
 def seeded_random_layers(model) -> list[str]:

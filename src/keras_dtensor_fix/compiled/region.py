@@ -6,16 +6,6 @@ torch 2.13, pytorch/pytorch#152963), the per-process cache tag (:mod:`.cache_key
 views recomputed in the backward, guards skipped once settled (:class:`Steady`), a code
 object of its own (dynamo counts cache entries per code object) and, where
 torch.compile fails (:mod:`.failure`), one warning and the eager code from then on.
-
-Each call of a compiled function evaluates dynamo's guards on everything its trace
-read: for a one-token call every layer attribute and weight, none of which changes in
-a loop. :class:`Steady` runs calls with guards until one with the same
-:func:`signature` as the call before (each tensor's metadata, other arguments'
-identity, grad mode) converted no frame; from then on calls with that signature run
-under ``skip_guard_eval_unsafe``, which checks only the guards that tell cache entries
-apart. ``interleaved=True`` serves calls that take turns (each block of a step):
-several signatures stay settled. Not used at dynamo's recompile limit (misses would
-run eagerly, unseen), nor under a stance other than the default.
 """
 
 from __future__ import annotations
@@ -32,18 +22,7 @@ import torch
 from keras_dtensor_fix.compiled import cache_key, failure
 from keras_dtensor_fix.engine import state, targets
 
-__all__ = [
-    "SCOPELESS",
-    "Region",
-    "Steady",
-    "code_of",
-    "compile_static",
-    "eligible",
-    "name_scope",
-    "renamed",
-    "scopeless",
-    "signature",
-]
+__all__ = ["SCOPELESS", "Region", "eligible", "name_scope", "scopeless"]
 
 #: True while a block's or the tail's region runs: its sublayers open no name scope.
 SCOPELESS: list[bool] = []
@@ -98,22 +77,8 @@ def renamed(function: Callable[..., Any], qualname: str) -> Any:
     return named
 
 
-#: Tensor classes with no placements: their metadata is read directly (an
-#: update group's call passes about a hundred such tensors).
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
-
-
 def _meta(value: Any) -> Any:
     cls = type(value)
-    if cls in _PLAIN and value.layout is torch.strided:
-        return (
-            cls,
-            value.shape,
-            value.stride(),
-            value.dtype,
-            value.device,
-            value.requires_grad,
-        )
     if isinstance(value, torch.Tensor):
         return (
             cls,
@@ -155,18 +120,24 @@ def _unguarded() -> Any:
         current = torch._dynamo.eval_frame._stance
         if current.stance != "default" or current.skip_guard_eval_unsafe:
             return None
-        stance = torch.compiler.set_stance(
+        return torch.compiler.set_stance(
             "default", skip_guard_eval_unsafe=True, force_backend=current.backend
         )
     except (AttributeError, RuntimeError, TypeError):
         return None  # another torch, or inside a compiled region
-    return stance
 
 
 class Steady:
-    """``compiled`` (a ``torch.compile`` of ``code``'s function) for one loop;
-    ``settled_call`` runs settled calls (without wrappers only compiling needs),
-    ``fixed`` leading arguments are the same objects at every call."""
+    """``compiled`` (a ``torch.compile`` of ``code``'s function) for one loop.
+
+    Each compiled call evaluates dynamo's guards on all its trace read (for a token
+    step every layer attribute and weight), none of which changes in a loop. Once a
+    call with the :func:`signature` of an earlier one (the one before, or any with
+    ``interleaved``: blocks take turns) converted no frame, calls with it run under
+    ``skip_guard_eval_unsafe``, which checks only the guards telling cache entries
+    apart. Not at dynamo's recompile limit (misses would run eagerly, unseen), nor
+    under a stance other than the default. ``settled_call`` runs settled calls
+    (without wrappers only compiling needs: a failed guard raises under the stance)."""
 
     #: Signatures remembered at most (``interleaved``); more start afresh.
     LIMIT = 256
@@ -178,26 +149,14 @@ class Steady:
         *,
         interleaved: bool = False,
         settled_call: Callable[..., Any] | None = None,
-        fixed: int = 0,
     ) -> None:
         self._compiled = compiled
-        #: What a settled call runs: ``compiled`` without wrappers that only
-        #: matter when dynamo compiles (a settled call never compiles: a
-        #: failed guard raises under the stance).
         self._settled_call = settled_call or compiled
-        #: Leading positional arguments that are the same objects at every
-        #: call (the caller's promise): left out of the signature.
-        self._fixed = fixed
         self._code = code
         self._interleaved = interleaved
         self._last: tuple | None = None
         self._seen: set[tuple] = set()
         self._settled: set[tuple] = set()
-
-    @property
-    def settled(self) -> bool:
-        """Whether calls with the last signature skip their guards."""
-        return self._last in self._settled
 
     def reset(self) -> None:
         """Evaluate every signature's guards again until it settles again."""
@@ -206,7 +165,7 @@ class Steady:
         self._settled.clear()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key = signature(args[self._fixed :], kwargs)
+        key = signature(args, kwargs)
         if key in self._settled:
             stance = _unguarded()
             if stance is not None:
@@ -241,22 +200,15 @@ def compile_static(
     traced: Callable[..., Any],
     distribution: Any,
     *,
-    interleaved: bool = False,
-    fixed: int = 0,
     dynamic: bool | None = False,
+    **options: Any,
 ) -> Steady:
-    """``traced`` compiled as a region, its guards skipped once settled."""
+    """``traced`` compiled as a region, its guards skipped once settled (``options``:
+    :class:`Steady`'s)."""
     plain = torch.compile(traced, dynamic=dynamic)
-    # The two settings matter only where dynamo compiles: settled calls,
-    # which cannot, skip setting them around each call.
+    # Both settings matter only where dynamo compiles: settled calls skip them.
     compiled = cache_key.keyed(_views_recomputed(plain), distribution)
-    return Steady(
-        compiled,
-        code_of(traced),
-        interleaved=interleaved,
-        settled_call=plain,
-        fixed=fixed,
-    )
+    return Steady(compiled, code_of(traced), settled_call=plain, **options)
 
 
 def _views_recomputed(compiled: Callable[..., Any]) -> Callable[..., Any]:
@@ -275,7 +227,8 @@ def _views_recomputed(compiled: Callable[..., Any]) -> Callable[..., Any]:
 
 class Region:
     """``function`` compiled under the distribution of its first call; ``what`` and
-    ``then`` word the one warning a compile failure gives."""
+    ``then`` word the one warning a compile failure gives; ``options``:
+    :func:`compile_static`'s."""
 
     def __init__(
         self,
@@ -284,12 +237,10 @@ class Region:
         *,
         qualname: str | None = None,
         then: str = "it runs eagerly from now on.",
-        interleaved: bool = False,
-        fixed: int = 0,
-        dynamic: bool | None = False,
+        **options: Any,
     ) -> None:
         self._traced = renamed(function, qualname) if qualname else function
-        self._options = {"interleaved": interleaved, "fixed": fixed, "dynamic": dynamic}
+        self._options = options
         self._compiled: Steady | None = None
         self.what = what
         self.then = then

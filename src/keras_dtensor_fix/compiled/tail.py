@@ -1,20 +1,14 @@
 """The layers after a model's last repeated block and the loss, one compiled region.
 
-In blocks mode the head after the last block and the loss would run eagerly on DTensors
-(the logits' redistribution, the log-softmax and its backward) where a whole step fuses
-them. Here they run as one region per model. The region crosses the model's call, so
-while Keras's ``train_step`` runs (:func:`step` keeps its batch) three instance
-attributes are set on a functional model:
-
-- ``_run_through_graph`` runs the nodes up to the last one holding a block
-  eagerly, then the rest with the loss (and the compiled metrics' update,
-  where built) in the region;
-- ``_compute_loss`` returns the region's loss for that output and batch;
-- ``compute_metrics`` then only collects the results.
-
-The outputs pass :func:`~keras_dtensor_fix.dtensor.zero_gradients_if_unused`: the
-model's output gets zeros for a gradient, and a loss Keras computes itself from it still
-has its gradient."""
+In blocks mode they would run eagerly on DTensors (the logits' redistribution, the
+log-softmax and its backward) where a whole step fuses them. The region crosses the
+model's call, so while Keras's ``train_step`` runs (:func:`step` keeps its batch) a
+functional model gets three instance attributes: ``_run_through_graph`` runs the nodes
+up to the last one holding a block eagerly, then the rest, the loss and the built
+compiled metrics' update in the region; ``_compute_loss`` returns the region's loss;
+``compute_metrics`` only collects the results. The outputs pass
+:func:`~keras_dtensor_fix.dtensor.zero_gradients_if_unused`: a loss Keras computes
+itself from the model's output still has its gradient."""
 
 from __future__ import annotations
 
@@ -51,10 +45,8 @@ class _Plan:
     boundary: list[Any]
     #: Whether the loss reads ``x`` (a ``compute_loss`` of the model's own).
     reads_x: bool
-    #: The compiled region (:func:`_tail`), made with the plan.
     region: Any = None
-    #: The instance's own values of :data:`_ATTRIBUTES` before, put back by
-    #: :func:`uninstall` (the compile family's ``_compute_loss`` wrapper).
+    #: The instance's own values of :data:`_ATTRIBUTES` before (:func:`uninstall`).
     saved: dict[str, Any] = field(default_factory=dict)
     #: The batch of the model's ``train_step`` running now (:func:`step`).
     pending: Any = None
@@ -72,12 +64,6 @@ class _Pending:
     loss: Any = field(default=None, repr=False)
     #: Whether the region updated the compiled metrics with ``y_pred``.
     metrics: bool = False
-
-
-#: False: the tail runs eagerly in blocks mode (benchmarks compare).
-ENABLED = True
-#: False: the compiled metrics update eagerly after the step (benchmarks).
-METRICS = True
 
 
 def refusal(model: Any) -> str | None:
@@ -114,9 +100,7 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
     ids = {id(block) for block in routed}
     nodes = _nodes_of(model)
     held = [i for i, node in enumerate(nodes) if _holds(node.operation, ids)]
-    if not held:
-        return "no layer follows its last block"
-    last = held[-1]
+    last = held[-1] if held else len(nodes) - 1
     if last == len(nodes) - 1:
         return "no layer follows its last block"
     front, tail = nodes[: last + 1], nodes[last + 1 :]
@@ -144,8 +128,6 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
 def install(model: Any, routed: list[Any]) -> _Plan | str:
     """Run ``model``'s tail and loss as one region in its training steps; the plan, else
     why not."""
-    if not ENABLED:
-        return "turned off"
     found = plan(model, routed)
     if isinstance(found, str):
         return found
@@ -236,7 +218,7 @@ def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
     _run_nodes(model, found.front, values)
     boundary = [values.get(id(ref)) for ref in found.boundary]
     if any(v is None or getattr(v, "_keras_mask", None) is not None for v in boundary):
-        return _eager_rest(model, found, values)  # a mask rides on its tensor
+        return _rest(model, found.tail, values)  # a mask rides on its tensor
     x = pending.x if found.reads_x else None
     metrics = _metrics_in_region(model)
     arguments = (model, found, boundary, x, pending.y, pending.sample_weight, metrics)
@@ -247,7 +229,7 @@ def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
     with region.scopeless():
         result = found.region(lambda: None, *arguments)
     if result is None:
-        return _eager_rest(model, found, values)
+        return _rest(model, found.tail, values)
     (outputs, loss), kept = result
     leaves, spec = pytree.tree_flatten((outputs, loss))
     leaves = zero_gradients_if_unused(leaves)
@@ -266,29 +248,19 @@ def _metrics_in_region(model: Any) -> bool:
     metrics = getattr(model, "_compile_metrics", None)
     base = targets.keras_object("BaseTrainer")
     return (
-        METRICS
-        and metrics is not None
+        metrics is not None
         and getattr(metrics, "built", False)
         and getattr(type(model), "compute_metrics", None) is base.compute_metrics
     )
 
 
-def _tail(
-    model: Any,
-    found: _Plan,
-    boundary: list,
-    x: Any,
-    y: Any,
-    weight: Any,
-    metrics: bool,
-):
+def _tail(model, found, boundary, x, y, weight, metrics):
     """The region: the tail's nodes, the loss and, where ``metrics``, the compiled
     metrics' update."""
     # Megatron's "f" of each input as the graph's first op (as a block's).
     boundary = [reducing_input(value) for value in boundary]
     values = {id(ref): v for ref, v in zip(found.boundary, boundary, strict=True)}
-    _run_nodes(model, found.tail, values)
-    outputs = _pack(model, values)
+    outputs = _rest(model, found.tail, values)
     y_pred = targets.keras_object("unpack_singleton")(outputs)
     compute = type(model)._compute_loss
     loss = compute(model, x=x, y=y, y_pred=y_pred, sample_weight=weight, training=True)
@@ -297,11 +269,6 @@ def _tail(
     leaves, spec = pytree.tree_flatten((outputs, loss))
     kept = [kept_detached(v) if isinstance(v, DTensor) else [] for v in leaves]
     return pytree.tree_unflatten([without_kept(v) for v in leaves], spec), kept
-
-
-def _eager_rest(model: Any, found: _Plan, values: dict) -> Any:
-    _run_nodes(model, found.tail, values)
-    return _pack(model, values)
 
 
 def _nodes_of(model: Any) -> list[Any]:
@@ -314,12 +281,9 @@ def _nodes_of(model: Any) -> list[Any]:
 
 
 def _holds(operation: Any, ids: set[int]) -> bool:
-    if id(operation) in ids:
-        return True
     layers = getattr(operation, "_flatten_layers", None)
-    if layers is None:
-        return False
-    return any(id(layer) in ids for layer in layers(include_self=False, recursive=True))
+    inner = layers(include_self=False, recursive=True) if layers else ()
+    return id(operation) in ids or any(id(layer) in ids for layer in inner)
 
 
 def _run_nodes(model: Any, nodes: list[Any], values: dict[int, Any]) -> None:
@@ -336,19 +300,15 @@ def _run_nodes(model: Any, nodes: list[Any], values: dict[int, Any]) -> None:
             values[id(ref)] = value
 
 
-def _pack(model: Any, values: dict[int, Any]) -> Any:
-    tree = targets.keras_object("tree")
+def _rest(model: Any, nodes: list[Any], values: dict[int, Any]) -> Any:
+    """Run ``nodes`` into ``values``; the model's outputs."""
+    _run_nodes(model, nodes, values)
     found = [values[id(ref)] for ref in model.outputs]
-    return tree.pack_sequence_as(model._outputs_struct, found)
+    return targets.keras_object("tree").pack_sequence_as(model._outputs_struct, found)
 
 
 def _boundary(nodes: list[Any], outputs: list[Any]) -> list[Any]:
     """The tensors ``nodes`` read and ``outputs`` need that ``nodes`` do not make."""
     wanted = [ref for node in nodes for ref in node.input_tensors] + list(outputs)
-    skip = {id(ref) for node in nodes for ref in node.outputs}
-    found = []
-    for ref in wanted:
-        if id(ref) not in skip:
-            skip.add(id(ref))
-            found.append(ref)
-    return found
+    made = {id(ref) for node in nodes for ref in node.outputs}
+    return list({id(ref): ref for ref in wanted if id(ref) not in made}.values())

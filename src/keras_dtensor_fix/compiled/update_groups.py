@@ -3,20 +3,19 @@
 Eager ``_foreach_*`` updates are one op per variable, which a whole step's graph fuses.
 Here ``apply`` runs eagerly on DTensors (clipping, weight decay, the step count) and the
 optimizer's ``_parallel_update_step`` (set on the instance) runs the shard-wise update
-(:mod:`..ops.shardwise`) through a :class:`Grouped`: the variables split by owning
-block, each group through a region keyed by its shapes. The region gets stand-ins (an
-optimizer with its slot lists cut to the group, variables whose ``value`` it sets), so
-one graph serves every alike block. (Tracing the whole ``apply`` made the start grow
-with the depth: ``benchmarks/results/2026-11-29-update-per-block.md``.)
+(:mod:`..ops.shardwise`) per owning block (:class:`Grouped`), each group through a
+region keyed by its shapes and given stand-ins (an optimizer with its slot lists cut to
+the group, variables whose ``value`` it sets): one graph serves alike blocks. Tracing
+the whole ``apply`` made the start grow with the depth
+(``benchmarks/results/2026-11-29-update-per-block.md``).
 
-Only Keras's own ``train_step`` and torch optimizers whose update is per variable
-(:func:`..engine.targets.per_variable_update`: not Nadam) and that select no branch
-(gradient accumulation, EMA overwrites)."""
+Only Keras's own ``train_step`` and torch optimizers whose update is per variable (not
+Nadam) and selects no branch (gradient accumulation, EMA overwrites)."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from keras_dtensor_fix.compiled import refusals, region
@@ -25,37 +24,32 @@ from keras_dtensor_fix.ops import shardwise
 
 __all__ = ["Grouped", "groupable", "install", "uninstall"]
 
-#: False: the update runs eagerly in blocks mode (benchmarks compare).
-ENABLED = True
-
 
 def install(model: Any, routed: list[Any]) -> str | None:
     """Give ``model``'s optimizer its update per block; None, or why not."""
     optimizer = getattr(model, "optimizer", None)
-    if not ENABLED:
-        return "turned off"
     if optimizer is None or not callable(getattr(optimizer, "apply", None)):
         return "it has no optimizer"
     if not refusals.keras_train_step(model):
         return "its class has a train_step() of its own"
     reason = groupable(optimizer)
-    if reason is not None or _INSTALLED in vars(optimizer):
+    if reason is not None or _installed(optimizer):
         return reason
     grouped = Grouped(optimizer, list(routed))
     update = functools.partial(_update, grouped, optimizer)
     state.set_attribute(optimizer, "_parallel_update_step", update)
-    state.set_attribute(optimizer, _INSTALLED, True)
     return None
 
 
 def uninstall(model: Any) -> None:
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and vars(optimizer).pop(_INSTALLED, None):
-        vars(optimizer).pop("_parallel_update_step", None)
+    if optimizer is not None and _installed(optimizer):
+        del vars(optimizer)["_parallel_update_step"]
 
 
-#: The attribute marking an optimizer whose update this module installed.
-_INSTALLED = "_keras_dtensor_fix_grouped"
+def _installed(optimizer: Any) -> bool:
+    update = vars(optimizer).get("_parallel_update_step")
+    return getattr(update, "func", None) is _update
 
 
 def _update(grouped: Grouped, optimizer: Any, grads, variables, learning_rate) -> Any:
@@ -91,39 +85,31 @@ def _update_function(optimizer: Any) -> Any:
     return getattr(update, "__wrapped__", update)  # the family's wrapper
 
 
-class _Stand:
-    """A stand-in Keras variable: the updates read only its ``value``."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = None
+def _stands(size: int) -> list[SimpleNamespace]:
+    """Stand-in Keras variables: the updates read only their ``value``."""
+    return [SimpleNamespace(value=None) for _ in range(size)]
 
 
 class _Entry:
     """One group shape: its stand-ins and region."""
 
     def __init__(self, optimizer: Any, rows: list[str], size: int, name: str) -> None:
-        self.stands = [_Stand() for _ in range(size)]
-        self.rows = {row: [_Stand() for _ in range(size)] for row in rows}
-        self.row_stands = list(self.rows.values())
+        self.stands = _stands(size)
+        self.rows = [_stands(size) for _ in rows]
         self.proxy = object.__new__(type(optimizer))
         self.overrides = {
             "_trainable_variables": list(self.stands),
             "_trainable_variables_indices": {
                 id(stand): index for index, stand in enumerate(self.stands)
             },
-            **{row: list(stands) for row, stands in self.rows.items()},
+            **{row: list(stands) for row, stands in zip(rows, self.rows, strict=True)},
         }
         self.sync(optimizer)
-        # The entry passes its own update, stand-in optimizer and stand-ins
-        # at every call: the signature covers the tensors only.
         self.region = region.Region(
             _group_step,
             f"the update of {type(optimizer).__name__}",
             qualname=name,
             interleaved=True,
-            fixed=4,
         )
 
     def sync(self, optimizer: Any) -> None:
@@ -169,12 +155,9 @@ class Grouped:
         if self.failed or rows is None:
             bound(grads, variables, lr)
             return
-        done = 0
-        context = bound, optimizer, rows, _reader()
-        for indices in self._groups(variables):
-            group = [variables[i] for i in indices], [grads[i] for i in indices]
+        for done, indices in enumerate(self._groups(variables)):
             try:
-                self._run(context, indices, group, lr)
+                self._run(bound, optimizer, rows, indices, grads, variables, lr)
             except Exception as error:
                 if not done:
                     raise
@@ -186,32 +169,24 @@ class Grouped:
                     f"{error}); the step cannot run again. Compile with "
                     "jit_compile=False to train as upstream Keras does."
                 ) from error
-            done += 1
 
-    def _run(self, context: tuple, indices: list[int], group: tuple, lr: Any) -> None:
-        bound, optimizer, rows, read = context
-        group_vars, group_grads = group
+    def _run(self, bound, optimizer, rows, indices, grads, variables, lr) -> None:
+        group_vars = [variables[i] for i in indices]
+        group_grads = [grads[i] for i in indices]
         if self.failed:
             bound(group_grads, group_vars, lr)
             return
-        values = [read(v) for v in group_vars]
-        slots = [[read(rows[row][i]) for i in indices] for row in rows]
+        values = [v.value for v in group_vars]
+        slots = [[row[i].value for i in indices] for row in rows.values()]
         # Alike blocks share an entry (Steady checks each tensor's metadata).
         key = (tuple(rows), tuple((v.shape, v.dtype) for v in values))
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = _Entry(optimizer, list(rows), len(indices), self._name)
-            self._entries[key] = entry
+        if key not in self._entries:
+            self._entries[key] = _Entry(optimizer, list(rows), len(indices), self._name)
+        entry = self._entries[key]
         entry.sync(optimizer)
-        fixed = (self.update, entry.proxy, entry.stands, entry.row_stands)
-        entry.region(
-            lambda: bound(group_grads, group_vars, lr),
-            *fixed,
-            group_grads,
-            values,
-            slots,
-            lr,
-        )
+        fixed = (self.update, entry.proxy, entry.stands, entry.rows)
+        tensors = (group_grads, values, slots, lr)
+        entry.region(lambda: bound(group_grads, group_vars, lr), *fixed, *tensors)
         self.failed = entry.region.failed
 
     def _groups(self, variables: list) -> list[list[int]]:
@@ -221,27 +196,6 @@ class Grouped:
             by_owner.setdefault(self._owner.get(id(variable), -1), []).append(index)
         rest = by_owner.pop(-1, [])
         return [*by_owner.values(), *([rest] if rest else [])]
-
-
-def _reader() -> Callable[[Any], Any]:
-    """How this update reads a variable: its ``_value`` (what ``value`` returns outside
-    stateless, autocast and symbolic scopes) without those checks."""
-    if (
-        targets.keras_object("in_stateless_scope")()
-        or targets.keras_object("get_autocast_scope")() is not None
-        or "meta" in str(targets.keras_object("get_device")())
-    ):
-        return _value
-    return _raw
-
-
-def _value(variable: Any) -> Any:
-    return variable.value
-
-
-def _raw(variable: Any) -> Any:
-    value = variable._value
-    return variable.value if value is None else value
 
 
 def _slot_rows(optimizer: Any, variables: list) -> dict[str, list[Any]] | None:

@@ -12,6 +12,8 @@ import sys
 import types
 import warnings
 
+import torch
+
 from keras_dtensor_fix.checks import layout_rules
 from keras_dtensor_fix.compiled import (
     blocks,
@@ -78,15 +80,9 @@ def _compiles(instance) -> bool:
 #: The ``make_*_function`` running now (innermost last), and whether its step
 #: compiles whole.
 _BUILDING: list[list] = []
-#: Steps without a backward: compiled whole even where training goes by blocks.
-_FORWARD = ("make_test_function", "make_predict_function")
-
-
-STEP_FUNCTIONS = {
-    "make_train_function": "train_function",
-    "make_test_function": "test_function",
-    "make_predict_function": "predict_function",
-}
+#: The trainer's step builders, the two without a backward last.
+BUILDERS = ("make_train_function", "make_test_function", "make_predict_function")
+_FORWARD = BUILDERS[1:]
 
 
 def _check_layout_rules(model) -> None:
@@ -108,7 +104,7 @@ def _static_shapes(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
     finally:
         _, whole = _BUILDING.pop()
-    attribute = STEP_FUNCTIONS[wrapped.__name__]
+    attribute = wrapped.__name__[len("make_") :]
     step = getattr(instance, attribute, None)
     if (
         step is not None
@@ -117,8 +113,6 @@ def _static_shapes(wrapped, instance, args, kwargs):
         and not getattr(step, "_keras_dtensor_fix_static", False)
     ):
         if whole:
-            import torch
-
             step = torch._dynamo.config.patch(automatic_dynamic_shapes=False)(step)
             step = cache_key.keyed(step, model_parallel())
             _losses_consumed(instance)
@@ -131,19 +125,16 @@ def _static_shapes(wrapped, instance, args, kwargs):
 
 
 def _losses_consumed(instance) -> None:
-    """A compiled step clears the ``add_loss`` losses once its loss read them.
-
-    Left in ``_losses`` (an MoE router's loss), dynamo made them a forward output whose
-    ``grad_fn`` ``autograd.grad`` consumes (a failed trace over DTensors), and the next
-    call compiled again. Keras clears them at the next call anyway."""
+    """A compiled step clears the ``add_loss`` losses once its loss read them (Keras
+    clears them at the next call anyway): left in ``_losses`` (an MoE router's loss),
+    dynamo made them a forward output whose ``grad_fn`` ``autograd.grad`` consumes (a
+    failed trace over DTensors), and the next call compiled again."""
     compute_loss = instance._compute_loss
     if getattr(compute_loss, "_keras_dtensor_fix_clears", False):
         return
 
     def compute_and_clear(*args, **kwargs):
         loss = compute_loss(*args, **kwargs)
-        import torch
-
         if torch.compiler.is_compiling():
             instance._clear_losses()
         return loss
@@ -166,8 +157,7 @@ def _cache_backend_layouts(model) -> None:
 
 def _eager_on_early_nightly(wrapped, instance, args, kwargs):
     """Early nightlies cannot compile a ModelParallel step (wrong DTensor tangents,
-    ``with`` blocks dynamo cannot inline): Keras builds it with ``jit_compile=False``.
-    """
+    ``with`` blocks dynamo cannot inline): built with ``jit_compile=False``."""
     _check_layout_rules(instance)
     if not (instance.jit_compile and model_parallel() is not None):
         return wrapped(*args, **kwargs)
@@ -177,11 +167,7 @@ def _eager_on_early_nightly(wrapped, instance, args, kwargs):
         f"keras-nightly>={FIRST_COMPILING_NIGHTLY} compiles it.",
         stacklevel=2,
     )
-    instance._jit_compile = False
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        instance._jit_compile = True
+    return fallback.without_jit_compile(instance, lambda: wrapped(*args, **kwargs))
 
 
 FIRST_COMPILING_NIGHTLY = "3.16.0.dev2026102704"
@@ -197,21 +183,18 @@ def patches(module: types.ModuleType) -> list[Patch]:
     if not targets.trainer_compiles_model_parallel(module):
         return [
             Patch(module.__name__, f"{cls}.{name}", _eager_on_early_nightly)
-            for name in STEP_FUNCTIONS
+            for name in BUILDERS
         ]
     attribute = f"{cls}._use_torch_compile"
     return [
         Patch(module.__name__, attribute, _use_torch_compile),
         Patch(module.__name__, f"{cls}.train_step", plan.step, gated=True),
-    ] + [
-        Patch(module.__name__, f"{cls}.{name}", _static_shapes)
-        for name in STEP_FUNCTIONS
-    ]
+    ] + [Patch(module.__name__, f"{cls}.{name}", _static_shapes) for name in BUILDERS]
 
 
 def notes() -> list[str]:
-    """Whether this nightly and this torch can compile a ModelParallel step,
-    and how the last one compiled (whole or block by block) and why."""
+    """Whether this nightly and torch compile a ModelParallel step; how the last one
+    compiled and why."""
     module = sys.modules.get(targets.TRAINER)
     if module is None:
         return []
@@ -222,8 +205,6 @@ def notes() -> list[str]:
             f">={FIRST_COMPILING_NIGHTLY} compiles"
         ]
     if not targets.torch_compiles_dtensor_grad():
-        import torch
-
         return [
             "jit_compile=True under ModelParallel runs eagerly with torch "
             f"{torch.__version__} (dynamo cannot trace autograd.grad over "

@@ -2,13 +2,11 @@
 
 Two keys torch 2.13 did not make the same from launch to launch:
 
-- ``numpy_operator_wrapper(operator.truediv)`` (Gemma's ``1 / np.sqrt``):
-  AOT autograd's cache refused it, so every launch compiled again. It is
-  keyed by the ``operator`` function's name, as torch keys the numpy
-  wrappers (pytorch/pytorch#156943).
-- A ``DeviceMesh`` graph input (QwenMoe) was keyed by pickling the mesh with
-  the memo on, so the key changed at every launch. It is keyed by what a
-  graph depends on: device type, shape, ranks, names and group names.
+- ``numpy_operator_wrapper(operator.truediv)`` (Gemma's ``1 / np.sqrt``): AOT autograd's
+  cache refused it. It is keyed by the ``operator`` function's name, as torch keys the
+  numpy wrappers (pytorch/pytorch#156943).
+- A ``DeviceMesh`` graph input (QwenMoe), pickled with the memo on. It is keyed by what
+  a graph depends on: device type, shape, ranks, names and group names.
 """
 
 from __future__ import annotations
@@ -81,14 +79,8 @@ def patches(module: types.ModuleType) -> list[Patch]:
         return [Patch(module.__name__, PICKLER, _reduce_fake_script_object)]
     if not callable(getattr(module, "numpy_wrapper_cache_key", None)):
         raise LookupError("numpy_wrapper_cache_key")
-    return [
-        Patch(
-            module.__name__,
-            "numpy_wrapper_cache_key",
-            _cache_key,
-            also_in=targets.aliases("dynamo_utils"),
-        )
-    ]
+    also_in = targets.aliases("dynamo_utils")
+    return [Patch(module.__name__, "numpy_wrapper_cache_key", _cache_key, also_in)]
 
 
 IMPLEMENTATION = Implementation(patches)

@@ -38,8 +38,8 @@ def _convert_to_numpy(wrapped, instance, args, kwargs):
 
 
 def _convert_to_tensor_in(core: types.ModuleType) -> Any:
-    """The ``convert_to_tensor`` wrapper of ``core`` (its helpers read once:
-    dynamo would trace each lookup again)."""
+    """The ``convert_to_tensor`` wrapper of ``core`` (its helpers read once: dynamo
+    would trace each lookup again)."""
     get_device = getattr(core, "get_device", None)
     to_torch_dtype = getattr(core, "to_torch_dtype", None)
 
@@ -75,22 +75,12 @@ def _unchanged(args: tuple, kwargs: dict, get_device: Any, to_torch_dtype: Any) 
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
+    name, to_tensor = module.__name__, _convert_to_tensor_in(module)
+    by_name, star = targets.aliases("core_by_name"), targets.aliases("core_star")
     return [
-        Patch(
-            module.__name__,
-            "convert_to_tensor",
-            _convert_to_tensor_in(module),
-            also_in=targets.aliases("core_by_name"),
-            gated=True,
-            traced=True,  # a compiled token step (gate shut) converts too
-        ),
-        Patch(
-            module.__name__,
-            "convert_to_numpy",
-            _convert_to_numpy,
-            also_in=targets.aliases("core_star"),
-            gated=True,
-        ),
+        # traced: a compiled token step (gate shut) converts too
+        Patch(name, "convert_to_tensor", to_tensor, by_name, True, traced=True),
+        Patch(name, "convert_to_numpy", _convert_to_numpy, star, gated=True),
     ]
 
 

@@ -66,15 +66,8 @@ def _make_metrics_result(owner_name: str):
 
 def patches(module: types.ModuleType) -> list[Patch]:
     cls = targets.trainer_class(module)
-    return [
-        Patch(
-            module.__name__,
-            f"{cls}.get_metrics_result",
-            _make_metrics_result(cls),
-            gated=True,
-            traced=True,
-        )
-    ]
+    wrapper, attribute = _make_metrics_result(cls), f"{cls}.get_metrics_result"
+    return [Patch(module.__name__, attribute, wrapper, gated=True, traced=True)]
 
 
 IMPLEMENTATION = Implementation(patches)

@@ -14,15 +14,10 @@ from keras_dtensor_fix.ops import handlers
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
+    name, also_in = module.__name__, targets.aliases("numpy")
     return [
-        Patch(
-            module.__name__,
-            name,
-            handlers.wrapper_for(name, getattr(module, name)),
-            also_in=targets.aliases("numpy"),
-            gated=True,
-        )
-        for name in handlers.target_names(module)
+        Patch(name, op, handlers.wrapper_for(op, getattr(module, op)), also_in, True)
+        for op in handlers.target_names(module)
     ]
 
 

@@ -15,6 +15,8 @@ Every multi-tensor function gets the op-handler table's wrapper
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import types
 from typing import Any
 
@@ -34,17 +36,9 @@ def _static(value: Any) -> bool:
     return isinstance(value, (int, torch.SymInt))
 
 
-def _slice_wrapper(convert_to_tensor: Any) -> Any:
-    """The wrapper of the core module's ``slice`` (its ``convert_to_tensor``)."""
-
-    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        return _slice(convert_to_tensor, wrapped, args, kwargs)
-
-    return wrapper
-
-
-def _slice(convert_to_tensor: Any, wrapped: Any, args: tuple, kwargs: dict) -> Any:
-    """``slice(inputs, start_indices, shape)``: a tensor start, traced, gathers."""
+def _slice(convert_to_tensor: Any, wrapped: Any, instance: Any, args, kwargs) -> Any:
+    """``slice(inputs, start_indices, shape)``: a tensor start, traced, gathers
+    (``convert_to_tensor``: the core module's)."""
     if not torch.compiler.is_compiling():
         return wrapped(*args, **kwargs)
     names = ("inputs", "start_indices", "shape")
@@ -85,10 +79,8 @@ def _closed_over(fn: Any) -> list[Any]:
     """The values ``fn`` closes over (Keras variables as their tensors)."""
     values = []
     for cell in getattr(fn, "__closure__", None) or ():
-        try:
+        with contextlib.suppress(ValueError):  # a cell not yet filled
             values.append(resolve(cell.cell_contents))
-        except ValueError:  # a cell not yet filled
-            continue
     return values
 
 
@@ -107,29 +99,21 @@ def _fori_loop(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    core = targets.is_kind(module.__name__, "core")
-    names = CORE if core else handlers.target_names(module)
-    sliced = []
+    name = module.__name__
+    core = targets.is_kind(name, "core")
+    also_in = targets.aliases("core") if core else ()
+    found = []
     if core and hasattr(module, "slice") and hasattr(module, "convert_to_tensor"):
-        wrapper = _slice_wrapper(module.convert_to_tensor)
-        also_in = targets.aliases("core")
+        wrapper = functools.partial(_slice, module.convert_to_tensor)
         # traced: a generation's local token call (gate shut) needs it too
-        patch = Patch(module.__name__, "slice", wrapper, also_in, True, traced=True)
-        sliced.append(patch)
+        found.append(Patch(name, "slice", wrapper, also_in, True, traced=True))
     if core and hasattr(module, "fori_loop"):
-        also_in = targets.aliases("core")
-        sliced.append(Patch(module.__name__, "fori_loop", _fori_loop, also_in, True))
-    return sliced + [
-        Patch(
-            module.__name__,
-            name,
-            handlers.wrapper_for(name, getattr(module, name), elementwise=False),
-            also_in=targets.aliases("core") if core else (),
-            gated=True,
-        )
-        for name in names
-        if hasattr(module, name)
-    ]
+        found.append(Patch(name, "fori_loop", _fori_loop, also_in, True))
+    for op in CORE if core else handlers.target_names(module):
+        if hasattr(module, op):
+            wrapper = handlers.wrapper_for(op, getattr(module, op), elementwise=False)
+            found.append(Patch(name, op, wrapper, also_in, gated=True))
+    return found
 
 
 IMPLEMENTATION = Implementation(patches)

@@ -7,8 +7,7 @@ original runs on the DTensors.
 Gradient accumulation, EMA overwrites and ``LossScaleOptimizer`` branch through
 ``ops.cond``, whose ``if pred:`` breaks a compiled step's graph where torch 2.13 then
 fails on DTensors. Compiled and sharded, those ``cond`` calls run both branches and keep
-each variable's with ``torch.where`` (:func:`_selected_cond`): no break, the same
-values."""
+each variable's with ``torch.where`` (:func:`_selected_cond`)."""
 
 from __future__ import annotations
 
@@ -31,9 +30,8 @@ def _parallel_update_step(wrapped, instance, args, kwargs):
     if not shardwise.sharded(grads, variables):
         return wrapped(*args, **kwargs)
     # Traced (a compiled step), the update runs on the aligned DTensors.
-    local = not compiling()
     return shardwise.update(
-        instance, wrapped, grads, variables, learning_rate, local=local
+        instance, wrapped, grads, variables, learning_rate, local=not compiling()
     )
 
 
@@ -59,29 +57,26 @@ def _apply_gradients(wrapped, instance, args, kwargs):
     """Compiled and sharded, let :func:`_cond` select the step's branches."""
     if not compiling() or not shardwise.selects_branches(instance):
         return wrapped(*args, **kwargs)
-    trainable = list(args[1] if len(args) > 1 else kwargs["trainable_variables"])
-    written = [*trainable, *instance._trainable_variables, *instance.variables]
-    return _selecting(written, wrapped, args, kwargs)
+    return _selecting(instance, instance, wrapped, args, kwargs)
 
 
 def _loss_scaled_apply(wrapped, instance, args, kwargs):
-    """Compiled and sharded, ``LossScaleOptimizer``'s ``cond`` selects too: over the
-    trainable, the inner optimizer's and the scale's variables."""
+    """Compiled and sharded, ``LossScaleOptimizer``'s ``cond`` selects too (over the
+    inner optimizer's variables)."""
     if not compiling():
         return wrapped(*args, **kwargs)
+    return _selecting(instance, instance.inner_optimizer, wrapped, args, kwargs)
+
+
+def _selecting(instance: Any, owner: Any, wrapped, args, kwargs) -> Any:
+    """``wrapped``, its ``cond`` calls selecting over the variables it may write (the
+    trainable, ``owner``'s and ``instance``'s own) when one is a DTensor."""
     trainable = args[1] if len(args) > 1 else kwargs.get("trainable_variables")
-    inner = instance.inner_optimizer
     written = [
         *(trainable or instance._trainable_variables),
-        *inner._trainable_variables,
+        *owner._trainable_variables,
         *instance.variables,
     ]
-    return _selecting(written, wrapped, args, kwargs)
-
-
-def _selecting(written: list[Any], wrapped, args, kwargs) -> Any:
-    """``wrapped``, its ``cond`` calls selecting over ``written`` when one is
-    a DTensor (:func:`_cond`)."""
     if not any(isinstance(v.value, DTensor) for v in written):
         return wrapped(*args, **kwargs)
     unique = list({id(v): v for v in written}.values())
@@ -95,9 +90,8 @@ def _selecting(written: list[Any], wrapped, args, kwargs) -> Any:
 def _selected_cond(
     pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any], variables
 ) -> Any:
-    """``cond`` without a branch: both branches run from the same values and each
-    variable keeps the one ``pred`` picks (exact while they write only ``variables``).
-    """
+    """``cond`` without a branch: both branches run from the same values, each variable
+    keeps the one ``pred`` picks (exact while they write only ``variables``)."""
     values = [v.value for v in variables]
     with torch.no_grad():
         before = [value.clone() for value in values]
@@ -126,55 +120,40 @@ def _bind_cond(pred, true_fn, false_fn):
     return pred, true_fn, false_fn
 
 
+#: Module kind -> the attribute wrapped there and its wrapper (compiled steps run all
+#: but the accumulators').
+_BY_KIND = {
+    "core": ("cond", _cond),
+    "base_optimizer": ("BaseOptimizer._backend_apply_gradients", _apply_gradients),
+    "loss_scale_optimizer": ("LossScaleOptimizer._common_apply", _loss_scaled_apply),
+    "parallel_optimizer": (
+        "TorchParallelOptimizer._backend_increment_gradient_accumulators",
+        _increment_accumulators,
+    ),
+}
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
-    if targets.is_kind(module.__name__, "core"):
-        return [
-            Patch(
-                module.__name__,
-                "cond",
-                _cond,
-                also_in=targets.aliases("core_star"),
-                gated=True,
-                traced=True,
-            )
-        ]
-    if targets.is_kind(module.__name__, "base_optimizer"):
-        attribute = "BaseOptimizer._backend_apply_gradients"
-        return [
-            Patch(module.__name__, attribute, _apply_gradients, gated=True, traced=True)
-        ]
-    if targets.is_kind(module.__name__, "loss_scale_optimizer"):
-        attribute = "LossScaleOptimizer._common_apply"
-        if "_common_apply" not in vars(getattr(module, "LossScaleOptimizer", object)):
+    name = module.__name__
+    for kind, (attribute, wrapper) in _BY_KIND.items():
+        if not targets.is_kind(name, kind):
+            continue
+        owner = getattr(module, "LossScaleOptimizer", object)
+        if kind == "loss_scale_optimizer" and "_common_apply" not in vars(owner):
             raise LookupError(f"{attribute} not found: this Keras moved it")
-        return [
-            Patch(
-                module.__name__, attribute, _loss_scaled_apply, gated=True, traced=True
-            )
-        ]
-    if targets.is_kind(module.__name__, "parallel_optimizer"):
-        attribute = "TorchParallelOptimizer._backend_increment_gradient_accumulators"
-        return [Patch(module.__name__, attribute, _increment_accumulators, gated=True)]
-    result = []
-    for name, cls in vars(module).items():
-        if (
-            isinstance(cls, type)
-            and cls.__module__ == module.__name__
-            and hasattr(cls, "_parallel_update_step")
-        ):
-            result.append(
-                Patch(
-                    module.__name__,
-                    f"{name}._parallel_update_step",
-                    _parallel_update_step,
-                    gated=True,
-                    traced=True,
-                )
-            )
+        also_in = targets.aliases("core_star") if kind == "core" else ()
+        traced = kind != "parallel_optimizer"
+        return [Patch(name, attribute, wrapper, also_in, gated=True, traced=traced)]
+    update = _parallel_update_step
+    result = [
+        Patch(name, f"{cls}._parallel_update_step", update, gated=True, traced=True)
+        for cls, value in vars(module).items()
+        if isinstance(value, type)
+        and value.__module__ == name
+        and hasattr(value, "_parallel_update_step")
+    ]
     if not result:
-        raise LookupError(
-            f"no optimizer with _parallel_update_step in {module.__name__}"
-        )
+        raise LookupError(f"no optimizer with _parallel_update_step in {name}")
     return result
 
 

@@ -27,8 +27,8 @@ from keras_dtensor_fix.engine.state import (
 
 
 def _skip_activation(wrapped, instance, args, kwargs):
-    """``activate_dtensor_promotion`` (a sharding distribution set): no mode,
-    DTensor's switch on this thread, and the gated wrappers open."""
+    """``activate_dtensor_promotion``: no mode; DTensor's switch on this thread and the
+    gated wrappers open."""
     note_sharding()
     set_implicit_replication(True)
     return None
@@ -47,11 +47,10 @@ def patches(module: types.ModuleType) -> list[Patch]:
         raise LookupError(
             "activate_dtensor_promotion not found: this Keras has no promotion mode"
         )
-    found = [Patch(module.__name__, "activate_dtensor_promotion", _skip_activation)]
+    name = module.__name__
+    found = [Patch(name, "activate_dtensor_promotion", _skip_activation)]
     if hasattr(module, "deactivate_dtensor_promotion"):
-        found.append(
-            Patch(module.__name__, "deactivate_dtensor_promotion", _deactivation)
-        )
+        found.append(Patch(name, "deactivate_dtensor_promotion", _deactivation))
     return found
 
 

@@ -51,8 +51,8 @@ _DRAWS = torch.zeros((), dtype=torch.int64)
 
 
 def _define_kept():
-    """The op ``keras_dtensor_fix::dropout_kept`` (None: a torch without
-    ``custom_op`` tags; traced draws then break the graph)."""
+    """The op ``keras_dtensor_fix::dropout_kept``, or None (a torch without
+    ``custom_op`` tags: traced draws break the graph)."""
 
     def kept(
         draws: torch.Tensor,

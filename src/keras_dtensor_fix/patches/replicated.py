@@ -27,39 +27,18 @@ from keras_dtensor_fix.engine.state import compiling
 from keras_dtensor_fix.ops.values import flatten_call, local_tensors, unflatten_call
 
 
-def local_inputs(
-    values: list[Any], *, grad: bool = True, mesh: Any = None
-) -> tuple[Any, list[Any]] | None:
-    """``values`` with whole DTensors as local tensors (a Partial one reduced
-    first), and their mesh, or None; ``mesh``: the caller's variables' mesh.
-    Only with ``grad`` does a DTensor needing a gradient take an autograd op."""
-    mesh = planner.replicated(values, mesh=mesh, partial=True)
-    if mesh is None:
-        return None
-    local = []
-    for value in values:
-        if isinstance(value, DTensor):
-            value = reduce_partial(value)
-            if grad and value.requires_grad:
-                value = unwrap_local(value)
-            else:
-                value = value._local_tensor
-        local.append(value)
-    return mesh, local
+def _local(value: Any, grad: bool) -> Any:
+    """A whole DTensor's local tensor (a Partial one reduced first); only with ``grad``
+    does one needing a gradient take an autograd op."""
+    if not isinstance(value, DTensor):
+        return value
+    value = reduce_partial(value)
+    return unwrap_local(value) if grad and value.requires_grad else value._local_tensor
 
 
-def _run_local(wrapped, instance, args, kwargs):
-    """A loss on local tensors (its result keeps the gradient path)."""
-    return _call_local(wrapped, instance, args, kwargs, grad=True)
-
-
-def _update_local(wrapped, instance, args, kwargs):
-    """A metric update on local tensors (metrics take no gradients)."""
-    return _call_local(wrapped, instance, args, kwargs, grad=False)
-
-
-def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
-    """Call ``wrapped`` on local tensors, with ``instance``'s variables local."""
+def _run_local(wrapped, instance, args, kwargs, *, grad: bool = True):
+    """A loss (``grad``: its result keeps the gradient path) or a metric update on
+    local tensors, ``instance``'s variables local."""
     if compiling() or not getattr(instance, "built", True):
         return wrapped(*args, **kwargs)
     variables = list(instance.variables)
@@ -72,10 +51,10 @@ def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
             if mesh is None:
                 mesh = value.device_mesh
     leaves, structure = flatten_call(args, kwargs)
-    found = local_inputs(leaves, grad=grad, mesh=mesh)
-    if found is None:
+    mesh = planner.replicated(leaves, mesh=mesh, partial=True)
+    if mesh is None:
         return wrapped(*args, **kwargs)
-    mesh, local = found
+    local = [_local(value, grad) for value in leaves]
     with local_tensors(variables):
         args, kwargs = unflatten_call(args, kwargs, structure, local)
         result = wrapped(*args, **kwargs)
@@ -84,25 +63,25 @@ def _call_local(wrapped, instance, args, kwargs, *, grad: bool):
     return replicate(result, mesh)
 
 
+def _update_local(wrapped, instance, args, kwargs):
+    return _run_local(wrapped, instance, args, kwargs, grad=False)
+
+
 def patches(module: types.ModuleType) -> list[Patch]:
+    wrappers = {"Mean.update_state": _update_local}
     if module.__name__ == targets.COMPILE_UTILS:
-        names = ("CompileLoss.__call__", "CompileMetrics.update_state")
-    else:
-        names = ("Mean.update_state",)
-    for target in names:
+        wrappers = {
+            "CompileLoss.__call__": _run_local,
+            "CompileMetrics.update_state": _update_local,
+        }
+    for target in wrappers:
         owner, name = target.split(".")
         if name not in vars(getattr(module, owner, object)):
             raise LookupError(f"{target} not found: this Keras moved it")
     # traced: dynamo guards ``type(loss).__call__`` by identity.
     return [
-        Patch(
-            module.__name__,
-            target,
-            _run_local if target.endswith("__call__") else _update_local,
-            gated=True,
-            traced=True,
-        )
-        for target in names
+        Patch(module.__name__, target, wrapper, gated=True, traced=True)
+        for target, wrapper in wrappers.items()
     ]
 
 

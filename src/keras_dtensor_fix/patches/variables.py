@@ -9,8 +9,9 @@ assignments to replicated variables without DTensor's dispatch.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import types
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,8 +41,8 @@ class LayoutError(ValueError):
 
 
 def check_layout(variable: Any, layout: Any) -> None:
-    """Refuse a layout whose axes do not match the variable's dims (torch
-    fails later inside DTensor), naming the variable and a layout that works."""
+    """Refuse a layout whose axes do not match the variable's dims (torch fails later,
+    inside DTensor)."""
     axes = tuple(getattr(layout, "axes", None) or ())
     shape = tuple(getattr(variable, "shape", ()) or ())
     if not axes or len(axes) == len(shape):
@@ -59,20 +60,17 @@ def check_layout(variable: Any, layout: Any) -> None:
     )
 
 
-def _make_wrapper(convert_to_tensor: Callable[..., Any]):
-    def _initialize_distributed(wrapped, instance, args, kwargs):
-        dist = model_parallel()
-        if dist is not None and instance._layout is None:
-            # What Keras's own method does first: it is not done again.
-            instance._layout = dist.get_variable_layout(instance)
-        if dist is not None:
-            check_layout(instance, instance._layout)
-        value = wrapped(*args, **kwargs)
-        if value is not None or dist is None:
-            return value
-        return _replicated_parameter(instance, dist, convert_to_tensor, *args, **kwargs)
-
-    return _initialize_distributed
+def _initialize_distributed(convert_to_tensor, wrapped, instance, args, kwargs):
+    dist = model_parallel()
+    if dist is not None and instance._layout is None:
+        # What Keras's own method does first: it is not done again.
+        instance._layout = dist.get_variable_layout(instance)
+    if dist is not None:
+        check_layout(instance, instance._layout)
+    value = wrapped(*args, **kwargs)
+    if value is not None or dist is None:
+        return value
+    return _replicated_parameter(instance, dist, convert_to_tensor, *args, **kwargs)
 
 
 def _replicated_parameter(variable, dist, convert_to_tensor, initializer):
@@ -131,20 +129,9 @@ def _to_backend_layout(wrapped, instance, args, kwargs):
     layout = wrapped(*args, **kwargs)
     placements = getattr(layout, "placements", None)
     if placements is not None and not hasattr(layout, SPEC):
-        try:
+        with contextlib.suppress(AttributeError, TypeError):
             state.set_attribute(layout, SPEC, _spec(placements))
-        except (AttributeError, TypeError):
-            pass
     return layout
-
-
-def _layout_placements(layout: Any) -> tuple:
-    backend = getattr(layout, "backend_layout", layout)
-    return tuple(getattr(backend, "placements", ()) or ())
-
-
-def _mesh(layout: Any) -> Any:
-    return getattr(layout, "backend_layout", layout).device_mesh
 
 
 def _to_backend_mesh(wrapped, instance, args, kwargs):
@@ -156,10 +143,8 @@ def _to_backend_mesh(wrapped, instance, args, kwargs):
         return cached
     mesh = wrapped(*args, **kwargs)
     forget_meshes()
-    try:
+    with contextlib.suppress(AttributeError):
         state.set_attribute(device_mesh, "_backend_mesh", mesh)
-    except AttributeError:
-        pass
     return mesh
 
 
@@ -169,10 +154,11 @@ def _distribute_tensor(wrapped, instance, args, kwargs):
         layout is not None
         and getattr(tensor, "ndim", None) == 0
         and not isinstance(tensor, DTensor)
-        and all(p.is_replicate() for p in _layout_placements(layout))
     ):
-        # A scalar for a replicated variable: the same everywhere, no broadcast.
-        return replicate(tensor, _mesh(layout))
+        backend = getattr(layout, "backend_layout", layout)
+        if all(p.is_replicate() for p in getattr(backend, "placements", None) or ()):
+            # A scalar for a replicated variable: the same everywhere, no broadcast.
+            return replicate(tensor, backend.device_mesh)
     if layout is None or not (isinstance(tensor, DTensor) and compiling()):
         return wrapped(*args, **kwargs)
     placements = placements_of(layout, tensor)
@@ -207,35 +193,25 @@ def _direct_assign(wrapped, instance, args, kwargs):
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    if targets.is_kind(module.__name__, "distribution_lib"):
+    name = module.__name__
+    if targets.is_kind(name, "distribution_lib"):
+        trainer = targets.aliases("trainer")
         return [
-            Patch(module.__name__, "distribute_tensor", _distribute_tensor),
-            Patch(module.__name__, "_to_backend_layout", _to_backend_layout),
-            Patch(
-                module.__name__,
-                "_to_backend_mesh",
-                _to_backend_mesh,
-                also_in=targets.aliases("trainer"),
-            ),
+            Patch(name, "distribute_tensor", _distribute_tensor),
+            Patch(name, "_to_backend_layout", _to_backend_layout),
+            Patch(name, "_to_backend_mesh", _to_backend_mesh, also_in=trainer),
         ]
     if "_initialize_distributed" not in vars(module.Variable):
         raise LookupError(
             "Variable._initialize_distributed not found: this Keras creates "
             "distributed variables another way"
         )
-    wrapper = _make_wrapper(module.convert_to_tensor)
-    result = [Patch(module.__name__, "Variable._initialize_distributed", wrapper)]
+    wrapper = functools.partial(_initialize_distributed, module.convert_to_tensor)
+    result = [Patch(name, "Variable._initialize_distributed", wrapper)]
     if "_direct_assign" in vars(module.Variable):
         # traced: compiled steps assign too; dynamo must run the original.
-        result.append(
-            Patch(
-                module.__name__,
-                "Variable._direct_assign",
-                _direct_assign,
-                gated=True,
-                traced=True,
-            )
-        )
+        assign = "Variable._direct_assign"
+        result.append(Patch(name, assign, _direct_assign, gated=True, traced=True))
     return result
 
 
