@@ -47,17 +47,21 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
     if not isinstance(first, DTensor) or not first.dtype.is_floating_point:
         return None
     mesh = first.device_mesh
-    for operand in operands[1:]:
-        if (
-            not isinstance(operand, DTensor)
-            or not _same_mesh(operand, mesh)
-            or operand.dtype != first.dtype
-        ):
-            return None
-    compiling = torch.compiler.is_compiling()
-    operands = _align_shards(equation, operands, mesh, compiling)
-    product = planner.product
-    found = (product.__wrapped__ if compiling else product)(
+    if any(
+        not isinstance(o, DTensor)
+        or o.dtype != first.dtype
+        or not same_mesh(o.device_mesh, mesh)
+        for o in operands[1:]
+    ):
+        return None
+    wanted = _uncached(planner.aligned)(
+        equation, tuple(tuple(o.placements) for o in operands), tuple(mesh.shape)
+    )
+    operands = [
+        o if w == tuple(o.placements) else placed(o, w)
+        for o, w in zip(operands, wanted, strict=True)
+    ]
+    found = _uncached(planner.product)(
         equation,
         tuple(tuple(o.shape) for o in operands),
         tuple(tuple(o.placements) for o in operands),
@@ -65,43 +69,25 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
     )
     if found is None:
         return None
-    if compiling:
-        return _traced_einsum(equation, found, operands, mesh)
     operands = [
         reducing_gradient(o) if any(p.is_partial() for p in grad) else o
         for o, grad in zip(operands, found.grads, strict=True)
     ]
-    return _LocalEinsum.apply(equation, found, *operands)
-
-
-def _align_shards(
-    equation: str, operands: Sequence[DTensor], mesh: Any, compiling: bool
-) -> Sequence[DTensor]:
-    """``operands`` placed as :func:`.planner.aligned` says; traced, without the
-    ``lru_cache`` (dynamo warns at each trace through it)."""
-    aligned = planner.aligned
-    wanted = (aligned.__wrapped__ if compiling else aligned)(
-        equation, tuple(tuple(o.placements) for o in operands), tuple(mesh.shape)
-    )
-    return [
-        o if w == tuple(o.placements) else placed(o, w)
-        for o, w in zip(operands, wanted, strict=True)
-    ]
-
-
-def _traced_einsum(
-    equation: str, found: tuple, operands: Sequence[DTensor], mesh: Any
-) -> DTensor:
-    """:class:`_LocalEinsum` as the DTensor calls dynamo traces."""
-    out_placements, grad_placements, _ = found
+    if not torch.compiler.is_compiling():
+        return _LocalEinsum.apply(equation, found, *operands)
+    # _LocalEinsum as the DTensor calls dynamo traces
     locals_ = [
-        (reducing_gradient(o) if any(p.is_partial() for p in g) else o).to_local(
-            grad_placements=g
-        )
-        for o, g in zip(operands, grad_placements, strict=True)
+        o.to_local(grad_placements=g)
+        for o, g in zip(operands, found.grads, strict=True)
     ]
     result = torch.einsum(equation, *locals_)
-    return DTensor.from_local(result, mesh, out_placements, run_check=False)
+    return DTensor.from_local(result, mesh, found.placements, run_check=False)
+
+
+def _uncached(planned: Any) -> Any:
+    """``planned`` without its ``lru_cache`` when traced (dynamo warns at each trace
+    through one)."""
+    return planned.__wrapped__ if torch.compiler.is_compiling() else planned
 
 
 def local_matmul(x: Any, w: Any) -> DTensor | None:
@@ -158,10 +144,6 @@ def linear_equation(ndim: int) -> str | None:
     return _LINEAR.get(ndim)
 
 
-def _same_mesh(value: DTensor, mesh: Any) -> bool:
-    return same_mesh(value.device_mesh, mesh)
-
-
 def local_dense(
     equation: str,
     x: Any,
@@ -180,7 +162,7 @@ def local_dense(
         return None
     mesh = w.device_mesh
     if isinstance(x, DTensor):
-        if not _same_mesh(x, mesh):
+        if not same_mesh(x.device_mesh, mesh):
             return None
         x_placements = tuple(x.placements)
     elif isinstance(x, torch.Tensor) and not x.requires_grad:
@@ -201,19 +183,18 @@ def local_dense(
     reduced = without_partials(out)
     out_shape = _output_shape(equation, tuple(x.shape), tuple(w.shape))
     if b is not None:
-        if not isinstance(b, DTensor) or b.dtype != w.dtype or not _same_mesh(b, mesh):
+        if not isinstance(b, DTensor) or b.dtype != w.dtype:
+            return None
+        if not same_mesh(b.device_mesh, mesh):
             return None
         b_plan = _bias_plan(out_shape, reduced, tuple(b.shape))
         if b_plan is None or b_plan[0] != tuple(b.placements):
             return None
     if activation is not None and not _scope_fits(scope, reduced, len(out_shape)):
         return None
-    if not isinstance(x, DTensor):
-        local = x
-    elif any(p.is_partial() for p in x_grad):
-        local = unwrap_local(reducing_gradient(x), x_grad)
-    else:
-        local = unwrap_local(x, x_grad)
+    if any(p.is_partial() for p in x_grad):
+        x = reducing_gradient(x)
+    local = unwrap_local(x, x_grad) if isinstance(x, DTensor) else x
     if w.ndim == 2 and equation == linear_equation(x.ndim):
         # torch.matmul: fewer ops than einsum's permutes and bmm, both ways.
         y = torch.matmul(local, unwrap_local(w, w_grad))

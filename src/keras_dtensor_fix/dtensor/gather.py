@@ -31,12 +31,12 @@ def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
     rows = [i for i, p in enumerate(table.placements) if p == Shard(0)]
     if len(rows) != 1 or any(p.is_partial() for p in table.placements):
         return None
+    axis = rows[0]
     if isinstance(ids, DTensor):
         if not same_mesh(ids.device_mesh, mesh):
             return None
         if any(p.is_partial() for p in ids.placements):
             return None
-        axis = rows[0]
         id_placements = tuple(
             Replicate() if i == axis else p for i, p in enumerate(ids.placements)
         )
@@ -46,9 +46,7 @@ def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
     else:
         id_placements = (Replicate(),) * mesh.ndim
         local_ids = ids
-    axis = rows[0]
-    out_placements = []
-    table_grads = []
+    out_placements, table_grads = [], []
     for i, (mine, theirs) in enumerate(
         zip(table.placements, id_placements, strict=True)
     ):

@@ -107,17 +107,18 @@ def reducing_gradient(value: Any) -> Any:
     ):
         return value
     if views_leaf(value):  # may outlive the step: kept, it would be stale
-        if torch.compiler.is_compiling():
-            return value.redistribute(value.device_mesh, value.placements)
-        return _ReduceGradient.apply(value)
+        return _reduce_gradient(value)
     reducing = getattr(value, _REDUCING, None)
     if reducing is None:
-        if torch.compiler.is_compiling():
-            reducing = value.redistribute(value.device_mesh, value.placements)
-        else:
-            reducing = _ReduceGradient.apply(value)
+        reducing = _reduce_gradient(value)
         setattr(value, _REDUCING, reducing)
     return reducing
+
+
+def _reduce_gradient(value: DTensor) -> DTensor:
+    if torch.compiler.is_compiling():
+        return value.redistribute(value.device_mesh, value.placements)
+    return _ReduceGradient.apply(value)
 
 
 def reducing_input(value: Any) -> Any:

@@ -70,20 +70,20 @@ def _effective(value: DTensor) -> Placements:
     )
 
 
-def _one_mesh(values: Sequence[Any], mesh: Any = None) -> tuple[bool, Any]:
-    """``(ok, mesh)``: whether every DTensor in ``values`` sits on ``mesh`` (the first
-    one's when None), and that mesh."""
+def _one_mesh(values: Sequence[Any], mesh: Any = None) -> Any:
+    """The mesh every DTensor in ``values`` sits on (``mesh`` where given), or None:
+    no DTensor, or two meshes."""
     for value in values:
         if isinstance(value, DTensor):
             if mesh is None:
                 mesh = value.device_mesh
             elif not same_mesh(value.device_mesh, mesh):
-                return False, mesh
-    return True, mesh
+                return None
+    return mesh
 
 
 def _plain_ok(value: Any, mesh: Any, gradients: bool) -> bool:
-    """The rules for a plain (non-DTensor) leaf: on the mesh's device, grads."""
+    """A tensor's device and gradient rules (a DTensor's device is its mesh's)."""
     if not isinstance(value, torch.Tensor):
         return True
     if not gradients and value.requires_grad and torch.is_grad_enabled():
@@ -100,21 +100,19 @@ def replicated(
 ) -> Any | None:
     """The mesh when a computation on ``values`` may run whole on every rank (``mesh``:
     for calls that may hold no DTensor)."""
-    ok, mesh = _one_mesh(values, mesh)
-    if not ok or mesh is None:
+    mesh = _one_mesh(values, mesh)
+    if mesh is None:
         return None
     for value in values:
         if isinstance(value, DTensor):
             if split_dims(value, partial=partial) != frozenset():
                 return None
-            if not gradients and value.requires_grad and torch.is_grad_enabled():
-                return None
         elif isinstance(value, (list, tuple)):
             if any(isinstance(v, DTensor) for v in value):
                 return None
-    if all(_plain_ok(v, mesh, gradients) for v in values):
-        return mesh
-    return None
+        if not _plain_ok(value, mesh, gradients):
+            return None
+    return mesh
 
 
 def region(
@@ -124,8 +122,8 @@ def region(
 
     Every split operand split alike, every other tensor whole (or of size 1) along the
     split dims, none split on ``mixes`` (None: every DTensor whole)."""
-    ok, mesh = _one_mesh(values)
-    if not ok or mesh is None:
+    mesh = _one_mesh(values)
+    if mesh is None:
         return None
     reference, split = None, frozenset()
     for value in values:
@@ -164,8 +162,8 @@ def shardwise(values: Sequence[Any], states: Sequence[Any]) -> Any | None:
     DTensors on one mesh without Partial, scalars anything."""
     if not all(isinstance(v, DTensor) and split_dims(v) is not None for v in values):
         return None
-    ok, mesh = _one_mesh([*values, *states])
-    if not ok or not values:
+    mesh = _one_mesh([*values, *states])
+    if mesh is None or not values:
         return None
     for state in states:
         if isinstance(state, DTensor):
