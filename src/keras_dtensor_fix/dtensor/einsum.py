@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from itertools import zip_longest
 from typing import Any
 
 import torch
@@ -107,28 +108,19 @@ def local_matmul(x: Any, w: Any) -> DTensor | None:
 def batched_equation(left: tuple[int, ...], right: tuple[int, ...]) -> str | None:
     """The einsum of ``matmul`` on ``left`` by ``right`` shapes (3 to 10 dims), or None;
     a broadcast batch dim of size 1 gets a letter of its own."""
-    if not (3 <= len(left) <= 10 and 3 <= len(right) <= 10):
-        return None
-    if left[-1] != right[-2]:
+    if not (3 <= len(left) <= 10 and 3 <= len(right) <= 10) or left[-1] != right[-2]:
         return None
     letters = iter("abcdefghijlopqrtuvwxyzABCDEFGHIJ")
-    batch = max(len(left), len(right)) - 2
     lhs, rhs, out = "", "", ""
-    for i in range(batch):
-        a = left[i - batch - 2] if i >= batch - (len(left) - 2) else None
-        b = right[i - batch - 2] if i >= batch - (len(right) - 2) else None
+    for a, b in zip_longest(left[-3::-1], right[-3::-1]):  # batch dims, last first
         if a is not None and b is not None and a != b and 1 not in (a, b):
             return None  # sizes matmul cannot broadcast
         shared = next(letters)
-        if a is None or b is None or a == b:
-            lhs += "" if a is None else shared
-            rhs += "" if b is None else shared
-            out += shared
-            continue
-        own = next(letters)  # the size-1 side's letter, summed away
-        lhs += own if a == 1 else shared
-        rhs += own if b == 1 else shared
-        out += shared
+        # the size-1 side's letter where the other is larger, summed away
+        own = next(letters) if None not in (a, b) and a != b else shared
+        lhs = ("" if a is None else own if a == 1 else shared) + lhs
+        rhs = ("" if b is None else own if b == 1 else shared) + rhs
+        out = shared + out
     return f"{lhs}mk,{rhs}kn->{out}mn"
 
 

@@ -97,14 +97,7 @@ def reducing_gradient(value: Any) -> Any:
     the total once. Handed on as Partial, every earlier reader of the residual stream
     reduced its own copy. Cached on the value (its readers share it); traced, a
     ``redistribute`` to the same placements."""
-    if (
-        not isinstance(value, DTensor)
-        or value.is_leaf  # dynamo reads no grad_fn; an activation is no leaf
-        or not value.requires_grad
-        or not torch.is_grad_enabled()
-        or INTERNALS is None
-        or any(p.is_partial() for p in value.placements)
-    ):
+    if not _reducible(value) or not torch.is_grad_enabled() or INTERNALS is None:
         return value
     if views_leaf(value):  # may outlive the step: kept, it would be stale
         return _reduce_gradient(value)
@@ -113,6 +106,17 @@ def reducing_gradient(value: Any) -> Any:
         reducing = _reduce_gradient(value)
         setattr(value, _REDUCING, reducing)
     return reducing
+
+
+def _reducible(value: Any) -> bool:
+    """An activation (no leaf; dynamo reads no grad_fn) that needs a gradient and
+    holds no pending sum."""
+    return (
+        isinstance(value, DTensor)
+        and not value.is_leaf
+        and value.requires_grad
+        and not any(p.is_partial() for p in value.placements)
+    )
 
 
 def _reduce_gradient(value: DTensor) -> DTensor:
@@ -124,12 +128,7 @@ def _reduce_gradient(value: DTensor) -> DTensor:
 def reducing_input(value: Any) -> Any:
     """:func:`reducing_gradient` of a compiled region's input, kept on its own result
     (on an input from outside the graph it would be an extra output)."""
-    if (
-        not isinstance(value, DTensor)
-        or value.is_leaf
-        or not value.requires_grad
-        or any(p.is_partial() for p in value.placements)
-    ):
+    if not _reducible(value):
         return value
     reducing = value.redistribute(value.device_mesh, value.placements)
     setattr(reducing, _REDUCING, reducing)

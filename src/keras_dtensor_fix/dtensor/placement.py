@@ -30,23 +30,34 @@ def _trivial_taken(mesh: Any, have: tuple, want: tuple) -> tuple:
 
 
 class _Relabel(torch.autograd.Function):
-    """New placements on one-rank mesh axes only: the same local tensor (where
-    ``redistribute`` would issue a collective over a one-rank group)."""
+    """``value`` with new ``placements``, its gradient back as ``grad_placements``: on
+    one-rank mesh axes, the same local tensor (where ``redistribute`` would issue a
+    collective over a one-rank group); Partial("sum") to Replicate (``summed``: its
+    mesh axes), plain c10d all-reduces, cheaper on gloo than the functional
+    collectives."""
 
     @staticmethod
-    def forward(ctx: Any, value: DTensor, placements: tuple) -> DTensor:
-        ctx.placements = tuple(value.placements)
-        spec = copy_spec(
-            cached_spec(value.device_mesh, placements, value._spec.tensor_meta)
-        )
-        local = value._local_tensor
-        return DTensor(local.view_as(local), spec, requires_grad=value.requires_grad)
+    def forward(
+        ctx: Any,
+        value: DTensor,
+        placements: tuple,
+        grad_placements: tuple,
+        summed: list,
+    ) -> DTensor:
+        ctx.placements = grad_placements
+        mesh, local = value.device_mesh, value._local_tensor
+        if summed:
+            local = all_reduce_copy(local, mesh, summed)
+        else:
+            local = local.view_as(local)
+        spec = copy_spec(cached_spec(mesh, placements, value._spec.tensor_meta))
+        return DTensor(local, spec, requires_grad=value.requires_grad)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None, None]:
         if isinstance(grad, DTensor):
             grad = redistributed(grad, ctx.placements)
-        return grad, None
+        return grad, None, None, None
 
 
 def redistributed(value: DTensor, placements: Sequence[Any]) -> DTensor:
@@ -72,7 +83,7 @@ def redistributed(value: DTensor, placements: Sequence[Any]) -> DTensor:
                 stride=value.stride(),
             )
         else:
-            value = _Relabel.apply(value, relabelled)
+            value = _Relabel.apply(value, relabelled, have, [])
     if relabelled != placements:
         value = value.redistribute(mesh, placements)
     return value
@@ -206,7 +217,8 @@ def reduce_partial(value: Any) -> Any:
             if p.is_partial()
         )
     ):
-        return _SumPartial.apply(value, reduced)
+        axes = [axis for axis, p in enumerate(placements) if p.is_partial()]
+        return _Relabel.apply(value, reduced, reduced, axes)
     return value.redistribute(value.device_mesh, reduced)
 
 
@@ -236,21 +248,3 @@ class _ReduceMasked(torch.autograd.Function):
             reduced = without_partials(grad.placements)
             grad = grad.redistribute(grad.device_mesh, reduced)
         return grad, None
-
-
-class _SumPartial(torch.autograd.Function):
-    """Partial("sum") to Replicate with plain c10d all-reduces, cheaper on gloo than the
-    functional collectives."""
-
-    @staticmethod
-    def forward(ctx: Any, value: DTensor, reduced: tuple) -> DTensor:
-        mesh = value.device_mesh
-        ctx.placements = reduced
-        axes = [axis for axis, p in enumerate(value.placements) if p.is_partial()]
-        local = all_reduce_copy(value._local_tensor, mesh, axes)
-        spec = copy_spec(cached_spec(mesh, reduced, value._spec.tensor_meta))
-        return DTensor(local, spec, requires_grad=value.requires_grad)
-
-    @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None]:
-        return redistributed(grad, ctx.placements), None

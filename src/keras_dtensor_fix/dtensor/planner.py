@@ -259,16 +259,11 @@ def product(
     out: list[Any] = []
     grads: list[list[Any]] = [[] for _ in subscripts]
     for axis, size in enumerate(mesh_shape):
-        if size == 1:
-            out.append(Replicate())
-            for i, grad in enumerate(grads):
-                grad.append(placements[i][axis])
-            continue
         holders: dict[str, list[int]] = {}
         for i, letters in enumerate(subscripts):
             placement = placements[i][axis]
-            if placement.is_replicate():
-                continue
+            if size == 1 or placement.is_replicate():
+                continue  # a one-rank axis holds everything
             if type(placement) is not Shard or not 0 <= placement.dim < len(letters):
                 return None
             if shapes[i][placement.dim] % size:
@@ -276,8 +271,8 @@ def product(
             holders.setdefault(letters[placement.dim], []).append(i)
         if not holders:
             out.append(Replicate())
-            for grad in grads:
-                grad.append(Replicate())
+            for i, grad in enumerate(grads):
+                grad.append(placements[i][axis])
             continue
         if len(holders) > 1:
             return None
@@ -294,28 +289,22 @@ def product(
 def split_axis(values: Sequence[DTensor]) -> tuple[Any, int] | None:
     """``(mesh, axis)``: the one mesh axis (of more than one rank) ``values`` are split
     on, each on at most one dim; else None."""
-    if not values:
+    mesh = _one_mesh(values)
+    if mesh is None:
         return None
-    mesh, axis = values[0].device_mesh, None
+    axes = set()
     for value in values:
-        if not same_mesh(value.device_mesh, mesh):
-            return None
         split = [
             i
             for i, p in enumerate(value.placements)
             if not p.is_replicate() and mesh.size(i) > 1
         ]
-        if not split:
-            continue
-        if len(split) > 1 or not isinstance(value.placements[split[0]], Shard):
+        if len(split) > 1 or not all(
+            isinstance(value.placements[i], Shard) for i in split
+        ):
             return None
-        if axis is None:
-            axis = split[0]
-        elif axis != split[0]:
-            return None
-    if axis is None or mesh.size(axis) == 1:
-        return None
-    return mesh, axis
+        axes.update(split)
+    return (mesh, axes.pop()) if len(axes) == 1 else None
 
 
 def shard_dim(value: DTensor, axis: int) -> int | None:

@@ -24,12 +24,8 @@ def rules(assignment: dict[str, Axes], paths: Iterable[str]) -> list[tuple[str, 
     paths = list(paths)
     split = {p: a for p, a in assignment.items() if any(x is not None for x in a)}
 
-    def axes_of(path: str) -> Axes | None:
-        axes = assignment.get(path)
-        return axes if axes in split.values() and path in split else None
-
     def safe(regex: str, axes: Axes) -> bool:
-        return all(axes_of(p) == axes for p in paths if re.fullmatch(regex, p))
+        return all(split.get(p) == axes for p in paths if re.fullmatch(regex, p))
 
     found: dict[str, Axes] = {}
     for path, axes in split.items():
