@@ -133,13 +133,12 @@ def batch_parallel_call(
     weight_grads = tuple(Partial() if p == Shard(0) else p for p in batch)
     if isinstance(value, DTensor):
         value = value.redistribute(mesh, batch).to_local(grad_placements=batch)
-    local = []
-    for weight in weights:
-        if isinstance(weight, DTensor):
-            weight = weight.redistribute(mesh, full).to_local(
-                grad_placements=weight_grads
-            )
-        local.append(weight)
+    local = [
+        w.redistribute(mesh, full).to_local(grad_placements=weight_grads)
+        if isinstance(w, DTensor)
+        else w
+        for w in weights
+    ]
     return DTensor.from_local(fn(value, *local), mesh, batch, run_check=False)
 
 
@@ -154,10 +153,9 @@ def update_in_place_of(
     if not isinstance(partner, DTensor):
         return None
     mesh = partner.device_mesh
-    if not isinstance(updates, DTensor):
-        updates = replicate(updates, mesh)
-    if not isinstance(inputs, DTensor):
-        inputs = replicate(inputs, mesh)
+    inputs, updates = (
+        v if isinstance(v, DTensor) else replicate(v, mesh) for v in (inputs, updates)
+    )
     updates = reduce_partial(updates)
     placements = tuple(updates.placements)
     if not same_mesh(inputs.device_mesh, mesh) or any(

@@ -160,15 +160,12 @@ class _ReduceGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        if not isinstance(grad, DTensor):
-            return grad
-        placements = tuple(grad.placements)
+        placements = getattr(grad, "placements", ())  # () for a plain tensor
         axes = [i for i, p in enumerate(placements) if p.is_partial()]
         if not axes:
             return grad
         total = all_reduce_copy(grad._local_tensor, ctx.mesh, axes)
-        reduced = without_partials(placements)
-        return wrap_local(total, ctx.mesh, reduced)
+        return wrap_local(total, ctx.mesh, without_partials(placements))
 
 
 class _UnwrapLocal(torch.autograd.Function):

@@ -74,14 +74,7 @@ def redistributed(value: DTensor, placements: Sequence[Any]) -> DTensor:
         if torch.compiler.is_compiling():
             # Traced (a compiled backward of an eager _Relabel too):
             # to_local/from_local relabel; redistribute refuses "to Partial".
-            value = DTensor.from_local(
-                value.to_local(),
-                mesh,
-                relabelled,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
+            value = _from_local(value.to_local(), value, mesh, relabelled)
         else:
             value = _Relabel.apply(value, relabelled, have, [])
     if relabelled != placements:
@@ -110,13 +103,13 @@ def on_mesh(value: Any, mesh: Any) -> Any:
         or value.device_mesh != mesh
     ):
         return value
+    return _from_local(value._local_tensor, value, mesh, value.placements)
+
+
+def _from_local(local: Any, like: DTensor, mesh: Any, placements: Any) -> DTensor:
+    """``local`` as a DTensor of ``like``'s global shape and stride."""
     return DTensor.from_local(
-        value._local_tensor,
-        mesh,
-        value.placements,
-        run_check=False,
-        shape=value.shape,
-        stride=value.stride(),
+        local, mesh, placements, run_check=False, shape=like.shape, stride=like.stride()
     )
 
 
@@ -229,8 +222,7 @@ def reduce_masked(value: Any) -> Any:
     if isinstance(value, DTensor) and any(
         p.is_partial() and type(p) is not Partial for p in value.placements
     ):
-        reduced = without_partials(value.placements)
-        return _ReduceMasked.apply(value, reduced)
+        return _ReduceMasked.apply(value, without_partials(value.placements))
     return value
 
 

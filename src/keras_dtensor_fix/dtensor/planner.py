@@ -210,17 +210,16 @@ def aligned(
     subscripts = parsed[0]
     wanted = [list(p) for p in placements]
     for axis, size in enumerate(mesh_shape):
-        letters: dict[int, str] = {}
-        for i, held in enumerate(placements):
-            placement = held[axis]
-            if type(placement) is Shard and placement.dim < len(subscripts[i]):
-                letters[i] = subscripts[i][placement.dim]
-        if len(set(letters.values())) > 1 and size > 1:
+        letters = {
+            i: subscripts[i][p.dim]
+            for i, p in enumerate(held[axis] for held in placements)
+            if type(p) is Shard and p.dim < len(subscripts[i])
+        }
+        if size > 1 and letters:
             keep = next(iter(letters.values()))
-            for i, letter in list(letters.items()):
-                if letter != keep:
-                    wanted[i][axis] = Replicate()
-                    del letters[i]
+            for i in [i for i, letter in letters.items() if letter != keep]:
+                wanted[i][axis] = Replicate()
+                del letters[i]
         if len(set(letters.values())) != 1:
             continue
         (letter,) = set(letters.values())
@@ -310,6 +309,4 @@ def split_axis(values: Sequence[DTensor]) -> tuple[Any, int] | None:
 def shard_dim(value: DTensor, axis: int) -> int | None:
     """The tensor dim ``value`` is split on along mesh ``axis`` (None: whole)."""
     placement = value.placements[axis]
-    if isinstance(placement, Shard):
-        return placement.dim % value.ndim
-    return None
+    return placement.dim % value.ndim if isinstance(placement, Shard) else None
