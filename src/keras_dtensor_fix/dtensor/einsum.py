@@ -257,16 +257,11 @@ class _LocalEinsum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple:
-        out_placements, grad_placements, _ = ctx.found
-        mesh = ctx.mesh
-        # A Partial output's gradient is the full (replicated) gradient.
-        want = without_partials(out_placements)
+        mesh, needs, locals_ = ctx.mesh, ctx.needs_input_grad[2:], ctx.saved_tensors
         if not isinstance(grad, DTensor):
             grad = replicate(grad, mesh)
-        grad = redistributed(grad, want)
-        needs = ctx.needs_input_grad[2:]
-        locals_ = ctx.saved_tensors
-        g = grad._local_tensor
+        # A Partial output's gradient is the full (replicated) gradient.
+        g = redistributed(grad, without_partials(ctx.found.placements))._local_tensor
         equations = _grad_equations(ctx.equation)
         if equations is not None:
             found = iter(
@@ -285,7 +280,7 @@ class _LocalEinsum(torch.autograd.Function):
                 found = iter(torch.autograd.grad(result, wanted, g))
         grads = [
             wrap_local(next(found), mesh, placements) if need else None
-            for need, placements in zip(needs, grad_placements, strict=True)
+            for need, placements in zip(needs, ctx.found.grads, strict=True)
         ]
         return (None, None, *grads)
 

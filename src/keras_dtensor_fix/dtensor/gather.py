@@ -74,8 +74,7 @@ def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
     found = torch.nn.functional.embedding(shifted, local_table)
     found = found.masked_fill(outside.unsqueeze(-1), 0)
     partial = DTensor.from_local(found, mesh, tuple(out_placements), run_check=False)
-    reduced = without_partials(out_placements)
-    return partial.redistribute(mesh, reduced)
+    return partial.redistribute(mesh, without_partials(out_placements))
 
 
 def gather_non_batch_axes(value: Any, batch_dim_name: str | None) -> Any:

@@ -115,10 +115,11 @@ def _inputs(model, sample_input, device: str) -> Any:
             "sample_input= (one batch, as model(x) takes it)"
         )
     inputs = [_ones(spec, device) for spec in specs]
-    names = [getattr(spec, "name", None) for spec in specs]
     structure = getattr(model, "_inputs_struct", None)
     if isinstance(structure, dict) and len(structure) == len(specs):
-        by_name = dict(zip(names, inputs, strict=True))
+        by_name = {
+            getattr(s, "name", None): x for s, x in zip(specs, inputs, strict=True)
+        }
         return {
             k: by_name.get(getattr(v, "name", k), by_name.get(k))
             for k, v in structure.items()
@@ -131,8 +132,7 @@ def _ones(spec, device: str) -> torch.Tensor:
         (_BATCH if i == 0 else _OTHER) if d is None else d
         for i, d in enumerate(spec.shape)
     ]
-    dtype = getattr(torch, str(spec.dtype))
-    return torch.ones(shape, dtype=dtype, device=device)
+    return torch.ones(shape, dtype=getattr(torch, str(spec.dtype)), device=device)
 
 
 def _tensor(x, device: str) -> Any:
