@@ -225,12 +225,18 @@ def _einsum_roles(equation: str, operands: list, weight) -> tuple | None:
     terms = inputs.split(",")
     if not arrow or len(terms) != len(operands):
         return None  # an implicit output: not Keras's
-    spare = iter(c for c in string.ascii_letters if c not in equation)
-    fill = "".join(next(spare) for _ in range(max(t.ndim for t in operands)))
-    terms = [
-        _expand(term, t.ndim, fill) for term, t in zip(terms, operands, strict=True)
+    # each ellipsis as the last letters of one spare run (broadcast right)
+    widths = [
+        t.ndim - len(term) + 3 if "..." in term else 0
+        for term, t in zip(terms, operands, strict=True)
     ]
-    output = _expand(output, len(fill), fill)
+    fill = "".join(c for c in string.ascii_letters if c not in equation)
+    fill = fill[: max(widths)]
+    terms = [
+        term.replace("...", fill[len(fill) - width :])
+        for term, width in zip(terms, widths, strict=True)
+    ]
+    output = output.replace("...", fill)
     position = next(i for i, t in enumerate(operands) if t is weight)
     mine = terms[position]
     elsewhere = set("".join(t for i, t in enumerate(terms) if i != position))
@@ -239,8 +245,3 @@ def _einsum_roles(equation: str, operands: list, weight) -> tuple | None:
     )
     only = tuple(i for i, c in enumerate(mine) if c in output and c not in elsewhere)
     return contracted, only
-
-
-def _expand(term: str, width: int, fill: str) -> str:
-    """``term``'s ellipsis as ``width`` last letters of ``fill`` (broadcast right)."""
-    return term.replace("...", fill[len(fill) - width :] if width else "")
