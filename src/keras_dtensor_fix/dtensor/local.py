@@ -99,12 +99,15 @@ def reducing_gradient(value: Any) -> Any:
     ``redistribute`` to the same placements."""
     if not _reducible(value) or not torch.is_grad_enabled() or INTERNALS is None:
         return value
-    if views_leaf(value):  # may outlive the step: kept, it would be stale
-        return _reduce_gradient(value)
-    reducing = getattr(value, _REDUCING, None)
+    kept = not views_leaf(value)  # a view of a leaf may outlive the step: stale
+    reducing = getattr(value, _REDUCING, None) if kept else None
     if reducing is None:
-        reducing = _reduce_gradient(value)
-        setattr(value, _REDUCING, reducing)
+        if torch.compiler.is_compiling():
+            reducing = value.redistribute(value.device_mesh, value.placements)
+        else:
+            reducing = _ReduceGradient.apply(value)
+        if kept:
+            setattr(value, _REDUCING, reducing)
     return reducing
 
 
@@ -117,12 +120,6 @@ def _reducible(value: Any) -> bool:
         and value.requires_grad
         and not any(p.is_partial() for p in value.placements)
     )
-
-
-def _reduce_gradient(value: DTensor) -> DTensor:
-    if torch.compiler.is_compiling():
-        return value.redistribute(value.device_mesh, value.placements)
-    return _ReduceGradient.apply(value)
 
 
 def reducing_input(value: Any) -> Any:
