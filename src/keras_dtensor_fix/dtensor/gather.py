@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from keras_dtensor_fix.dtensor.local import replicate
 from keras_dtensor_fix.dtensor.placement import (
     placed,
+    redistributed,
     reduce_partial,
     same_mesh,
     without_partials,
@@ -40,9 +42,7 @@ def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
         id_placements = tuple(
             Replicate() if i == axis else p for i, p in enumerate(ids.placements)
         )
-        if id_placements != tuple(ids.placements):
-            ids = ids.redistribute(mesh, id_placements)
-        local_ids = ids.to_local()
+        local_ids = redistributed(ids, id_placements).to_local()
     else:
         id_placements = (Replicate(),) * mesh.ndim
         local_ids = ids
@@ -105,13 +105,11 @@ def per_element_call(fn: Any, value: Any) -> DTensor | None:
         for p in value.placements
     )
     shape = torch.Size((*value.shape, *local.shape[value.ndim :]))
-    stride, step = [], 1
-    for size in reversed(shape):  # contiguous, as the local result is
-        stride.insert(0, step)
-        step *= size
+    # contiguous, as the local result is
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     mesh = value.device_mesh
     return DTensor.from_local(
-        local, mesh, placements, run_check=False, shape=shape, stride=tuple(stride)
+        local, mesh, placements, run_check=False, shape=shape, stride=stride
     )
 
 

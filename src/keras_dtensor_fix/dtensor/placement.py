@@ -236,7 +236,4 @@ class _ReduceMasked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            reduced = without_partials(grad.placements)
-            grad = grad.redistribute(grad.device_mesh, reduced)
-        return grad, None
+        return reduce_partial(grad), None

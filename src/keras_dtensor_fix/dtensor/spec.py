@@ -10,8 +10,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-#: DTensorSpecs by what they are built from: building one costs more than the
-#: rest of a small op. Each DTensor gets its own (shallow) copy.
+#: DTensorSpecs by what they are built from; each DTensor gets its own shallow copy.
 SPECS: dict[tuple, Any] = {}
 
 
