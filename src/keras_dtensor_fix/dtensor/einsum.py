@@ -95,9 +95,7 @@ def local_matmul(x: Any, w: Any) -> DTensor | None:
     """``x @ w`` as :func:`local_einsum`, where ``x`` has batch dims (3 or more):
     DTensor's matmul flattens them with views (its slow path; compiled, strided shards).
     A 2-d product is one cached ``mm`` for DTensor."""
-    if not (isinstance(x, DTensor) and isinstance(w, DTensor)):
-        return None
-    if not 3 <= x.ndim <= 10:
+    if not (isinstance(x, DTensor) and isinstance(w, DTensor) and 3 <= x.ndim <= 10):
         return None
     if w.ndim == 2:
         return local_einsum(linear_equation(x.ndim), (x, w))

@@ -96,7 +96,7 @@ def replicated_locals(values: Sequence[Any]) -> tuple[Any, list[Any]] | None:
 
 def replicate_result(result: Any, mesh: Any) -> Any:
     """Each tensor in ``result`` (lists and tuples inside) as a Replicate DTensor."""
-    if isinstance(result, torch.Tensor) and not isinstance(result, DTensor):
+    if _is_plain(result):
         return replicate(result, mesh)
     if isinstance(result, (list, tuple)):
         return type(result)(replicate_result(r, mesh) for r in result)
