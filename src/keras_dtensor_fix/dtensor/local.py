@@ -10,12 +10,11 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from keras_dtensor_fix.dtensor import planner
-from keras_dtensor_fix.dtensor.collectives import all_reduce_copy
 from keras_dtensor_fix.dtensor.placement import (
     forget_kept,
     redistributed,
+    reduce_partial,
     views_leaf,
-    without_partials,
 )
 from keras_dtensor_fix.dtensor.spec import (
     INTERNALS,
@@ -151,18 +150,12 @@ class _ReduceGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, value: DTensor) -> DTensor:
-        ctx.mesh = value.device_mesh
         local = value._local_tensor
         return DTensor(local.view_as(local), copy_spec(value._spec), requires_grad=True)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        placements = getattr(grad, "placements", ())  # () for a plain tensor
-        axes = [i for i, p in enumerate(placements) if p.is_partial()]
-        if not axes:
-            return grad
-        total = all_reduce_copy(grad._local_tensor, ctx.mesh, axes)
-        return wrap_local(total, ctx.mesh, without_partials(placements))
+        return reduce_partial(grad)
 
 
 class _UnwrapLocal(torch.autograd.Function):
