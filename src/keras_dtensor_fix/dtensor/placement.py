@@ -197,22 +197,18 @@ def reduce_partial(value: Any) -> Any:
     if not any(p.is_partial() for p in placements):
         return value
     reduced = without_partials(placements)
-    value = redistributed(value, _trivial_taken(value.device_mesh, placements, reduced))
-    placements = tuple(value.placements)
-    if placements == reduced:
-        return value
+    sizes = value.device_mesh.shape
+    # A one-rank axis holds its sum already: redistributed relabels it.
+    axes = [a for a, p in enumerate(placements) if p.is_partial() and sizes[a] > 1]
     if (
-        INTERNALS is not None
+        axes
+        and INTERNALS is not None
         and not torch.compiler.is_compiling()
-        and all(
-            type(p) is Partial and p.reduce_op == "sum"
-            for p in placements
-            if p.is_partial()
-        )
+        and all(type(placements[a]) is Partial for a in axes)
+        and all(placements[a].reduce_op == "sum" for a in axes)
     ):
-        axes = [axis for axis, p in enumerate(placements) if p.is_partial()]
         return _Relabel.apply(value, reduced, reduced, axes)
-    return value.redistribute(value.device_mesh, reduced)
+    return redistributed(value, reduced)
 
 
 def reduce_masked(value: Any) -> Any:
