@@ -15,7 +15,6 @@ from keras_dtensor_fix.dtensor.placement import (
     redistributed,
     reduce_partial,
     same_mesh,
-    without_partials,
 )
 
 
@@ -74,7 +73,7 @@ def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
     found = torch.nn.functional.embedding(shifted, local_table)
     found = found.masked_fill(outside.unsqueeze(-1), 0)
     partial = DTensor.from_local(found, mesh, tuple(out_placements), run_check=False)
-    return partial.redistribute(mesh, without_partials(out_placements))
+    return reduce_partial(partial)
 
 
 def gather_non_batch_axes(value: Any, batch_dim_name: str | None) -> Any:
