@@ -174,9 +174,7 @@ def gather_axes_splitting(table: Any, ids: Any) -> Any:
         Replicate() if isinstance(mine, Shard) and isinstance(theirs, Shard) else mine
         for mine, theirs in zip(table.placements, ids.placements, strict=True)
     )
-    if placements == tuple(table.placements):
-        return table
-    return table.redistribute(table.device_mesh, placements)
+    return redistributed(table, placements)
 
 
 def gather_axis(value: Any, axis: int | None) -> Any:
