@@ -89,7 +89,7 @@ def one_rank_replicated(value: Any) -> Any:
         return value
     have = tuple(value.placements)
     want = _trivial_taken(value.device_mesh, have, (Replicate(),) * len(have))
-    return value if want == have else redistributed(value, want)
+    return redistributed(value, want)
 
 
 def on_mesh(value: Any, mesh: Any) -> Any:
