@@ -199,3 +199,18 @@ def test_shardwise(meshes) -> None:
     assert shardwise([kernel, dt(m, (4, 6), R, Partial())], []) is None
     assert shardwise([kernel], [dt(meshes["2"], (4, 6), Shard(1))]) is None
     assert shardwise([], [slot]) is None
+
+
+# -- the layout planner's dataflow: the weight axes an einsum reads -----------
+
+
+def test_einsum_roles_through_an_ellipsis() -> None:
+    """``planning.dataflow``: an ellipsis stands for the dims its operand's letters
+    leave, the weight's too; (contracted, output-only) weight axes."""
+    from keras_dtensor_fix.planning.dataflow import _einsum_roles
+
+    x, kernel = torch.ones(2, 3, 6), torch.ones(6, 8)
+    assert _einsum_roles("...k,kn->...n", [x, kernel], kernel) == ((0,), (1,))
+    stacked, right = torch.ones(4, 5, 6), torch.ones(6, 7)
+    roles = _einsum_roles("...ij,jk->...ik", [stacked, right], stacked)
+    assert roles == ((2,), (0, 1))

@@ -7,10 +7,7 @@ DTensorSpec cache), ``collectives`` (the one all-reduce path, polled on CPU),
 ``placement`` (placement checks, ``redistributed``, ``placed``, Partial reduction),
 ``planner`` (may a computation run on local tensors), ``local`` (``wrap_local``,
 ``unwrap_local``, Megatron's "f", a layer on local tensors), ``promotion``, ``gather``
-(op-specific layouts), ``einsum``, ``megatron`` and ``world`` (rank and world size).
-
-:data:`POLL_SECONDS` lives here only: ``collectives.poll_work`` reads it at each call,
-so setting it on the package takes effect at once."""
+(op-specific layouts), ``einsum``, ``megatron`` and ``world`` (rank and world size)."""
 
 from __future__ import annotations
 
@@ -121,5 +118,6 @@ __all__ = [
 ]
 
 #: How long the all-reduce of a CPU tensor is polled before its thread blocks
-#: (seconds; 0 blocks at once). Read from here at each call (see above).
+#: (seconds; 0 blocks at once). ``collectives.poll_work`` reads it here at each call,
+#: so setting it on the package takes effect at once.
 POLL_SECONDS = 0.05

@@ -62,10 +62,7 @@ def all_gather_last(value: torch.Tensor, mesh: Any, axis: int) -> torch.Tensor:
         gathered = funcol.all_gather_tensor(value, 0, group)
         return torch.cat(torch.chunk(gathered, size, dim=0), dim=-1)
     parts = [torch.empty_like(value) for _ in range(size)]
-    work = torch.distributed.all_gather(parts, value, group=group, async_op=True)
-    if value.device.type == "cpu":
-        poll_work(work)
-    work.wait()
+    _wait(torch.distributed.all_gather(parts, value, group=group, async_op=True), value)
     return torch.cat(parts, dim=-1)
 
 
@@ -73,10 +70,7 @@ def all_gather_ints(values: Sequence[int], device: Any) -> list[list[int]]:
     """Every process's ``values``, indexed by rank, over the default group."""
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     parts = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
-    work = torch.distributed.all_gather(parts, mine, async_op=True)
-    if mine.device.type == "cpu":
-        poll_work(work)
-    work.wait()
+    _wait(torch.distributed.all_gather(parts, mine, async_op=True), mine)
     return [part.tolist() for part in parts]
 
 
@@ -85,7 +79,11 @@ def _reduce_in_place(value: torch.Tensor, group: Any) -> None:
     if torch.compiler.is_compiling():
         torch.distributed.all_reduce(value, group=group)
         return
-    work = torch.distributed.all_reduce(value, group=group, async_op=True)
+    _wait(torch.distributed.all_reduce(value, group=group, async_op=True), value)
+
+
+def _wait(work: Any, value: torch.Tensor) -> None:
+    """``work.wait()``, polled first where ``value`` is on the CPU (gloo)."""
     if value.device.type == "cpu":
         poll_work(work)
     work.wait()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from itertools import zip_longest
 from typing import Any
 
 import torch
@@ -47,17 +48,21 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
     if not isinstance(first, DTensor) or not first.dtype.is_floating_point:
         return None
     mesh = first.device_mesh
-    for operand in operands[1:]:
-        if (
-            not isinstance(operand, DTensor)
-            or not _same_mesh(operand, mesh)
-            or operand.dtype != first.dtype
-        ):
-            return None
-    compiling = torch.compiler.is_compiling()
-    operands = _align_shards(equation, operands, mesh, compiling)
-    product = planner.product
-    found = (product.__wrapped__ if compiling else product)(
+    if any(
+        not isinstance(o, DTensor)
+        or o.dtype != first.dtype
+        or not same_mesh(o.device_mesh, mesh)
+        for o in operands[1:]
+    ):
+        return None
+    wanted = _uncached(planner.aligned)(
+        equation, tuple(tuple(o.placements) for o in operands), tuple(mesh.shape)
+    )
+    operands = [
+        o if w == tuple(o.placements) else placed(o, w)
+        for o, w in zip(operands, wanted, strict=True)
+    ]
+    found = _uncached(planner.product)(
         equation,
         tuple(tuple(o.shape) for o in operands),
         tuple(tuple(o.placements) for o in operands),
@@ -65,52 +70,32 @@ def local_einsum(equation: str, operands: Sequence[Any]) -> DTensor | None:
     )
     if found is None:
         return None
-    if compiling:
-        return _traced_einsum(equation, found, operands, mesh)
     operands = [
         reducing_gradient(o) if any(p.is_partial() for p in grad) else o
         for o, grad in zip(operands, found.grads, strict=True)
     ]
-    return _LocalEinsum.apply(equation, found, *operands)
-
-
-def _align_shards(
-    equation: str, operands: Sequence[DTensor], mesh: Any, compiling: bool
-) -> Sequence[DTensor]:
-    """``operands`` placed as :func:`.planner.aligned` says; traced, without the
-    ``lru_cache`` (dynamo warns at each trace through it)."""
-    aligned = planner.aligned
-    wanted = (aligned.__wrapped__ if compiling else aligned)(
-        equation, tuple(tuple(o.placements) for o in operands), tuple(mesh.shape)
-    )
-    return [
-        o if w == tuple(o.placements) else placed(o, w)
-        for o, w in zip(operands, wanted, strict=True)
-    ]
-
-
-def _traced_einsum(
-    equation: str, found: tuple, operands: Sequence[DTensor], mesh: Any
-) -> DTensor:
-    """:class:`_LocalEinsum` as the DTensor calls dynamo traces."""
-    out_placements, grad_placements, _ = found
+    if not torch.compiler.is_compiling():
+        return _LocalEinsum.apply(equation, found, *operands)
+    # _LocalEinsum as the DTensor calls dynamo traces
     locals_ = [
-        (reducing_gradient(o) if any(p.is_partial() for p in g) else o).to_local(
-            grad_placements=g
-        )
-        for o, g in zip(operands, grad_placements, strict=True)
+        o.to_local(grad_placements=g)
+        for o, g in zip(operands, found.grads, strict=True)
     ]
     result = torch.einsum(equation, *locals_)
-    return DTensor.from_local(result, mesh, out_placements, run_check=False)
+    return DTensor.from_local(result, mesh, found.placements, run_check=False)
+
+
+def _uncached(planned: Any) -> Any:
+    """``planned`` without its ``lru_cache`` when traced (dynamo warns at each trace
+    through one)."""
+    return planned.__wrapped__ if torch.compiler.is_compiling() else planned
 
 
 def local_matmul(x: Any, w: Any) -> DTensor | None:
     """``x @ w`` as :func:`local_einsum`, where ``x`` has batch dims (3 or more):
     DTensor's matmul flattens them with views (its slow path; compiled, strided shards).
     A 2-d product is one cached ``mm`` for DTensor."""
-    if not (isinstance(x, DTensor) and isinstance(w, DTensor)):
-        return None
-    if not 3 <= x.ndim <= 10:
+    if not (isinstance(x, DTensor) and isinstance(w, DTensor) and 3 <= x.ndim <= 10):
         return None
     if w.ndim == 2:
         return local_einsum(linear_equation(x.ndim), (x, w))
@@ -121,28 +106,19 @@ def local_matmul(x: Any, w: Any) -> DTensor | None:
 def batched_equation(left: tuple[int, ...], right: tuple[int, ...]) -> str | None:
     """The einsum of ``matmul`` on ``left`` by ``right`` shapes (3 to 10 dims), or None;
     a broadcast batch dim of size 1 gets a letter of its own."""
-    if not (3 <= len(left) <= 10 and 3 <= len(right) <= 10):
-        return None
-    if left[-1] != right[-2]:
+    if not (3 <= len(left) <= 10 and 3 <= len(right) <= 10) or left[-1] != right[-2]:
         return None
     letters = iter("abcdefghijlopqrtuvwxyzABCDEFGHIJ")
-    batch = max(len(left), len(right)) - 2
     lhs, rhs, out = "", "", ""
-    for i in range(batch):
-        a = left[i - batch - 2] if i >= batch - (len(left) - 2) else None
-        b = right[i - batch - 2] if i >= batch - (len(right) - 2) else None
+    for a, b in zip_longest(left[-3::-1], right[-3::-1]):  # batch dims, last first
         if a is not None and b is not None and a != b and 1 not in (a, b):
             return None  # sizes matmul cannot broadcast
         shared = next(letters)
-        if a is None or b is None or a == b:
-            lhs += "" if a is None else shared
-            rhs += "" if b is None else shared
-            out += shared
-            continue
-        own = next(letters)  # the size-1 side's letter, summed away
-        lhs += own if a == 1 else shared
-        rhs += own if b == 1 else shared
-        out += shared
+        # the size-1 side's letter where the other is larger, summed away
+        own = next(letters) if None not in (a, b) and a != b else shared
+        lhs = ("" if a is None else own if a == 1 else shared) + lhs
+        rhs = ("" if b is None else own if b == 1 else shared) + rhs
+        out = shared + out
     return f"{lhs}mk,{rhs}kn->{out}mn"
 
 
@@ -156,10 +132,6 @@ _LINEAR = {
 def linear_equation(ndim: int) -> str | None:
     """The einsum of a ``(..., k)`` input of ``ndim`` dims by a ``(k, n)`` kernel."""
     return _LINEAR.get(ndim)
-
-
-def _same_mesh(value: DTensor, mesh: Any) -> bool:
-    return same_mesh(value.device_mesh, mesh)
 
 
 def local_dense(
@@ -180,7 +152,7 @@ def local_dense(
         return None
     mesh = w.device_mesh
     if isinstance(x, DTensor):
-        if not _same_mesh(x, mesh):
+        if not same_mesh(x.device_mesh, mesh):
             return None
         x_placements = tuple(x.placements)
     elif isinstance(x, torch.Tensor) and not x.requires_grad:
@@ -201,19 +173,18 @@ def local_dense(
     reduced = without_partials(out)
     out_shape = _output_shape(equation, tuple(x.shape), tuple(w.shape))
     if b is not None:
-        if not isinstance(b, DTensor) or b.dtype != w.dtype or not _same_mesh(b, mesh):
+        if not isinstance(b, DTensor) or b.dtype != w.dtype:
+            return None
+        if not same_mesh(b.device_mesh, mesh):
             return None
         b_plan = _bias_plan(out_shape, reduced, tuple(b.shape))
         if b_plan is None or b_plan[0] != tuple(b.placements):
             return None
     if activation is not None and not _scope_fits(scope, reduced, len(out_shape)):
         return None
-    if not isinstance(x, DTensor):
-        local = x
-    elif any(p.is_partial() for p in x_grad):
-        local = unwrap_local(reducing_gradient(x), x_grad)
-    else:
-        local = unwrap_local(x, x_grad)
+    if any(p.is_partial() for p in x_grad):
+        x = reducing_gradient(x)
+    local = unwrap_local(x, x_grad) if isinstance(x, DTensor) else x
     if w.ndim == 2 and equation == linear_equation(x.ndim):
         # torch.matmul: fewer ops than einsum's permutes and bmm, both ways.
         y = torch.matmul(local, unwrap_local(w, w_grad))
@@ -284,16 +255,11 @@ class _LocalEinsum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple:
-        out_placements, grad_placements, _ = ctx.found
-        mesh = ctx.mesh
-        # A Partial output's gradient is the full (replicated) gradient.
-        want = without_partials(out_placements)
+        mesh, needs, locals_ = ctx.mesh, ctx.needs_input_grad[2:], ctx.saved_tensors
         if not isinstance(grad, DTensor):
             grad = replicate(grad, mesh)
-        grad = redistributed(grad, want)
-        needs = ctx.needs_input_grad[2:]
-        locals_ = ctx.saved_tensors
-        g = grad._local_tensor
+        # A Partial output's gradient is the full (replicated) gradient.
+        g = redistributed(grad, without_partials(ctx.found.placements))._local_tensor
         equations = _grad_equations(ctx.equation)
         if equations is not None:
             found = iter(
@@ -312,7 +278,7 @@ class _LocalEinsum(torch.autograd.Function):
                 found = iter(torch.autograd.grad(result, wanted, g))
         grads = [
             wrap_local(next(found), mesh, placements) if need else None
-            for need, placements in zip(needs, grad_placements, strict=True)
+            for need, placements in zip(needs, ctx.found.grads, strict=True)
         ]
         return (None, None, *grads)
 

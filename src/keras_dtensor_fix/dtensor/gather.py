@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,9 +12,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from keras_dtensor_fix.dtensor.local import replicate
 from keras_dtensor_fix.dtensor.placement import (
     placed,
+    redistributed,
     reduce_partial,
     same_mesh,
-    without_partials,
 )
 
 
@@ -31,24 +32,20 @@ def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
     rows = [i for i, p in enumerate(table.placements) if p == Shard(0)]
     if len(rows) != 1 or any(p.is_partial() for p in table.placements):
         return None
+    axis = rows[0]
     if isinstance(ids, DTensor):
         if not same_mesh(ids.device_mesh, mesh):
             return None
         if any(p.is_partial() for p in ids.placements):
             return None
-        axis = rows[0]
         id_placements = tuple(
             Replicate() if i == axis else p for i, p in enumerate(ids.placements)
         )
-        if id_placements != tuple(ids.placements):
-            ids = ids.redistribute(mesh, id_placements)
-        local_ids = ids.to_local()
+        local_ids = redistributed(ids, id_placements).to_local()
     else:
         id_placements = (Replicate(),) * mesh.ndim
         local_ids = ids
-    axis = rows[0]
-    out_placements = []
-    table_grads = []
+    out_placements, table_grads = [], []
     for i, (mine, theirs) in enumerate(
         zip(table.placements, id_placements, strict=True)
     ):
@@ -76,8 +73,7 @@ def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
     found = torch.nn.functional.embedding(shifted, local_table)
     found = found.masked_fill(outside.unsqueeze(-1), 0)
     partial = DTensor.from_local(found, mesh, tuple(out_placements), run_check=False)
-    reduced = without_partials(out_placements)
-    return partial.redistribute(mesh, reduced)
+    return reduce_partial(partial)
 
 
 def gather_non_batch_axes(value: Any, batch_dim_name: str | None) -> Any:
@@ -108,13 +104,11 @@ def per_element_call(fn: Any, value: Any) -> DTensor | None:
         for p in value.placements
     )
     shape = torch.Size((*value.shape, *local.shape[value.ndim :]))
-    stride, step = [], 1
-    for size in reversed(shape):  # contiguous, as the local result is
-        stride.insert(0, step)
-        step *= size
+    # contiguous, as the local result is
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     mesh = value.device_mesh
     return DTensor.from_local(
-        local, mesh, placements, run_check=False, shape=shape, stride=tuple(stride)
+        local, mesh, placements, run_check=False, shape=shape, stride=stride
     )
 
 
@@ -135,13 +129,12 @@ def batch_parallel_call(
     weight_grads = tuple(Partial() if p == Shard(0) else p for p in batch)
     if isinstance(value, DTensor):
         value = value.redistribute(mesh, batch).to_local(grad_placements=batch)
-    local = []
-    for weight in weights:
-        if isinstance(weight, DTensor):
-            weight = weight.redistribute(mesh, full).to_local(
-                grad_placements=weight_grads
-            )
-        local.append(weight)
+    local = [
+        w.redistribute(mesh, full).to_local(grad_placements=weight_grads)
+        if isinstance(w, DTensor)
+        else w
+        for w in weights
+    ]
     return DTensor.from_local(fn(value, *local), mesh, batch, run_check=False)
 
 
@@ -156,10 +149,9 @@ def update_in_place_of(
     if not isinstance(partner, DTensor):
         return None
     mesh = partner.device_mesh
-    if not isinstance(updates, DTensor):
-        updates = replicate(updates, mesh)
-    if not isinstance(inputs, DTensor):
-        inputs = replicate(inputs, mesh)
+    inputs, updates = (
+        v if isinstance(v, DTensor) else replicate(v, mesh) for v in (inputs, updates)
+    )
     updates = reduce_partial(updates)
     placements = tuple(updates.placements)
     if not same_mesh(inputs.device_mesh, mesh) or any(
@@ -182,9 +174,7 @@ def gather_axes_splitting(table: Any, ids: Any) -> Any:
         Replicate() if isinstance(mine, Shard) and isinstance(theirs, Shard) else mine
         for mine, theirs in zip(table.placements, ids.placements, strict=True)
     )
-    if placements == tuple(table.placements):
-        return table
-    return table.redistribute(table.device_mesh, placements)
+    return redistributed(table, placements)
 
 
 def gather_axis(value: Any, axis: int | None) -> Any:

@@ -10,12 +10,11 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from keras_dtensor_fix.dtensor import planner
-from keras_dtensor_fix.dtensor.collectives import all_reduce_copy
 from keras_dtensor_fix.dtensor.placement import (
     forget_kept,
     redistributed,
+    reduce_partial,
     views_leaf,
-    without_partials,
 )
 from keras_dtensor_fix.dtensor.spec import (
     INTERNALS,
@@ -97,38 +96,35 @@ def reducing_gradient(value: Any) -> Any:
     the total once. Handed on as Partial, every earlier reader of the residual stream
     reduced its own copy. Cached on the value (its readers share it); traced, a
     ``redistribute`` to the same placements."""
-    if (
-        not isinstance(value, DTensor)
-        or value.is_leaf  # dynamo reads no grad_fn; an activation is no leaf
-        or not value.requires_grad
-        or not torch.is_grad_enabled()
-        or INTERNALS is None
-        or any(p.is_partial() for p in value.placements)
-    ):
+    if not _reducible(value) or not torch.is_grad_enabled() or INTERNALS is None:
         return value
-    if views_leaf(value):  # may outlive the step: kept, it would be stale
-        if torch.compiler.is_compiling():
-            return value.redistribute(value.device_mesh, value.placements)
-        return _ReduceGradient.apply(value)
-    reducing = getattr(value, _REDUCING, None)
+    kept = not views_leaf(value)  # a view of a leaf may outlive the step: stale
+    reducing = getattr(value, _REDUCING, None) if kept else None
     if reducing is None:
         if torch.compiler.is_compiling():
             reducing = value.redistribute(value.device_mesh, value.placements)
         else:
             reducing = _ReduceGradient.apply(value)
-        setattr(value, _REDUCING, reducing)
+        if kept:
+            setattr(value, _REDUCING, reducing)
     return reducing
+
+
+def _reducible(value: Any) -> bool:
+    """An activation (no leaf; dynamo reads no grad_fn) that needs a gradient and
+    holds no pending sum."""
+    return (
+        isinstance(value, DTensor)
+        and not value.is_leaf
+        and value.requires_grad
+        and not any(p.is_partial() for p in value.placements)
+    )
 
 
 def reducing_input(value: Any) -> Any:
     """:func:`reducing_gradient` of a compiled region's input, kept on its own result
     (on an input from outside the graph it would be an extra output)."""
-    if (
-        not isinstance(value, DTensor)
-        or value.is_leaf
-        or not value.requires_grad
-        or any(p.is_partial() for p in value.placements)
-    ):
+    if not _reducible(value):
         return value
     reducing = value.redistribute(value.device_mesh, value.placements)
     setattr(reducing, _REDUCING, reducing)
@@ -154,21 +150,12 @@ class _ReduceGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, value: DTensor) -> DTensor:
-        ctx.mesh = value.device_mesh
         local = value._local_tensor
         return DTensor(local.view_as(local), copy_spec(value._spec), requires_grad=True)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        if not isinstance(grad, DTensor):
-            return grad
-        placements = tuple(grad.placements)
-        axes = [i for i, p in enumerate(placements) if p.is_partial()]
-        if not axes:
-            return grad
-        total = all_reduce_copy(grad._local_tensor, ctx.mesh, axes)
-        reduced = without_partials(placements)
-        return wrap_local(total, ctx.mesh, reduced)
+        return reduce_partial(grad)
 
 
 class _UnwrapLocal(torch.autograd.Function):

@@ -30,23 +30,34 @@ def _trivial_taken(mesh: Any, have: tuple, want: tuple) -> tuple:
 
 
 class _Relabel(torch.autograd.Function):
-    """New placements on one-rank mesh axes only: the same local tensor (where
-    ``redistribute`` would issue a collective over a one-rank group)."""
+    """``value`` with new ``placements``, its gradient back as ``grad_placements``: on
+    one-rank mesh axes, the same local tensor (where ``redistribute`` would issue a
+    collective over a one-rank group); Partial("sum") to Replicate (``summed``: its
+    mesh axes), plain c10d all-reduces, cheaper on gloo than the functional
+    collectives."""
 
     @staticmethod
-    def forward(ctx: Any, value: DTensor, placements: tuple) -> DTensor:
-        ctx.placements = tuple(value.placements)
-        spec = copy_spec(
-            cached_spec(value.device_mesh, placements, value._spec.tensor_meta)
-        )
-        local = value._local_tensor
-        return DTensor(local.view_as(local), spec, requires_grad=value.requires_grad)
+    def forward(
+        ctx: Any,
+        value: DTensor,
+        placements: tuple,
+        grad_placements: tuple,
+        summed: list,
+    ) -> DTensor:
+        ctx.placements = grad_placements
+        mesh, local = value.device_mesh, value._local_tensor
+        if summed:
+            local = all_reduce_copy(local, mesh, summed)
+        else:
+            local = local.view_as(local)
+        spec = copy_spec(cached_spec(mesh, placements, value._spec.tensor_meta))
+        return DTensor(local, spec, requires_grad=value.requires_grad)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None, None]:
         if isinstance(grad, DTensor):
             grad = redistributed(grad, ctx.placements)
-        return grad, None
+        return grad, None, None, None
 
 
 def redistributed(value: DTensor, placements: Sequence[Any]) -> DTensor:
@@ -63,16 +74,9 @@ def redistributed(value: DTensor, placements: Sequence[Any]) -> DTensor:
         if torch.compiler.is_compiling():
             # Traced (a compiled backward of an eager _Relabel too):
             # to_local/from_local relabel; redistribute refuses "to Partial".
-            value = DTensor.from_local(
-                value.to_local(),
-                mesh,
-                relabelled,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
+            value = _from_local(value.to_local(), value, mesh, relabelled)
         else:
-            value = _Relabel.apply(value, relabelled)
+            value = _Relabel.apply(value, relabelled, have, [])
     if relabelled != placements:
         value = value.redistribute(mesh, placements)
     return value
@@ -85,7 +89,7 @@ def one_rank_replicated(value: Any) -> Any:
         return value
     have = tuple(value.placements)
     want = _trivial_taken(value.device_mesh, have, (Replicate(),) * len(have))
-    return value if want == have else redistributed(value, want)
+    return redistributed(value, want)
 
 
 def on_mesh(value: Any, mesh: Any) -> Any:
@@ -99,13 +103,13 @@ def on_mesh(value: Any, mesh: Any) -> Any:
         or value.device_mesh != mesh
     ):
         return value
+    return _from_local(value._local_tensor, value, mesh, value.placements)
+
+
+def _from_local(local: Any, like: DTensor, mesh: Any, placements: Any) -> DTensor:
+    """``local`` as a DTensor of ``like``'s global shape and stride."""
     return DTensor.from_local(
-        value._local_tensor,
-        mesh,
-        value.placements,
-        run_check=False,
-        shape=value.shape,
-        stride=value.stride(),
+        local, mesh, placements, run_check=False, shape=like.shape, stride=like.stride()
     )
 
 
@@ -193,21 +197,18 @@ def reduce_partial(value: Any) -> Any:
     if not any(p.is_partial() for p in placements):
         return value
     reduced = without_partials(placements)
-    value = redistributed(value, _trivial_taken(value.device_mesh, placements, reduced))
-    placements = tuple(value.placements)
-    if placements == reduced:
-        return value
+    sizes = value.device_mesh.shape
+    # A one-rank axis holds its sum already: redistributed relabels it.
+    axes = [a for a, p in enumerate(placements) if p.is_partial() and sizes[a] > 1]
     if (
-        INTERNALS is not None
+        axes
+        and INTERNALS is not None
         and not torch.compiler.is_compiling()
-        and all(
-            type(p) is Partial and p.reduce_op == "sum"
-            for p in placements
-            if p.is_partial()
-        )
+        and all(type(placements[a]) is Partial for a in axes)
+        and all(placements[a].reduce_op == "sum" for a in axes)
     ):
-        return _SumPartial.apply(value, reduced)
-    return value.redistribute(value.device_mesh, reduced)
+        return _Relabel.apply(value, reduced, reduced, axes)
+    return redistributed(value, reduced)
 
 
 def reduce_masked(value: Any) -> Any:
@@ -217,8 +218,7 @@ def reduce_masked(value: Any) -> Any:
     if isinstance(value, DTensor) and any(
         p.is_partial() and type(p) is not Partial for p in value.placements
     ):
-        reduced = without_partials(value.placements)
-        return _ReduceMasked.apply(value, reduced)
+        return _ReduceMasked.apply(value, without_partials(value.placements))
     return value
 
 
@@ -232,25 +232,4 @@ class _ReduceMasked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            reduced = without_partials(grad.placements)
-            grad = grad.redistribute(grad.device_mesh, reduced)
-        return grad, None
-
-
-class _SumPartial(torch.autograd.Function):
-    """Partial("sum") to Replicate with plain c10d all-reduces, cheaper on gloo than the
-    functional collectives."""
-
-    @staticmethod
-    def forward(ctx: Any, value: DTensor, reduced: tuple) -> DTensor:
-        mesh = value.device_mesh
-        ctx.placements = reduced
-        axes = [axis for axis, p in enumerate(value.placements) if p.is_partial()]
-        local = all_reduce_copy(value._local_tensor, mesh, axes)
-        spec = copy_spec(cached_spec(mesh, reduced, value._spec.tensor_meta))
-        return DTensor(local, spec, requires_grad=value.requires_grad)
-
-    @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None]:
-        return redistributed(grad, ctx.placements), None
+        return reduce_partial(grad), None

@@ -70,20 +70,20 @@ def _effective(value: DTensor) -> Placements:
     )
 
 
-def _one_mesh(values: Sequence[Any], mesh: Any = None) -> tuple[bool, Any]:
-    """``(ok, mesh)``: whether every DTensor in ``values`` sits on ``mesh`` (the first
-    one's when None), and that mesh."""
+def _one_mesh(values: Sequence[Any], mesh: Any = None) -> Any:
+    """The mesh every DTensor in ``values`` sits on (``mesh`` where given), or None:
+    no DTensor, or two meshes."""
     for value in values:
         if isinstance(value, DTensor):
             if mesh is None:
                 mesh = value.device_mesh
             elif not same_mesh(value.device_mesh, mesh):
-                return False, mesh
-    return True, mesh
+                return None
+    return mesh
 
 
 def _plain_ok(value: Any, mesh: Any, gradients: bool) -> bool:
-    """The rules for a plain (non-DTensor) leaf: on the mesh's device, grads."""
+    """A tensor's device and gradient rules (a DTensor's device is its mesh's)."""
     if not isinstance(value, torch.Tensor):
         return True
     if not gradients and value.requires_grad and torch.is_grad_enabled():
@@ -100,21 +100,19 @@ def replicated(
 ) -> Any | None:
     """The mesh when a computation on ``values`` may run whole on every rank (``mesh``:
     for calls that may hold no DTensor)."""
-    ok, mesh = _one_mesh(values, mesh)
-    if not ok or mesh is None:
+    mesh = _one_mesh(values, mesh)
+    if mesh is None:
         return None
     for value in values:
         if isinstance(value, DTensor):
             if split_dims(value, partial=partial) != frozenset():
                 return None
-            if not gradients and value.requires_grad and torch.is_grad_enabled():
-                return None
         elif isinstance(value, (list, tuple)):
             if any(isinstance(v, DTensor) for v in value):
                 return None
-    if all(_plain_ok(v, mesh, gradients) for v in values):
-        return mesh
-    return None
+        if not _plain_ok(value, mesh, gradients):
+            return None
+    return mesh
 
 
 def region(
@@ -124,8 +122,8 @@ def region(
 
     Every split operand split alike, every other tensor whole (or of size 1) along the
     split dims, none split on ``mixes`` (None: every DTensor whole)."""
-    ok, mesh = _one_mesh(values)
-    if not ok or mesh is None:
+    mesh = _one_mesh(values)
+    if mesh is None:
         return None
     reference, split = None, frozenset()
     for value in values:
@@ -164,8 +162,8 @@ def shardwise(values: Sequence[Any], states: Sequence[Any]) -> Any | None:
     DTensors on one mesh without Partial, scalars anything."""
     if not all(isinstance(v, DTensor) and split_dims(v) is not None for v in values):
         return None
-    ok, mesh = _one_mesh([*values, *states])
-    if not ok or not values:
+    mesh = _one_mesh([*values, *states])
+    if mesh is None or not values:
         return None
     for state in states:
         if isinstance(state, DTensor):
@@ -212,17 +210,16 @@ def aligned(
     subscripts = parsed[0]
     wanted = [list(p) for p in placements]
     for axis, size in enumerate(mesh_shape):
-        letters: dict[int, str] = {}
-        for i, held in enumerate(placements):
-            placement = held[axis]
-            if type(placement) is Shard and placement.dim < len(subscripts[i]):
-                letters[i] = subscripts[i][placement.dim]
-        if len(set(letters.values())) > 1 and size > 1:
+        letters = {
+            i: subscripts[i][p.dim]
+            for i, p in enumerate(held[axis] for held in placements)
+            if type(p) is Shard and p.dim < len(subscripts[i])
+        }
+        if size > 1 and letters:
             keep = next(iter(letters.values()))
-            for i, letter in list(letters.items()):
-                if letter != keep:
-                    wanted[i][axis] = Replicate()
-                    del letters[i]
+            for i in [i for i, letter in letters.items() if letter != keep]:
+                wanted[i][axis] = Replicate()
+                del letters[i]
         if len(set(letters.values())) != 1:
             continue
         (letter,) = set(letters.values())
@@ -261,16 +258,11 @@ def product(
     out: list[Any] = []
     grads: list[list[Any]] = [[] for _ in subscripts]
     for axis, size in enumerate(mesh_shape):
-        if size == 1:
-            out.append(Replicate())
-            for i, grad in enumerate(grads):
-                grad.append(placements[i][axis])
-            continue
         holders: dict[str, list[int]] = {}
         for i, letters in enumerate(subscripts):
             placement = placements[i][axis]
-            if placement.is_replicate():
-                continue
+            if size == 1 or placement.is_replicate():
+                continue  # a one-rank axis holds everything
             if type(placement) is not Shard or not 0 <= placement.dim < len(letters):
                 return None
             if shapes[i][placement.dim] % size:
@@ -278,8 +270,8 @@ def product(
             holders.setdefault(letters[placement.dim], []).append(i)
         if not holders:
             out.append(Replicate())
-            for grad in grads:
-                grad.append(Replicate())
+            for i, grad in enumerate(grads):
+                grad.append(placements[i][axis])
             continue
         if len(holders) > 1:
             return None
@@ -296,33 +288,25 @@ def product(
 def split_axis(values: Sequence[DTensor]) -> tuple[Any, int] | None:
     """``(mesh, axis)``: the one mesh axis (of more than one rank) ``values`` are split
     on, each on at most one dim; else None."""
-    if not values:
+    mesh = _one_mesh(values)
+    if mesh is None:
         return None
-    mesh, axis = values[0].device_mesh, None
+    axes = set()
     for value in values:
-        if not same_mesh(value.device_mesh, mesh):
-            return None
         split = [
             i
             for i, p in enumerate(value.placements)
             if not p.is_replicate() and mesh.size(i) > 1
         ]
-        if not split:
-            continue
-        if len(split) > 1 or not isinstance(value.placements[split[0]], Shard):
+        if len(split) > 1 or not all(
+            isinstance(value.placements[i], Shard) for i in split
+        ):
             return None
-        if axis is None:
-            axis = split[0]
-        elif axis != split[0]:
-            return None
-    if axis is None or mesh.size(axis) == 1:
-        return None
-    return mesh, axis
+        axes.update(split)
+    return (mesh, axes.pop()) if len(axes) == 1 else None
 
 
 def shard_dim(value: DTensor, axis: int) -> int | None:
     """The tensor dim ``value`` is split on along mesh ``axis`` (None: whole)."""
     placement = value.placements[axis]
-    if isinstance(placement, Shard):
-        return placement.dim % value.ndim
-    return None
+    return placement.dim % value.ndim if isinstance(placement, Shard) else None

@@ -4,7 +4,7 @@ replication switch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -40,28 +40,23 @@ def _is_plain(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
 
 
+def _one_level(values: Iterable[Any]) -> Iterator[Any]:
+    """``values`` with each list or tuple among them opened (one level)."""
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            yield from value
+        else:
+            yield value
+
+
 def find_dtensor(values: Iterable[Any]) -> DTensor | None:
     """Return the first DTensor in ``values`` or one level inside a list/tuple."""
-    for value in values:
-        if isinstance(value, DTensor):
-            return value
-        if isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, DTensor):
-                    return item
-    return None
+    return next((v for v in _one_level(values) if isinstance(v, DTensor)), None)
 
 
 def has_plain_tensor(values: Iterable[Any]) -> bool:
     """Whether ``values`` (or lists inside) hold a non-scalar plain tensor."""
-    for value in values:
-        if _is_plain(value) and value.ndim:
-            return True
-        if isinstance(value, (list, tuple)):
-            for item in value:
-                if _is_plain(item) and item.ndim:
-                    return True
-    return False
+    return any(_is_plain(v) and v.ndim for v in _one_level(values))
 
 
 def replicate_plain(tree: Any, mesh: Any) -> Any:
@@ -101,7 +96,7 @@ def replicated_locals(values: Sequence[Any]) -> tuple[Any, list[Any]] | None:
 
 def replicate_result(result: Any, mesh: Any) -> Any:
     """Each tensor in ``result`` (lists and tuples inside) as a Replicate DTensor."""
-    if isinstance(result, torch.Tensor) and not isinstance(result, DTensor):
+    if _is_plain(result):
         return replicate(result, mesh)
     if isinstance(result, (list, tuple)):
         return type(result)(replicate_result(r, mesh) for r in result)
@@ -123,12 +118,16 @@ def local_shard_dim(value: torch.Tensor, partner: DTensor) -> int | None:
     return None
 
 
-def promote(
-    value: torch.Tensor, partner: DTensor, *, op: str = "op", elementwise: bool = True
-) -> DTensor:
-    """Promote plain ``value`` next to ``partner`` as a Replicate DTensor."""
-    if elementwise:
-        dim = local_shard_dim(value, partner)
+def promote_args(
+    values: Sequence[Any], partner: DTensor, *, op: str = "op", elementwise: bool = True
+) -> list[Any]:
+    """Every non-scalar plain tensor in ``values`` (and one level of lists) as a
+    Replicate DTensor beside ``partner``."""
+
+    def promote(value: Any) -> Any:
+        if not (_is_plain(value) and value.ndim):
+            return value
+        dim = local_shard_dim(value, partner) if elementwise else None
         if dim is not None:
             raise PromotionError(
                 f"{op}: a plain {describe(value)} meets {describe(partner)}. Its "
@@ -140,29 +139,14 @@ def promote(
                 "layout) for a full value, or the backend's "
                 "distribute_data_input(x, layout) for a per-process batch.",
             )
-    return replicate(value, partner.device_mesh)
+        return replicate(value, partner.device_mesh)
 
-
-def promote_args(
-    values: Sequence[Any], partner: DTensor, *, op: str = "op", elementwise: bool = True
-) -> list[Any]:
-    """Promote every non-scalar plain tensor in ``values`` (and one level of lists)."""
-
-    def one(value: Any) -> Any:
-        if _is_plain(value) and value.ndim:
-            return promote(value, partner, op=op, elementwise=elementwise)
-        if isinstance(value, (list, tuple)) and any(
-            _is_plain(v) and v.ndim for v in value
-        ):
-            return type(value)(
-                promote(v, partner, op=op, elementwise=elementwise)
-                if _is_plain(v) and v.ndim
-                else v
-                for v in value
-            )
-        return value
-
-    return [one(v) for v in values]
+    return [
+        type(v)(promote(item) for item in v)
+        if isinstance(v, (list, tuple)) and any(_is_plain(i) and i.ndim for i in v)
+        else promote(v)
+        for v in values
+    ]
 
 
 def to_placements(value: torch.Tensor, like: DTensor) -> DTensor:

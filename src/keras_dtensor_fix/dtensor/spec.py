@@ -7,8 +7,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-#: DTensorSpecs by what they are built from: building one costs more than the
-#: rest of a small op. Each DTensor gets its own (shallow) copy.
+import torch
+from torch.distributed.tensor import DTensor
+
+#: DTensorSpecs by what they are built from; each DTensor gets its own shallow copy.
 SPECS: dict[tuple, Any] = {}
 
 
@@ -45,12 +47,6 @@ def forget_meshes() -> None:
     They hand back the first equal mesh they met: a compiled joint graph then found the
     older mesh in a tangent only and failed to partition ("Node tangents_2 was invalid,
     but is output")."""
-    import torch
-
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return
     propagator = DTensor._op_dispatcher.sharding_propagator
     for cached in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
         getattr(getattr(propagator, cached, None), "cache_clear", lambda: None)()

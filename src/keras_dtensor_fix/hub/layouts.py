@@ -57,25 +57,23 @@ GPT_OSS: tuple[Rule, ...] = (
     (_BLOCK + r"sparse_moe_block/experts/gate_up_proj_bias", (None, MODEL)),
     (_BLOCK + r"sparse_moe_block/experts/down_proj", (None, MODEL, DATA)),
 )
-# Separate Q/K/V Dense-like layers with a 2-D output projection.
-FALCON: tuple[Rule, ...] = (
-    *_EMBEDDING,
-    (_BLOCK + r"attention/(query|key|value)_dense/kernel", (DATA, MODEL, None)),
-    (_BLOCK + r"attention/(query|key|value)_dense/bias", (MODEL, None)),
-    (_BLOCK + r"attention/output_dense/kernel", (MODEL, DATA)),
-    (_BLOCK + r"dense_h_to_4h/kernel", (DATA, MODEL)),
-    (_BLOCK + r"dense_h_to_4h/bias", (MODEL,)),
-    (_BLOCK + r"dense_4h_to_h/kernel", (MODEL, DATA)),
-)
-BLOOM: tuple[Rule, ...] = (
-    *_EMBEDDING,
-    (_BLOCK + r"self_attention/(query|key|value)_dense/kernel", (DATA, MODEL, None)),
-    (_BLOCK + r"self_attention/(query|key|value)_dense/bias", (MODEL, None)),
-    (_BLOCK + r"self_attention/output_dense/kernel", (MODEL, DATA)),
-    (_BLOCK + r"mlp_intermediate_dense/kernel", (DATA, MODEL)),
-    (_BLOCK + r"mlp_intermediate_dense/bias", (MODEL,)),
-    (_BLOCK + r"mlp_output_dense/kernel", (MODEL, DATA)),
-)
+
+
+def _separate_qkv(attention: str, up: str, down: str) -> tuple[Rule, ...]:
+    """Separate Q/K/V Dense-like layers with a 2-D output projection."""
+    return (
+        *_EMBEDDING,
+        (_BLOCK + attention + r"(query|key|value)_dense/kernel", (DATA, MODEL, None)),
+        (_BLOCK + attention + r"(query|key|value)_dense/bias", (MODEL, None)),
+        (_BLOCK + attention + r"output_dense/kernel", (MODEL, DATA)),
+        (_BLOCK + up + r"/kernel", (DATA, MODEL)),
+        (_BLOCK + up + r"/bias", (MODEL,)),
+        (_BLOCK + down + r"/kernel", (MODEL, DATA)),
+    )
+
+
+FALCON = _separate_qkv("attention/", "dense_h_to_4h", "dense_4h_to_h")
+BLOOM = _separate_qkv("self_attention/", "mlp_intermediate_dense", "mlp_output_dense")
 # One fused Q/K/V kernel (hidden, heads, 3 * head_dim), split by heads.
 GPT_NEOX: tuple[Rule, ...] = (
     *_EMBEDDING,

@@ -76,7 +76,7 @@ def choose(
         if b and other is not None and shape[other] % b == 0:
             axes[other] = batch_axis
         choices[name] = Choice(tuple(axes), role, _WHY[role])
-    _biases(flow, shapes, roles, choices, model_axis)
+    _biases(flow, shapes, choices, model_axis)
     return choices
 
 
@@ -122,9 +122,7 @@ def _column_axis(a: Product, b: Product, shapes, n: int) -> int | None:
     the first that divides."""
     b_shape = shapes[b.weight]
     shared = {
-        b_shape[i]
-        for i in range(len(b_shape))
-        if i not in b.contracted and i not in b.output
+        size for i, size in enumerate(b_shape) if i not in b.contracted + b.output
     }
     shape = shapes[a.weight]
     fits = [x for x in a.output if shape[x] % n == 0 and shape[x] not in shared]
@@ -146,11 +144,10 @@ def _hidden_axis(p: Product, role: str, axis: int) -> int | None:
     return next((a for a in side if a != axis), None)
 
 
-def _biases(flow, shapes, roles, choices, model_axis) -> None:
+def _biases(flow, shapes, choices, model_axis) -> None:
     """A column product's bias splits along with its output axis."""
-    by_index = {p.index: p for p in flow.products}
     for name, index in flow.biases.items():
-        p = by_index[index]
+        p = flow.products[index]
         owner = choices.get(p.weight)
         if name not in shapes or owner is None or owner.role not in ("column", "head"):
             continue

@@ -64,9 +64,9 @@ def table(plan: Any) -> str:
     mesh = plan.mesh
     rows = [["WEIGHT", "SHAPE", "SPLIT", "PER RANK", "COLLECTIVES PER STEP"]]
     for path, choice in plan.choices.items():
-        per = plan.traced.nbytes[path]
-        for axis in choice.axes:
-            per //= mesh.get(axis, 1) if axis else 1
+        per = plan.traced.nbytes[path] // math.prod(
+            mesh.get(a, 1) for a in choice.axes if a
+        )
         collectives = plan.cost.collectives.get(path, [])
         said = "; ".join(f"{what} ({_size(b)})" for what, b in collectives) or "-"
         split = "-"

@@ -25,8 +25,6 @@ __all__ = ["Dataflow", "Product", "trace"]
 F = torch.nn.functional
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm}
 _MATMULS |= {torch.bmm, torch.Tensor.mm, torch.Tensor.bmm, torch.Tensor.__rmatmul__}
-_EINSUMS = {torch.einsum}
-_LINEARS = {F.linear}
 _LOOKUPS = {F.embedding, torch.index_select, torch.Tensor.index_select}
 _CONVS = {F.conv1d, F.conv2d, F.conv3d}
 _CONVS |= {F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
@@ -122,7 +120,7 @@ class _Watch(TorchFunctionMode):
         src = frozenset().union(*(self.src.get(id(t), frozenset()) for t in others))
         product = None
         if len(weighted) == 1 and others:
-            product = self._product(func, args, kwargs, weighted[0], others, out)
+            product = self._product(func, args, kwargs, weighted[0], others, src, out)
         if product is not None:
             self.flow.products.append(product)
             for r in results:
@@ -166,38 +164,25 @@ class _Watch(TorchFunctionMode):
             new = (None,) * result.ndim  # a reshape: the weight, axes unknown
         self.derived[id(result)] = (name, new)
 
-    def _product(self, func, args, kwargs, weight, others, out) -> Product | None:
+    def _product(self, func, args, kwargs, weight, others, src, out) -> Product | None:
         name, axes = self.derived[id(weight)]
         if func in _LOOKUPS:
             if func is F.embedding:
-                table = args[1] if len(args) > 1 else kwargs.get("weight")
-                dim = 0
+                table, dim = (args[1] if len(args) > 1 else kwargs.get("weight")), 0
             else:
                 table, dim = args[0], args[1]
             if table is not weight:
                 return None
-            lookup = (axes[dim],)
-            rest = tuple(a for i, a in enumerate(axes) if i != dim)
-            return self._make(name, "lookup", lookup, rest, others, out)
-        if func in _CONVS:
-            return self._make(name, "conv", (), (), others, out)
-        spec = _roles(func, args, weight)
-        if spec is None:
-            return None
-        contracted, output = spec
-        return self._make(
-            name,
-            "matmul",
-            tuple(axes[d] for d in contracted),
-            tuple(axes[d] for d in output),
-            others,
-            out,
-        )
-
-    def _make(self, name, kind, contracted, output, others, out) -> Product | None:
-        if any(a is None for a in contracted + output):
+            kind, dims = "lookup", ((dim,), [i for i in range(len(axes)) if i != dim])
+        elif func in _CONVS:
+            kind, dims = "conv", ((), ())
+        else:
+            kind, dims = "matmul", _roles(func, args, weight)
+            if dims is None:
+                return None
+        contracted, output = (tuple(axes[d] for d in side) for side in dims)
+        if None in contracted + output:
             return None  # a reshaped weight: its axes are unknown
-        src = frozenset().union(*(self.src.get(id(t), frozenset()) for t in others))
         result = tree_flatten(out)[0][0]
         return Product(
             index=len(self.flow.products),
@@ -213,7 +198,7 @@ class _Watch(TorchFunctionMode):
 
 def _roles(func, args, weight) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(contracted dims, output-only dims) of ``weight`` in a product call."""
-    if func in _LINEARS:
+    if func is F.linear:
         return ((1,), (0,)) if args[1] is weight and weight.ndim == 2 else None
     if func in _MATMULS:
         left, right = args[0], args[1]
@@ -227,7 +212,7 @@ def _roles(func, args, weight) -> tuple[tuple[int, ...], tuple[int, ...]] | None
         if left is weight:
             return (n - 1,), (n - 2,)
         return None
-    if func in _EINSUMS:
+    if func is torch.einsum:
         equation, *operands = args
         if len(operands) == 1 and isinstance(operands[0], list | tuple):
             operands = list(operands[0])
@@ -240,12 +225,18 @@ def _einsum_roles(equation: str, operands: list, weight) -> tuple | None:
     terms = inputs.split(",")
     if not arrow or len(terms) != len(operands):
         return None  # an implicit output: not Keras's
-    spare = iter(c for c in string.ascii_letters if c not in equation)
-    fill = "".join(next(spare) for _ in range(max(t.ndim for t in operands)))
-    terms = [
-        _expand(term, t.ndim, fill) for term, t in zip(terms, operands, strict=True)
+    # each ellipsis as the last letters of one spare run (broadcast right)
+    widths = [
+        t.ndim - len(term) + 3 if "..." in term else 0
+        for term, t in zip(terms, operands, strict=True)
     ]
-    output = _expand(output, len(fill), fill)
+    fill = "".join(c for c in string.ascii_letters if c not in equation)
+    fill = fill[: max(widths)]
+    terms = [
+        term.replace("...", fill[len(fill) - width :])
+        for term, width in zip(terms, widths, strict=True)
+    ]
+    output = output.replace("...", fill)
     position = next(i for i, t in enumerate(operands) if t is weight)
     mine = terms[position]
     elsewhere = set("".join(t for i, t in enumerate(terms) if i != position))
@@ -254,8 +245,3 @@ def _einsum_roles(equation: str, operands: list, weight) -> tuple | None:
     )
     only = tuple(i for i, c in enumerate(mine) if c in output and c not in elsewhere)
     return contracted, only
-
-
-def _expand(term: str, width: int, fill: str) -> str:
-    """``term``'s ellipsis as ``width`` last letters of ``fill`` (broadcast right)."""
-    return term.replace("...", fill[len(fill) - width :] if width else "")

@@ -24,12 +24,8 @@ def rules(assignment: dict[str, Axes], paths: Iterable[str]) -> list[tuple[str, 
     paths = list(paths)
     split = {p: a for p, a in assignment.items() if any(x is not None for x in a)}
 
-    def axes_of(path: str) -> Axes | None:
-        axes = assignment.get(path)
-        return axes if axes in split.values() and path in split else None
-
     def safe(regex: str, axes: Axes) -> bool:
-        return all(axes_of(p) == axes for p in paths if re.fullmatch(regex, p))
+        return all(split.get(p) == axes for p in paths if re.fullmatch(regex, p))
 
     found: dict[str, Axes] = {}
     for path, axes in split.items():
@@ -57,14 +53,13 @@ def _merge(found: dict[str, Axes], safe) -> list[tuple[str, Axes]]:
     for (axes, head, tail), members in ranked:
         if any(regex in done for regex, _ in members):
             continue
-        names = [part for _, part in members]
-        merged = "/".join((*head, f"({'|'.join(names)})", *tail))
+        merged = "/".join((*head, f"({'|'.join(p for _, p in members)})", *tail))
         if len(members) == 1:
             merged = members[0][0]
         elif not safe(merged, axes):
             continue
         done.update(regex for regex, _ in members)
-        out.append((min(order[r] for r, _ in members), merged, axes))
+        out.append((order[members[0][0]], merged, axes))
     return [(regex, axes) for _, regex, axes in sorted(out)]
 
 

@@ -12,7 +12,7 @@ import contextlib
 import copy
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,23 +51,13 @@ def trace_model(build: Callable[[], Any], sample_input: Any = None) -> Traced:
             f"build must be a callable that builds and returns the model, got "
             f"{type(build).__name__}; pass e.g. `lambda: make_model()`"
         )
-    saved = _save()
-    state = targets.keras_object("global_state")
     try:
-        state.set_global_attribute(_DISTRIBUTION, None)  # plan unsharded
-        try:
-            return _trace(build, sample_input, "meta")
-        except _NoInputs:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a host read on meta: rerun on cpu
-            _LOG.debug(
-                "planning on meta failed (%s: %s); on cpu", type(exc).__name__, exc
-            )
-            _restore(saved)
-            state.set_global_attribute(_DISTRIBUTION, None)
-            return _trace(build, sample_input, "cpu")
-    finally:
-        _restore(saved)
+        return _trace(build, sample_input, "meta")
+    except _NoInputs:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a host read on meta: rerun on cpu
+        _LOG.debug("planning on meta failed (%s: %s); on cpu", type(exc).__name__, exc)
+    return _trace(build, sample_input, "cpu")
 
 
 class _NoInputs(ValueError):
@@ -77,7 +67,8 @@ class _NoInputs(ValueError):
 def _trace(build, sample_input, device: str) -> Traced:
     import keras
 
-    with keras.device(device):
+    with _put_back() as state, keras.device(device):
+        state.set_global_attribute(_DISTRIBUTION, None)  # plan unsharded
         model = build()
         if not isinstance(model, keras.Model | keras.layers.Layer):
             raise TypeError(
@@ -89,8 +80,9 @@ def _trace(build, sample_input, device: str) -> Traced:
             model(inputs)
         variables = list({id(v): v for v in model.weights}.values())
         weights = {id(v.value): (v.path, v.value) for v in variables}
-        with _real_ops(device):
-            flow = trace(lambda: model(inputs, training=False), weights)
+        if device == "meta":
+            state.set_global_attribute(_DEVICE, _Meta("meta"))
+        flow = trace(lambda: model(inputs, training=False), weights)
     shapes = {v.path: tuple(v.shape) for v in variables}
     nbytes = {
         v.path: int(np.prod(v.shape, dtype=np.int64)) * v.value.element_size()
@@ -112,20 +104,6 @@ class _Meta(str):
     __hash__ = str.__hash__
 
 
-@contextlib.contextmanager
-def _real_ops(device: str):
-    if device != "meta":
-        yield
-        return
-    state = targets.keras_object("global_state")
-    before = state.get_global_attribute(_DEVICE)
-    state.set_global_attribute(_DEVICE, _Meta("meta"))
-    try:
-        yield
-    finally:
-        state.set_global_attribute(_DEVICE, before)
-
-
 def _inputs(model, sample_input, device: str) -> Any:
     tree = targets.keras_object("tree")
     if sample_input is not None:
@@ -137,10 +115,11 @@ def _inputs(model, sample_input, device: str) -> Any:
             "sample_input= (one batch, as model(x) takes it)"
         )
     inputs = [_ones(spec, device) for spec in specs]
-    names = [getattr(spec, "name", None) for spec in specs]
     structure = getattr(model, "_inputs_struct", None)
     if isinstance(structure, dict) and len(structure) == len(specs):
-        by_name = dict(zip(names, inputs, strict=True))
+        by_name = {
+            getattr(s, "name", None): x for s, x in zip(specs, inputs, strict=True)
+        }
         return {
             k: by_name.get(getattr(v, "name", k), by_name.get(k))
             for k, v in structure.items()
@@ -153,8 +132,7 @@ def _ones(spec, device: str) -> torch.Tensor:
         (_BATCH if i == 0 else _OTHER) if d is None else d
         for i, d in enumerate(spec.shape)
     ]
-    dtype = getattr(torch, str(spec.dtype))
-    return torch.ones(shape, dtype=dtype, device=device)
+    return torch.ones(shape, dtype=getattr(torch, str(spec.dtype)), device=device)
 
 
 def _tensor(x, device: str) -> Any:
@@ -165,27 +143,25 @@ def _tensor(x, device: str) -> Any:
     return x
 
 
-def _save() -> dict[str, Any]:
+@contextlib.contextmanager
+def _put_back() -> Iterator[Any]:
+    """Keras's global state, holding the layer names, the seed generator, the
+    distribution and the device, and the random states, as they were before."""
     state = targets.keras_object("global_state")
+    names = copy.deepcopy(state.get_global_attribute(_NAMES))
     seeds = state.get_global_attribute(_SEEDS)
-    return {
-        "names": copy.deepcopy(state.get_global_attribute(_NAMES)),
-        "seeds": seeds,
-        "seed_state": None if seeds is None else seeds.state.value.detach().clone(),
-        "distribution": state.get_global_attribute(_DISTRIBUTION),
-        "torch": torch.random.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-
-
-def _restore(saved: dict[str, Any]) -> None:
-    state = targets.keras_object("global_state")
-    state.set_global_attribute(_NAMES, copy.deepcopy(saved["names"]))
-    state.set_global_attribute(_SEEDS, saved["seeds"])
-    if saved["seeds"] is not None:
-        saved["seeds"].state.assign(saved["seed_state"])
-    state.set_global_attribute(_DISTRIBUTION, saved["distribution"])
-    torch.random.set_rng_state(saved["torch"])
-    np.random.set_state(saved["numpy"])
-    random.setstate(saved["python"])
+    seed_state = None if seeds is None else seeds.state.value.detach().clone()
+    kept = {k: state.get_global_attribute(k) for k in (_DISTRIBUTION, _DEVICE)}
+    randoms = torch.random.get_rng_state(), np.random.get_state(), random.getstate()
+    try:
+        yield state
+    finally:
+        state.set_global_attribute(_NAMES, names)
+        state.set_global_attribute(_SEEDS, seeds)
+        if seeds is not None:
+            seeds.state.assign(seed_state)
+        for key, value in kept.items():
+            state.set_global_attribute(key, value)
+        torch.random.set_rng_state(randoms[0])
+        np.random.set_state(randoms[1])
+        random.setstate(randoms[2])
