@@ -250,23 +250,24 @@ class Checkpoint(MonitorCallback):
         pending = self._pending
         if pending is not None:  # never a half-written checkpoint
             self._watcher.where = pending.written()
-        if self._saved_at == self._batches:
-            path = self._watcher.where
-        else:
+        if self._saved_at != self._batches:
             epoch, where, values = self._after or (
                 self._epoch,
                 self._position(at_epoch_end=False),
                 None,
             )
-            group = self._watcher.group
-            path = self._write(
-                epoch, where, group=group, values=values, scope="preemption"
+            self._watcher.where = self._write(
+                epoch,
+                where,
+                group=self._watcher.group,
+                values=values,
+                scope="preemption",
             )
-            self._watcher.where = path
         return (
             f"keras_dtensor_fix: {signal.Signals(signum).name}: process {rank()} "
             f"stopped after step {self._batches} (epoch {self._epoch + 1}, batch "
-            f"{self._batch}); saved {path}: the next launch resumes there"
+            f"{self._batch}); saved {self._watcher.where}: the next launch resumes "
+            "there"
         )
 
     def _load(self, metrics: bool) -> None:

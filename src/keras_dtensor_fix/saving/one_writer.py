@@ -103,25 +103,26 @@ def writer(what: str, path: str) -> bool:
     return places.index(place) == rank
 
 
-def _act_report(what: str, path: str, acting: bool, act: Callable[[], None]) -> None:
-    """``act()`` where ``acting``; a failure anywhere raises
-    :class:`SaveError` everywhere, naming process and path."""
+def _act_report(what: str, path: str, act: Callable[[], None] | None) -> None:
+    """``act()`` where given; a failure anywhere raises :class:`SaveError`
+    everywhere, naming process and path."""
     hint = (
         f"A process did not finish its part of a save of {path} (it may have "
         f"died while writing it). Raise {config.ENV_SAVE_TIMEOUT} for larger models."
     )
-    outcomes = handshake.one_acts(
-        what, acting, act, hint, note=path, seconds=config.save_seconds()
+    handshake.one_acts(
+        what,
+        act,
+        hint,
+        lambda failed: SaveError(
+            f"keras-dtensor-fix: a save failed on {failed}. The file there, if "
+            "any, is the one saved before (nothing half written replaces it). "
+            "Fix the path (it must be writable by that process, on a disk with "
+            "room) and save again."
+        ),
+        note=f" writing {path}",
+        seconds=config.save_seconds(),
     )
-    failed = outcomes.failed
-    if failed:
-        raise SaveError(
-            "keras-dtensor-fix: a save failed on "
-            + "; ".join(f"process {p} writing {where}: {m}" for p, where, m in failed)
-            + ". The file there, if any, is the one saved before (nothing half "
-            "written replaces it). Fix the path (it must be writable by that "
-            "process, on a disk with room) and save again."
-        ) from outcomes.error
 
 
 def by_one(
@@ -132,8 +133,7 @@ def by_one(
 ) -> None:
     """``run()`` on the process that writes ``path``, ``elsewhere()`` on the
     others; every process calls it."""
-    act = run if writer(what, path) else elsewhere
-    _act_report(what, path, act is not None, act or (lambda: None))
+    _act_report(what, path, run if writer(what, path) else elsewhere)
 
 
 def save(what: str, path: str, write: Callable[[str], None], values: Iterable) -> None:
@@ -149,4 +149,4 @@ def save(what: str, path: str, write: Callable[[str], None], values: Iterable) -
         finally:
             _local.cache = None
 
-    _act_report(what, path, mine, act)
+    _act_report(what, path, act if mine else None)
