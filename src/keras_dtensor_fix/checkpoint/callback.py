@@ -154,11 +154,8 @@ class Checkpoint(MonitorCallback):
         if self._after is None and self._watcher.watching():
             # Validation resets the metrics: a stop during it saves the step's.
             with self._watcher.held():
-                self._after = (
-                    self._epoch,
-                    self._position(at_epoch_end=False),
-                    snapshot(self.model) if self.metrics else None,
-                )
+                values = snapshot(self.model) if self.metrics else None
+                self._after = (*self._position(at_epoch_end=False), values)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self._resumed_epoch == epoch and logs is not None:
@@ -168,7 +165,7 @@ class Checkpoint(MonitorCallback):
         self._resumed_epoch = None
         if self._watcher.watching():  # from here on a stop resumes the next epoch
             with self._watcher.held():
-                self._after = (epoch + 1, self._position(at_epoch_end=True), None)
+                self._after = (*self._position(at_epoch_end=True), None)
         if self.save_freq == "epoch":
             self._maybe_save(logs, at_epoch_end=True)
         self._watcher.gate()
@@ -177,16 +174,18 @@ class Checkpoint(MonitorCallback):
         self._watcher.stop()
         self._finish()
 
-    def _position(self, at_epoch_end: bool) -> dict[str, Any]:
-        """Where fit is: batches done in the epoch, what orders its data."""
+    def _position(self, at_epoch_end: bool) -> tuple[int, dict[str, Any]]:
+        """Epochs done, and where fit is: batches done in the epoch, what
+        orders its data."""
         where = {
             "batch": 0 if at_epoch_end else self._batch,
             "batches": self._batches,
             "adapter_epoch": position.adapter_epoch(at_epoch_begin=not at_epoch_end),
         }
         if at_epoch_end:  # the next epoch starts from here
-            return {**where, "random": position.random_state()}
-        return {**where, **self._begin, "random_now": position.random_state()}
+            return self._epoch + 1, {**where, "random": position.random_state()}
+        random_now = position.random_state()
+        return self._epoch, {**where, **self._begin, "random_now": random_now}
 
     def _maybe_save(self, logs: dict | None, at_epoch_end: bool) -> None:
         if self.save_best_only:
@@ -207,8 +206,7 @@ class Checkpoint(MonitorCallback):
         try:
             self._finish()
             saved = self._write(
-                self._epoch + at_epoch_end,  # epochs completed
-                self._position(at_epoch_end),
+                *self._position(at_epoch_end),
                 background=self.save_on_background,
                 group=self._group,
             )
@@ -251,11 +249,7 @@ class Checkpoint(MonitorCallback):
         if pending is not None:  # never a half-written checkpoint
             self._watcher.where = pending.written()
         if self._saved_at != self._batches:
-            epoch, where, values = self._after or (
-                self._epoch,
-                self._position(at_epoch_end=False),
-                None,
-            )
+            epoch, where, values = self._after or (*self._position(False), None)
             self._watcher.where = self._write(
                 epoch,
                 where,

@@ -13,6 +13,7 @@ the stack goes to the handler that was there before.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import sys
@@ -154,7 +155,6 @@ class Watcher:
             self._busy = True
 
     def end_step(self) -> None:
-        """After a training step."""
         with self._cond:
             self._done += 1
             self._busy = False
@@ -256,10 +256,11 @@ class Watcher:
 
     def _offer(self, mine: tuple[int, int]) -> tuple[int, int]:
         """Every process's (steps, saves) reach; the largest of each."""
-        mine_text = f"{mine[0]},{mine[1]}"
-        found = handshake.exchange(self._key("reach"), mine_text, HINT, self.timeout)
-        offers = [[int(v) for v in offer.split(",")] for offer in found]
-        return max(o[0] for o in offers), max(o[1] for o in offers)
+        offers = handshake.exchange(
+            self._key("reach"), json.dumps(mine), HINT, self.timeout
+        )
+        steps, saves = zip(*map(json.loads, offers), strict=True)
+        return max(steps), max(saves)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self._within is not None and not _on_stack(frame, self._within):
@@ -272,12 +273,10 @@ class Watcher:
         self._wake.set()
 
     def _arm(self) -> None:
-        """Start the deadline, once."""
-        if self._timer is not None:
-            return
-        self._timer = threading.Timer(self.timeout, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
+        if self._timer is None:  # the deadline, once
+            self._timer = threading.Timer(self.timeout, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
 
     def _hand_back(self, signum: int, frame: Any) -> None:
         """Put the previous handlers back and give them this signal."""

@@ -95,12 +95,10 @@ def write_atomically(path: str, write: Callable[[str], None]) -> None:
 def writer(what: str, path: str) -> bool:
     """Whether this process writes ``path``: the lowest rank passing it on
     this host (exchanged with every process)."""
-    from keras_dtensor_fix.dtensor.world import rank as own_rank
+    from keras_dtensor_fix.dtensor.world import rank
 
-    rank = own_rank()
     place = f"{socket.gethostname()}\0{os.path.abspath(path)}"
-    places = handshake.exchange(what, place, HINT)
-    return places.index(place) == rank
+    return handshake.exchange(what, place, HINT).index(place) == rank()
 
 
 def _act_report(what: str, path: str, act: Callable[[], None] | None) -> None:
@@ -139,14 +137,12 @@ def by_one(
 def save(what: str, path: str, write: Callable[[str], None], values: Iterable) -> None:
     """A save every process makes: gather ``values`` (in the same order
     everywhere), one writer per path, report."""
-    mine = writer(what, path)
-    cache = _gather(values, keep=mine)
 
-    def act() -> None:
-        _local.cache = cache  # what gathered() hands the conversions
+    def gather_and_write() -> None:
+        _local.cache = _gather(values, keep=True)  # what gathered() hands on
         try:
             write_atomically(path, write)
         finally:
             _local.cache = None
 
-    _act_report(what, path, act if mine else None)
+    by_one(what, path, gather_and_write, lambda: _gather(values, keep=False))
