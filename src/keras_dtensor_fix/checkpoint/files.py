@@ -43,7 +43,6 @@ def check_writable(directory: str, rank: int) -> None:
 
 
 def _write_file(path: str, text: str) -> None:
-    """Write ``path`` atomically (a temporary file, then ``os.replace``)."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as handle:
         handle.write(text)

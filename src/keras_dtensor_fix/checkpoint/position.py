@@ -15,17 +15,6 @@ import random
 import weakref
 from typing import Any
 
-__all__ = [
-    "adapter_epoch",
-    "capture",
-    "consumed",
-    "entering",
-    "plan",
-    "random_state",
-    "restore_random",
-    "skipped",
-]
-
 _capture = False
 _iterator: weakref.ref | None = None
 _adapter_epoch: int | None = None

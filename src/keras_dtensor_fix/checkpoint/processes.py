@@ -14,8 +14,6 @@ from keras_dtensor_fix.dtensor import world as place
 from keras_dtensor_fix.engine import config
 from keras_dtensor_fix.saving import handshake
 
-__all__ = ["every_process", "on_first"]
-
 HINT = (
     "Every process must take part in a checkpoint's save and restore; one did "
     f"not arrive. Raise {config.ENV_SAVE_TIMEOUT} if saves take longer."

@@ -132,16 +132,15 @@ def _one_process_batches(wrapped, instance, args, kwargs):
     """``TorchEpochIterator._get_iterator`` under ModelParallel: the batches
     one process iterates, each distributed as Keras distributes it.
 
-    Without a distribution every epoch iterates the adapter's torch
-    ``DataLoader``: ``shuffle=True`` permutes with a torch generator, and each
-    ``iter()`` draws a seed from torch's global generator, which unseeded
-    dropout reads. Keras's ModelParallel epochs walk numpy batches instead,
-    permuted by numpy and drawing nothing: other batches and other masks than
-    one process's. The loader is iterated here, not at the first batch, so its
-    draw comes where one process's does; the processes agree on the epoch's
-    data here too, where Keras makes the iterator: Keras ends an epoch under
-    ``steps_per_epoch`` without a fetch when a process's data runs out, and
-    the iterator it makes then meets the others' next exchange (both raise).
+    Keras's ModelParallel epochs walk numpy batches, permuted by numpy and
+    drawing nothing; one process iterates the adapter's ``DataLoader``
+    (``shuffle=True`` permutes with a torch generator, each ``iter()`` draws a
+    seed from torch's global generator, which unseeded dropout reads). The
+    loader is iterated here, not at the first batch, so its draw comes where
+    one process's does. The processes agree on the epoch's data here, where
+    Keras makes the iterator: under ``steps_per_epoch`` Keras ends an epoch
+    without a fetch when a process's data runs out, and the iterator it makes
+    then meets the others' next exchange (both raise).
     """
     dist = model_parallel()
     if dist is None:

@@ -1,11 +1,9 @@
 """The store exchange: calls every process makes, and one process acting for all.
 
 A save called on one process only (``if rank == 0: model.save(...)``) would
-wait in a gather until the group's timeout (30 minutes on gloo) and die
-saying nothing useful. An exchange through the process group's key-value
-store (no collective, any backend) names the missing processes instead. On
-it stands :func:`one_acts`, the one protocol for "one process acts, every
-process learns the outcome". Pure torch.
+wait in a gather until the group's timeout (30 minutes on gloo), saying
+nothing useful; an exchange through the group's key-value store (no
+collective, any backend) names the missing processes instead. Pure torch.
 """
 
 from __future__ import annotations
@@ -95,13 +93,12 @@ def one_acts(
     own: bool = False,
     seconds: float | None = None,
 ) -> list[Any]:
-    """``act()`` where given; every process learns every outcome.
+    """``act()`` where given (one process acts, or each); all learn every outcome.
 
-    Every process calls it in the same order; ``act``'s result must be
-    JSON-encodable. Returns the results by rank (None where a process did
-    not act). A failure anywhere raises ``failure(listing)`` everywhere, the
-    listing naming each failed process (``note`` after its number); with
-    ``own``, a process that failed raises its own error instead.
+    Every process calls it in the same order; returns the (JSON) results by
+    rank. A failure anywhere raises ``failure(listing)`` everywhere, naming
+    each failed process (``note`` after its number); with ``own``, a process
+    that failed raises its own error instead.
     """
     result, error, text = None, None, None
     if act is not None:

@@ -2,11 +2,8 @@
 
 Every process of a job calls ``save_weights("best.weights.h5")`` with the
 same path, and under a sharded distribution the save is a collective (each
-sharded variable gathered). :func:`save` makes it one collective step: every
-process gathers in the same order, the lowest rank per (host, path) writes
-into a fresh directory beside the target and moves it into place, and all
-learn through the store how it went, so a failure anywhere is an error
-everywhere.
+sharded variable gathered). :func:`save` makes it one collective step, so a
+failure anywhere is an error everywhere.
 """
 
 from __future__ import annotations
