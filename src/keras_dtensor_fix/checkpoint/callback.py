@@ -269,26 +269,18 @@ class Checkpoint(MonitorCallback):
             self.model, self.directory, optimizer=self.optimizer, metrics=metrics
         )
         self._watcher.where = info["path"]
-        if info.get("epoch") is not None:
-            self.model._initial_epoch = info["epoch"]
-        where = info.get("position") or {}
+        epoch, where = info.get("epoch"), info.get("position") or {}
+        if epoch is not None:
+            self.model._initial_epoch = epoch
         self._batches = self._saved_at = where.get("batches", 0)
-        if info.get("epoch") is not None and where:
-            self._resume = {
-                **where,
-                "epoch": info["epoch"],
-                "metrics": [
-                    np.array(keras.ops.convert_to_numpy(v))
-                    for v in self.model.metrics_variables
-                ]
-                if metrics
-                else [],
-            }
-        if self.verbose:
-            batch = where.get("batch", 0)
+        if epoch is not None and where:
+            variables = self.model.metrics_variables if metrics else []
+            values = [np.array(keras.ops.convert_to_numpy(v)) for v in variables]
+            self._resume = {**where, "epoch": epoch, "metrics": values}
+        if self.verbose:  # a checkpoint.save() without an epoch records None
             print(
                 f"Checkpoint: resumed from {info['path']} at epoch "
-                f"{info.get('epoch', 0) + 1}, batch {batch + 1}"
+                f"{(epoch or 0) + 1}, batch {where.get('batch', 0) + 1}"
             )
 
 

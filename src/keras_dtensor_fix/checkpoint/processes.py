@@ -44,5 +44,4 @@ def _learn(what: str, act: Callable[[], Any] | None) -> list[Any]:
         HINT,
         lambda failed: CheckpointError(f"{what} failed on {failed}"),
         own=True,
-        seconds=config.save_seconds(),
     )

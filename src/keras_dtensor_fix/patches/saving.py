@@ -82,31 +82,25 @@ def _distributed_job() -> bool:
     return api is not None and api.distribution() is not None and _processes() > 1
 
 
-def _backup_save(wrapped, instance, args, kwargs):
-    """One process copies, writes and records the backup; all save the weights."""
-    if not _distributed_job():
-        return wrapped(*args, **kwargs)
+def _backup(what: str, gathers: bool):
+    """BackupAndRestore's ``what`` on one process, the others waiting; under
+    ModelParallel they save the weights with it where it ``gathers``."""
 
-    def weights_only() -> None:  # the part of Keras's _save_model that gathers
-        instance.model.save_weights(filepath=instance._weights_path, overwrite=True)
+    def wrapper(wrapped, instance, args, kwargs):
+        if not _distributed_job():
+            return wrapped(*args, **kwargs)
 
-    one_writer.by_one(
-        "BackupAndRestore backup",
-        instance.backup_dir,
-        lambda: wrapped(*args, **kwargs),
-        elsewhere=weights_only if model_parallel() is not None else None,
-    )
+        def weights_only() -> None:  # the part of Keras's _save_model that gathers
+            instance.model.save_weights(filepath=instance._weights_path, overwrite=True)
 
+        one_writer.by_one(
+            f"BackupAndRestore {what}",
+            instance.backup_dir,
+            lambda: wrapped(*args, **kwargs),
+            weights_only if gathers and model_parallel() is not None else None,
+        )
 
-def _backup_end(wrapped, instance, args, kwargs):
-    """One process deletes the backup; the others wait, then go on."""
-    if not _distributed_job():
-        return wrapped(*args, **kwargs)
-    one_writer.by_one(
-        "BackupAndRestore cleanup",
-        instance.backup_dir,
-        lambda: wrapped(*args, **kwargs),
-    )
+    return wrapper
 
 
 def _makedirs(wrapped, instance, args, kwargs):
@@ -148,8 +142,8 @@ def patches(module: types.ModuleType) -> list[Patch]:
         if not hasattr(getattr(module, "BackupAndRestore", None), "_save_model"):
             raise LookupError("BackupAndRestore._save_model")
         return [
-            Patch(name, "BackupAndRestore._save_model", _backup_save),
-            Patch(name, "BackupAndRestore.on_train_end", _backup_end),
+            Patch(name, "BackupAndRestore._save_model", _backup("backup", True)),
+            Patch(name, "BackupAndRestore.on_train_end", _backup("cleanup", False)),
         ]
     return [Patch(name, "makedirs", _makedirs)]
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from keras_dtensor_fix.engine import config
+
 #: How long a process waits for the others before the handshake fails.
 SECONDS = 60.0
 
@@ -91,11 +93,11 @@ def one_acts(
     *,
     note: str = "",
     own: bool = False,
-    seconds: float | None = None,
 ) -> list[Any]:
     """``act()`` where given (one process acts, or each); all learn every outcome.
 
-    Every process calls it in the same order; returns the (JSON) results by
+    Every process calls it in the same order, waiting for the others up to
+    the save timeout (``config.save_seconds``); returns the (JSON) results by
     rank. A failure anywhere raises ``failure(listing)`` everywhere, naming
     each failed process (``note`` after its number); with ``own``, a process
     that failed raises its own error instead.
@@ -108,6 +110,7 @@ def one_acts(
         except Exception as exc:  # noqa: BLE001 - every process learns it
             result, error, text = None, exc, f"{type(exc).__name__}: {exc}"
     mine = json.dumps({"note": note, "error": text, "result": result})
+    seconds = config.save_seconds()
     found = [json.loads(o) for o in exchange(f"{what} (outcome)", mine, hint, seconds)]
     if own and error is not None:
         raise error

@@ -98,16 +98,22 @@ def writer(what: str, path: str) -> bool:
     return handshake.exchange(what, place, HINT).index(place) == rank()
 
 
-def _act_report(what: str, path: str, act: Callable[[], None] | None) -> None:
-    """``act()`` where given; a failure anywhere raises :class:`SaveError`
-    everywhere, naming process and path."""
+def by_one(
+    what: str,
+    path: str,
+    run: Callable[[], None],
+    elsewhere: Callable[[], None] | None = None,
+) -> None:
+    """``run()`` on the process that writes ``path``, ``elsewhere()`` on the
+    others; every process calls it, and a failure anywhere raises
+    :class:`SaveError` everywhere, naming process and path."""
     hint = (
         f"A process did not finish its part of a save of {path} (it may have "
         f"died while writing it). Raise {config.ENV_SAVE_TIMEOUT} for larger models."
     )
     handshake.one_acts(
         what,
-        act,
+        run if writer(what, path) else elsewhere,
         hint,
         lambda failed: SaveError(
             f"keras-dtensor-fix: a save failed on {failed}. The file there, if "
@@ -116,19 +122,7 @@ def _act_report(what: str, path: str, act: Callable[[], None] | None) -> None:
             "room) and save again."
         ),
         note=f" writing {path}",
-        seconds=config.save_seconds(),
     )
-
-
-def by_one(
-    what: str,
-    path: str,
-    run: Callable[[], None],
-    elsewhere: Callable[[], None] | None = None,
-) -> None:
-    """``run()`` on the process that writes ``path``, ``elsewhere()`` on the
-    others; every process calls it."""
-    _act_report(what, path, run if writer(what, path) else elsewhere)
 
 
 def save(what: str, path: str, write: Callable[[str], None], values: Iterable) -> None:
