@@ -30,11 +30,9 @@ def on_first(fn: Callable[..., Any], *args: Any, scope: str = "checkpoint") -> A
     return _learn(what, (lambda: fn(*args)) if place.rank() == 0 else None)[0]
 
 
-def every_process(
-    what: str, check: Callable[[], Any], scope: str = "checkpoint"
-) -> None:
+def every_process(what: str, check: Callable[[], Any]) -> None:
     """``check()`` on every process; each raises if it failed anywhere."""
-    _learn(f"{scope}: {what}", check)
+    _learn(f"checkpoint: {what}", check)
 
 
 def _learn(what: str, act: Callable[[], Any] | None) -> list[Any]:
