@@ -202,8 +202,7 @@ class Checkpoint(MonitorCallback):
             if not self._is_improvement(current, self.best):
                 return
             self.best = current
-        self._watcher.begin_save()  # every process makes it, or none does
-        try:
+        with self._watcher.saving():  # every process makes it, or none does
             self._finish()
             saved = self._write(
                 *self._position(at_epoch_end),
@@ -211,8 +210,6 @@ class Checkpoint(MonitorCallback):
                 group=self._group,
             )
             self._saved_at = self._batches
-        finally:
-            self._watcher.end_save()
         if isinstance(saved, PendingSave):
             self._pending = saved
         else:

@@ -12,13 +12,14 @@ the stack goes to the handler that was there before.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import CodeType, FrameType
 from typing import Any
 
@@ -160,18 +161,20 @@ class Watcher:
             self._busy = False
             self._cond.notify_all()
 
-    def begin_save(self) -> None:
-        """Before the callback's save: go on only if no process stopped before."""
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around the callback's save: begun only if no process stopped before."""
         with self._cond:
             if self._signaled():
                 self._pass(saving=True)
             self._saves += 1
             self._saving = True
-
-    def end_save(self) -> None:
-        with self._cond:
-            self._saving = False
-            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._saving = False
+                self._cond.notify_all()
 
     def gate(self, signum: int | None = None) -> None:
         """Between steps or after a save: stop if due (``signum``: known won)."""

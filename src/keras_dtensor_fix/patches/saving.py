@@ -37,8 +37,8 @@ def _local_path(filepath: Any) -> str | None:
     """``filepath`` as a local path, or ``None`` (a file object, a remote URL)."""
     if not isinstance(filepath, (str, os.PathLike)):
         return None
-    path = os.fspath(filepath)
-    return None if "://" in str(path) else str(path)
+    path = str(os.fspath(filepath))
+    return None if "://" in path else path
 
 
 def _values(model: Any) -> list:
@@ -55,23 +55,19 @@ def make_wrapper(name: str):
     what = ENTRIES[name]
 
     def wrapper(wrapped, instance, args, kwargs):
-        kwargs = dict(kwargs)
-        if len(args) >= 2:
-            model, filepath, rest = args[0], args[1], args[2:]
-        else:
-            model, rest = args[0] if args else kwargs.pop("model"), ()
-            filepath = kwargs.pop("filepath")
-        path = _local_path(filepath)
-        if path is None or _processes() == 1:
-            return wrapped(model, filepath, *rest, **kwargs)
+        def save(model: Any, filepath: Any, *rest: Any, **options: Any) -> Any:
+            path = _local_path(filepath)
+            if path is None or _processes() == 1:
+                return wrapped(model, filepath, *rest, **options)
 
-        def write(target: str) -> None:
-            wrapped(model, target, *rest, **kwargs)
+            def write(target: str) -> None:
+                wrapped(model, target, *rest, **options)
 
-        if model_parallel() is None:
-            one_writer.write_atomically(path, write)
-        else:
-            one_writer.save(what, path, write, _values(model))
+            if model_parallel() is None:
+                return one_writer.write_atomically(path, write)
+            return one_writer.save(what, path, write, _values(model))
+
+        return save(*args, **kwargs)  # Keras's signature binds the arguments
 
     return wrapper
 
