@@ -1,8 +1,4 @@
-"""``Checkpoint``: sharded checkpoints during ``fit``, resumed at the step.
-
-Its arguments are those of ``keras.callbacks.OrbaxCheckpoint`` (JAX only), so
-a script moves between them by name.
-"""
+"""``Checkpoint``: sharded checkpoints during ``fit``, resumed at the step."""
 
 from __future__ import annotations
 
@@ -36,11 +32,12 @@ MonitorCallback = targets.keras_object("MonitorCallback")
 class Checkpoint(MonitorCallback):
     """Save a sharded checkpoint during ``fit``; resume from it when it exists.
 
-    The arguments as ``keras.callbacks.OrbaxCheckpoint``'s;
-    ``save_on_background`` copies the shards at the step and writes them on a
-    thread. With ``restore``, ``fit`` starts from the newest checkpoint:
-    weights, optimizer, the epoch's running metrics and the batch after the
-    one saved (earlier batches drawn in the same order and skipped).
+    The arguments as ``keras.callbacks.OrbaxCheckpoint``'s (JAX only), so a
+    script moves between them by name; ``save_on_background`` copies the
+    shards at the step and writes them on a thread. With ``restore``, ``fit``
+    starts from the newest checkpoint: weights, optimizer, the epoch's running
+    metrics and the batch after the one saved (earlier batches drawn in the
+    same order and skipped).
 
     ``signals`` (``()``: none) preempt training: every process learns of one
     within about a second, stops after the same finished step, saves it and

@@ -230,15 +230,14 @@ class Watcher:
             )
             # Holding the lock: the main thread's hooks change nothing now.
             try:
-                saved = self._save(signum)
+                message = self._save(signum)
             except BaseException as exc:  # noqa: BLE001 - the process ends anyway
-                leave(
-                    128 + signum,
+                message = (
                     f"keras_dtensor_fix: {signal.Signals(signum).name}: the save "
                     f"at the stop failed ({exc!r}); the newest complete "
-                    f"checkpoint is {self.where}",
+                    f"checkpoint is {self.where}"
                 )
-            leave(128 + signum, saved)
+            leave(128 + signum, message)
 
     def _signal(self) -> int | None:
         """The signal any process got (this one's offered first), or None."""

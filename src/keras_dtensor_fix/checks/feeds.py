@@ -12,6 +12,7 @@ and both raise. Pure torch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,8 +149,7 @@ def _rows_of(batch: Any) -> int:
 def per_batch(batches: Iterator[Any]) -> Iterator[Any]:
     """``batches``, each first agreed on by every process: all have one of the
     same size, or all have none (the epoch ends), else all raise."""
-    index = 0
-    while True:
+    for index in itertools.count():
         batch = next(batches, _END)
         have = batch is not _END
         rows = _exchange([BATCH, int(have), _rows_of(batch) if have else 0, index, 0])
@@ -159,7 +159,6 @@ def per_batch(batches: Iterator[Any]) -> Iterator[Any]:
             _raise(rows, "one process ran out of batches while another had one")
         if len({row[2] for row in rows}) > 1:
             _raise(rows, "the batch size differs")
-        index += 1
         yield batch
 
 
