@@ -34,7 +34,7 @@ POLL = 0.25
 
 _watches = itertools.count()
 
-HINT = "A process died or hung between the signal and its stop."
+HINT = "Every process must reach the agreed stop or the end of fit(); one did not."
 
 
 def leave(code: int, message: str) -> None:
