@@ -30,8 +30,7 @@ def check_writable(directory: str, rank: int) -> None:
     probe = os.path.join(directory, f".write-check-{rank}")
     try:
         os.makedirs(directory, exist_ok=True)
-        with open(probe, "w"):
-            pass
+        open(probe, "w").close()
         os.remove(probe)
     except OSError as error:
         raise CheckpointDirectoryError(
