@@ -1,8 +1,4 @@
-"""``Checkpoint``: sharded checkpoints during ``fit``, resumed at the step.
-
-Its arguments are those of ``keras.callbacks.OrbaxCheckpoint`` (JAX only), so
-a script moves between them by name.
-"""
+"""``Checkpoint``: sharded checkpoints during ``fit``, resumed at the step."""
 
 from __future__ import annotations
 
@@ -36,11 +32,12 @@ MonitorCallback = targets.keras_object("MonitorCallback")
 class Checkpoint(MonitorCallback):
     """Save a sharded checkpoint during ``fit``; resume from it when it exists.
 
-    The arguments as ``keras.callbacks.OrbaxCheckpoint``'s;
-    ``save_on_background`` copies the shards at the step and writes them on a
-    thread. With ``restore``, ``fit`` starts from the newest checkpoint:
-    weights, optimizer, the epoch's running metrics and the batch after the
-    one saved (earlier batches drawn in the same order and skipped).
+    The arguments as ``keras.callbacks.OrbaxCheckpoint``'s (JAX only), so a
+    script moves between them by name; ``save_on_background`` copies the
+    shards at the step and writes them on a thread. With ``restore``, ``fit``
+    starts from the newest checkpoint: weights, optimizer, the epoch's running
+    metrics and the batch after the one saved (earlier batches drawn in the
+    same order and skipped).
 
     ``signals`` (``()``: none) preempt training: every process learns of one
     within about a second, stops after the same finished step, saves it and
@@ -154,11 +151,8 @@ class Checkpoint(MonitorCallback):
         if self._after is None and self._watcher.watching():
             # Validation resets the metrics: a stop during it saves the step's.
             with self._watcher.held():
-                self._after = (
-                    self._epoch,
-                    self._position(at_epoch_end=False),
-                    snapshot(self.model) if self.metrics else None,
-                )
+                values = snapshot(self.model) if self.metrics else None
+                self._after = (*self._position(at_epoch_end=False), values)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self._resumed_epoch == epoch and logs is not None:
@@ -168,7 +162,7 @@ class Checkpoint(MonitorCallback):
         self._resumed_epoch = None
         if self._watcher.watching():  # from here on a stop resumes the next epoch
             with self._watcher.held():
-                self._after = (epoch + 1, self._position(at_epoch_end=True), None)
+                self._after = (*self._position(at_epoch_end=True), None)
         if self.save_freq == "epoch":
             self._maybe_save(logs, at_epoch_end=True)
         self._watcher.gate()
@@ -177,16 +171,18 @@ class Checkpoint(MonitorCallback):
         self._watcher.stop()
         self._finish()
 
-    def _position(self, at_epoch_end: bool) -> dict[str, Any]:
-        """Where fit is: batches done in the epoch, what orders its data."""
+    def _position(self, at_epoch_end: bool) -> tuple[int, dict[str, Any]]:
+        """Epochs done, and where fit is: batches done in the epoch, what
+        orders its data."""
         where = {
             "batch": 0 if at_epoch_end else self._batch,
             "batches": self._batches,
             "adapter_epoch": position.adapter_epoch(at_epoch_begin=not at_epoch_end),
         }
         if at_epoch_end:  # the next epoch starts from here
-            return {**where, "random": position.random_state()}
-        return {**where, **self._begin, "random_now": position.random_state()}
+            return self._epoch + 1, {**where, "random": position.random_state()}
+        random_now = position.random_state()
+        return self._epoch, {**where, **self._begin, "random_now": random_now}
 
     def _maybe_save(self, logs: dict | None, at_epoch_end: bool) -> None:
         if self.save_best_only:
@@ -203,18 +199,14 @@ class Checkpoint(MonitorCallback):
             if not self._is_improvement(current, self.best):
                 return
             self.best = current
-        self._watcher.begin_save()  # every process makes it, or none does
-        try:
+        with self._watcher.saving():  # every process makes it, or none does
             self._finish()
             saved = self._write(
-                self._epoch + at_epoch_end,  # epochs completed
-                self._position(at_epoch_end),
+                *self._position(at_epoch_end),
                 background=self.save_on_background,
                 group=self._group,
             )
             self._saved_at = self._batches
-        finally:
-            self._watcher.end_save()
         if isinstance(saved, PendingSave):
             self._pending = saved
         else:
@@ -250,23 +242,20 @@ class Checkpoint(MonitorCallback):
         pending = self._pending
         if pending is not None:  # never a half-written checkpoint
             self._watcher.where = pending.written()
-        if self._saved_at == self._batches:
-            path = self._watcher.where
-        else:
-            epoch, where, values = self._after or (
-                self._epoch,
-                self._position(at_epoch_end=False),
-                None,
+        if self._saved_at != self._batches:
+            epoch, where, values = self._after or (*self._position(False), None)
+            self._watcher.where = self._write(
+                epoch,
+                where,
+                group=self._watcher.group,
+                values=values,
+                scope="preemption",
             )
-            group = self._watcher.group
-            path = self._write(
-                epoch, where, group=group, values=values, scope="preemption"
-            )
-            self._watcher.where = path
         return (
             f"keras_dtensor_fix: {signal.Signals(signum).name}: process {rank()} "
             f"stopped after step {self._batches} (epoch {self._epoch + 1}, batch "
-            f"{self._batch}); saved {path}: the next launch resumes there"
+            f"{self._batch}); saved {self._watcher.where}: the next launch resumes "
+            "there"
         )
 
     def _load(self, metrics: bool) -> None:
@@ -274,26 +263,18 @@ class Checkpoint(MonitorCallback):
             self.model, self.directory, optimizer=self.optimizer, metrics=metrics
         )
         self._watcher.where = info["path"]
-        if info.get("epoch") is not None:
-            self.model._initial_epoch = info["epoch"]
-        where = info.get("position") or {}
+        epoch, where = info.get("epoch"), info.get("position") or {}
+        if epoch is not None:
+            self.model._initial_epoch = epoch
         self._batches = self._saved_at = where.get("batches", 0)
-        if info.get("epoch") is not None and where:
-            self._resume = {
-                **where,
-                "epoch": info["epoch"],
-                "metrics": [
-                    np.array(keras.ops.convert_to_numpy(v))
-                    for v in self.model.metrics_variables
-                ]
-                if metrics
-                else [],
-            }
-        if self.verbose:
-            batch = where.get("batch", 0)
+        if epoch is not None and where:
+            variables = self.model.metrics_variables if metrics else []
+            values = [np.array(keras.ops.convert_to_numpy(v)) for v in variables]
+            self._resume = {**where, "epoch": epoch, "metrics": values}
+        if self.verbose:  # a checkpoint.save() without an epoch records None
             print(
                 f"Checkpoint: resumed from {info['path']} at epoch "
-                f"{info.get('epoch', 0) + 1}, batch {batch + 1}"
+                f"{(epoch or 0) + 1}, batch {where.get('batch', 0) + 1}"
             )
 
 

@@ -30,8 +30,7 @@ def check_writable(directory: str, rank: int) -> None:
     probe = os.path.join(directory, f".write-check-{rank}")
     try:
         os.makedirs(directory, exist_ok=True)
-        with open(probe, "w") as handle:
-            handle.write("")
+        open(probe, "w").close()
         os.remove(probe)
     except OSError as error:
         raise CheckpointDirectoryError(
@@ -43,7 +42,6 @@ def check_writable(directory: str, rank: int) -> None:
 
 
 def _write_file(path: str, text: str) -> None:
-    """Write ``path`` atomically (a temporary file, then ``os.replace``)."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as handle:
         handle.write(text)

@@ -15,22 +15,10 @@ import random
 import weakref
 from typing import Any
 
-__all__ = [
-    "adapter_epoch",
-    "capture",
-    "consumed",
-    "entering",
-    "plan",
-    "random_state",
-    "restore_random",
-    "skipped",
-]
-
 _capture = False
 _iterator: weakref.ref | None = None
 _adapter_epoch: int | None = None
 _plan: tuple[int, int | None] | None = None
-_consumed = True
 _after: dict[str, Any] | None = None  # random states after the skip
 
 
@@ -45,23 +33,23 @@ def plan(
 ) -> None:
     """Have the next epoch skip ``skip`` batches, its data ordered as saved;
     ``after``: the random states to put back once they are skipped."""
-    global _plan, _consumed, _after
-    # Nothing to skip: no iterator need take the plan (the plugin off).
-    _plan, _consumed, _after = (skip, adapter_epoch), skip == 0, after
+    global _plan, _after
+    _plan, _after = (skip, adapter_epoch), after
 
 
 def consumed() -> bool:
-    """Whether the last :func:`plan` left no batches to skip untaken."""
-    return _consumed
+    """Whether the last :func:`plan` left no batches to skip untaken (with
+    none to skip, no iterator need take it: the plugin off)."""
+    return _plan is None or _plan[0] == 0
 
 
 def entering(iterator: Any) -> int:
     """``iterator`` starts an epoch: apply the plan, record; batches to skip."""
-    global _capture, _iterator, _adapter_epoch, _plan, _consumed
+    global _capture, _iterator, _adapter_epoch, _plan
     skip = 0
     adapter = getattr(iterator, "data_adapter", None)
     if _plan is not None:
-        (skip, epoch), _plan, _consumed = _plan, None, True
+        (skip, epoch), _plan = _plan, None
         if epoch is not None and hasattr(adapter, "_epoch"):
             adapter._epoch = epoch
     if _capture:

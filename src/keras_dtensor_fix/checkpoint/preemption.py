@@ -12,17 +12,20 @@ the stack goes to the handler that was there before.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable
-from datetime import timedelta
+from collections.abc import Callable, Iterable, Iterator
 from types import CodeType, FrameType
 from typing import Any
 
 import torch.distributed as dist
+
+from keras_dtensor_fix.saving import handshake
 
 #: Seconds from the signal to the exit: inside torchrun's 30 s before SIGKILL.
 DEFAULT_TIMEOUT = 20.0
@@ -31,15 +34,13 @@ POLL = 0.25
 
 _watches = itertools.count()
 
-
-def exit_code(signum: int) -> int:
-    """What a shell reports for a process killed by ``signum``."""
-    return 128 + signum
+HINT = "Every process must reach the agreed stop or the end of fit(); one did not."
 
 
 def leave(code: int, message: str) -> None:
-    """Print ``message`` and exit now: teardown right after gloo collectives
-    can abort the process (SIGABRT)."""
+    """Print ``message`` and exit now (with 128 + the signal, as a shell
+    reports a process it killed): teardown right after gloo collectives can
+    abort the process (SIGABRT)."""
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)
@@ -65,8 +66,7 @@ class Watcher:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._save: Saver | None = None
-        self._store: Any = None  # the thread's clone of the group's store
-        self._keys = ""
+        self._keys: str | None = None  # the store's, with several processes
         # The main thread's progress, read under _cond.
         self._done = self._saves = 0  # steps finished, saves begun
         self._busy = self._saving = False  # inside a step, inside a save
@@ -102,8 +102,7 @@ class Watcher:
         if dist.is_initialized() and dist.get_world_size() > 1:
             if self.group is None:
                 self.group = dist.new_group(backend="gloo")  # every process, in step
-            self._store = dist.distributed_c10d._get_default_store().clone()
-            self._keys = f"keras_dtensor_fix/preemption/{next(_watches)}"
+            self._keys = f"preemption {next(_watches)}"
         self._thread = threading.Thread(
             target=self._watch, name="keras_dtensor_fix preemption", daemon=True
         )
@@ -123,12 +122,9 @@ class Watcher:
         if not self.signals:
             return
         self.gate()
-        if self._store is not None:
-            store = self._store.clone()  # the thread's may be in a call
-            store.set(self._key(f"end/{dist.get_rank()}"), b"1")
-            everyone = [self._key(f"end/{r}") for r in range(dist.get_world_size())]
-            store.wait(everyone, timedelta(seconds=max(self.timeout, 60.0)))
-            fate = store.compare_set(self._key("fate"), "", "end")
+        if self._keys is not None:
+            handshake.exchange(self._key("end"), "", HINT, max(self.timeout, 60.0))
+            fate = handshake.store().compare_set(self._key("fate"), "", "end")
             if fate != b"end":
                 self.gate(signum=int(fate))  # a signal came first: it parks
         elif self.received is not None:
@@ -155,58 +151,53 @@ class Watcher:
     def begin_step(self) -> None:
         """Before a training step: wait or stop here if the stop is reached."""
         with self._cond:
-            self._pass()
+            if self._signaled():
+                self._pass()
             self._busy = True
 
     def end_step(self) -> None:
-        """After a training step."""
         with self._cond:
             self._done += 1
             self._busy = False
             self._cond.notify_all()
 
-    def begin_save(self) -> None:
-        """Before the callback's save: go on only if no process stopped before."""
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around the callback's save: begun only if no process stopped before."""
         with self._cond:
-            if self._signum is not None or self.received is not None:
-                self._agreed()
-                if self._saves >= self._stop[1]:
-                    self._park()
+            if self._signaled():
+                self._pass(saving=True)
             self._saves += 1
             self._saving = True
-
-    def end_save(self) -> None:
-        with self._cond:
-            self._saving = False
-            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._saving = False
+                self._cond.notify_all()
 
     def gate(self, signum: int | None = None) -> None:
         """Between steps or after a save: stop if due (``signum``: known won)."""
-        if signum is None and self._signum is None and self.received is None:
-            return
-        with self._cond:
-            self._pass(known=signum is not None)
+        if signum is not None or self._signaled():
+            with self._cond:
+                self._pass()
 
-    def _pass(self, known: bool = False) -> None:
-        """(under _cond) Wait for the stop once a signal is known; park at it."""
-        if not known and self._signum is None and self.received is None:
-            return
-        self._agreed()
-        if self._done >= self._stop[0] and self._saves >= self._stop[1]:
-            self._park()
+    def _signaled(self) -> bool:
+        return self._signum is not None or self.received is not None
 
-    def _agreed(self) -> None:
+    def _pass(self, saving: bool = False) -> None:
+        """(under _cond) Wait for the agreed stop; park at it (a save, once
+        the saves reach it) and let the thread save and end the process."""
         self._wake.set()
         self._cond.wait_for(lambda: self._stop is not None)
-
-    def _park(self) -> None:
-        """Let the thread save; it ends the process (or the deadline does)."""
-        self._cond.notify_all()
-        while True:
-            self._cond.wait()
+        steps, saves = self._stop
+        if (saving or self._done >= steps) and self._saves >= saves:
+            self._cond.notify_all()
+            while True:
+                self._cond.wait()
 
     def _key(self, name: str) -> str:
-        return f"{self._keys}/{name}"
+        return f"{self._keys}: {name}"
 
     def _watch(self) -> None:
         while True:
@@ -239,25 +230,24 @@ class Watcher:
             )
             # Holding the lock: the main thread's hooks change nothing now.
             try:
-                saved = self._save(signum)
+                message = self._save(signum)
             except BaseException as exc:  # noqa: BLE001 - the process ends anyway
-                leave(
-                    exit_code(signum),
+                message = (
                     f"keras_dtensor_fix: {signal.Signals(signum).name}: the save "
                     f"at the stop failed ({exc!r}); the newest complete "
-                    f"checkpoint is {self.where}",
+                    f"checkpoint is {self.where}"
                 )
-            leave(exit_code(signum), saved)
+            leave(128 + signum, message)
 
     def _signal(self) -> int | None:
         """The signal any process got (this one's offered first), or None."""
-        if self._store is None:
+        if self._keys is None:
             return self.received
-        fate = self._key("fate")
+        store, fate = handshake.store(), self._key("fate")
         if self.received is not None:
-            value = self._store.compare_set(fate, "", str(self.received))
-        elif self._store.check([fate]):
-            value = self._store.get(fate)
+            value = store.compare_set(fate, "", str(self.received))
+        elif store.check([fate]):
+            value = store.get(fate)
         else:
             return None
         if value == b"end":  # fit ended first: no stop
@@ -268,14 +258,11 @@ class Watcher:
 
     def _offer(self, mine: tuple[int, int]) -> tuple[int, int]:
         """Every process's (steps, saves) reach; the largest of each."""
-        if self._store is None:
-            return mine
-        rank, world = dist.get_rank(), dist.get_world_size()
-        self._store.set(self._key(f"reach/{rank}"), f"{mine[0]},{mine[1]}")
-        keys = [self._key(f"reach/{r}") for r in range(world)]
-        self._store.wait(keys, timedelta(seconds=self.timeout))
-        offers = [tuple(int(v) for v in self._store.get(k).split(b",")) for k in keys]
-        return max(o[0] for o in offers), max(o[1] for o in offers)
+        offers = handshake.exchange(
+            self._key("reach"), json.dumps(mine), HINT, self.timeout
+        )
+        steps, saves = zip(*map(json.loads, offers), strict=True)
+        return max(steps), max(saves)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self._within is not None and not _on_stack(frame, self._within):
@@ -288,12 +275,10 @@ class Watcher:
         self._wake.set()
 
     def _arm(self) -> None:
-        """Start the deadline, once."""
-        if self._timer is not None:
-            return
-        self._timer = threading.Timer(self.timeout, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
+        if self._timer is None:  # the deadline, once
+            self._timer = threading.Timer(self.timeout, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
 
     def _hand_back(self, signum: int, frame: Any) -> None:
         """Put the previous handlers back and give them this signal."""
@@ -313,7 +298,7 @@ class Watcher:
     def _expire(self) -> None:
         signum = self.received or self._signum or signal.SIGTERM
         leave(
-            exit_code(signum),
+            128 + signum,
             f"keras_dtensor_fix: {signal.Signals(signum).name} received, and no "
             f"step was saved within {self.timeout:g} s (Checkpoint's "
             f"preemption_timeout): exiting; the newest complete checkpoint is "

@@ -14,8 +14,6 @@ from keras_dtensor_fix.dtensor import world as place
 from keras_dtensor_fix.engine import config
 from keras_dtensor_fix.saving import handshake
 
-__all__ = ["every_process", "on_first"]
-
 HINT = (
     "Every process must take part in a checkpoint's save and restore; one did "
     f"not arrive. Raise {config.ENV_SAVE_TIMEOUT} if saves take longer."
@@ -29,26 +27,19 @@ def on_first(fn: Callable[..., Any], *args: Any, scope: str = "checkpoint") -> A
     passes its own scope, so it never meets the main thread's.
     """
     what = f"{scope}: {getattr(fn, '__name__', 'step')}"
-    return _learn(what, place.rank() == 0, lambda: fn(*args))[0]
+    return _learn(what, (lambda: fn(*args)) if place.rank() == 0 else None)[0]
 
 
-def every_process(
-    what: str, check: Callable[[], Any], scope: str = "checkpoint"
-) -> None:
+def every_process(what: str, check: Callable[[], Any]) -> None:
     """``check()`` on every process; each raises if it failed anywhere."""
-    _learn(f"{scope}: {what}", True, check)
+    _learn(f"checkpoint: {what}", check)
 
 
-def _learn(what: str, acting: bool, act: Callable[[], Any]) -> list[Any]:
-    outcomes = handshake.one_acts(
-        what, acting, act, HINT, seconds=config.save_seconds()
+def _learn(what: str, act: Callable[[], Any] | None) -> list[Any]:
+    return handshake.one_acts(
+        what,
+        act,
+        HINT,
+        lambda failed: CheckpointError(f"{what} failed on {failed}"),
+        own=True,
     )
-    if outcomes.error is not None:
-        raise outcomes.error
-    failed = outcomes.failed
-    if failed:
-        raise CheckpointError(
-            f"{what} failed on "
-            + "; ".join(f"process {peer}: {error}" for peer, _, error in failed)
-        )
-    return outcomes.results

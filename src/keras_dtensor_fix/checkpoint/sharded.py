@@ -28,15 +28,6 @@ from keras_dtensor_fix.checkpoint.files import (
 from keras_dtensor_fix.checkpoint.processes import every_process, on_first
 from keras_dtensor_fix.dtensor.world import distributed, rank, world
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointMismatchError",
-    "PendingSave",
-    "load",
-    "save",
-    "snapshot",
-]
-
 FORMAT = 1
 SHOW = 10  # names a mismatch error lists per kind
 
@@ -52,22 +43,19 @@ class CheckpointMismatchError(CheckpointError, ValueError):
         shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
     ) -> None:
         self.missing, self.unexpected, self.shapes = missing, unexpected, shapes
+        kinds = {
+            "missing from the checkpoint": missing,
+            "in the checkpoint but not in the model": unexpected,
+            "shape mismatch": [
+                f"{k} (saved {s}, model {m})" for k, (s, m) in shapes.items()
+            ],
+        }
         lines = [f"checkpoint {path} does not fit this model:"]
-        if missing:
-            lines.append(f"missing from the checkpoint: {_names(missing)}")
-        if unexpected:
-            lines.append(
-                f"in the checkpoint but not in the model: {_names(unexpected)}"
-            )
-        if shapes:
-            shown = [f"{k} (saved {s}, model {m})" for k, (s, m) in shapes.items()]
-            lines.append(f"shape mismatch: {_names(shown)}")
+        for kind, names in kinds.items():
+            more = f", ... and {len(names) - SHOW} more" if len(names) > SHOW else ""
+            if names:
+                lines.append(f"{kind}: {', '.join(names[:SHOW])}{more}")
         super().__init__("\n".join(lines))
-
-
-def _names(items: list[str]) -> str:
-    more = f", ... and {len(items) - SHOW} more" if len(items) > SHOW else ""
-    return ", ".join(items[:SHOW]) + more
 
 
 def _tensor(variable: Any) -> torch.Tensor:

@@ -4,19 +4,15 @@ Under ModelParallel each step is collective: a process that runs out of
 batches while another still has one leaves that one waiting in the step's
 first collective until the group's timeout (30 minutes on gloo), with no
 message; batches of different sizes make a global batch that no process
-holds (upstream runs it, silently wrong). Before each epoch (``fit``,
-validation, ``evaluate``, ``predict``) the processes gather what they feed
-(:func:`before_epoch`: batches, batch size, last batch size, steps per epoch)
-and raise :class:`UnevenDataError` on every process where they differ. Where
-a count or a size is unknown (a generator, a ``PyDataset``, an iterable
-loader), or the counts differ under ``steps_per_epoch``, they agree on each
-batch instead (:func:`per_batch`: one small all-gather a batch, only then).
-Both exchanges are one all-gather of the same length, so a process starting
-a new pass over its data meets another's batch and both raise. Pure torch.
+holds (upstream runs it, silently wrong). Both exchanges
+(:func:`before_epoch`, :func:`per_batch`) are one all-gather of the same
+length, so a process starting a new pass over its data meets another's batch
+and both raise. Pure torch.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,10 +45,6 @@ class UnevenDataError(RuntimeError):
         self.rows = rows
 
 
-def _known(value: Any) -> int:
-    return UNKNOWN if value is None else int(value)
-
-
 def epoch_row(adapter: Any, steps_per_epoch: int | None) -> list[int]:
     """What this process feeds the epoch, from its Keras data adapter."""
 
@@ -67,13 +59,8 @@ def epoch_row(adapter: Any, steps_per_epoch: int | None) -> list[int]:
     last = read("partial_batch_size") if partial else size
     if partial is None:
         last = None
-    return [
-        EPOCH,
-        _known(read("num_batches")),
-        _known(size),
-        _known(last),
-        _known(steps_per_epoch),
-    ]
+    values = (read("num_batches"), size, last, steps_per_epoch)
+    return [EPOCH, *(UNKNOWN if v is None else int(v) for v in values)]
 
 
 def _describe(row: list[int]) -> str:
@@ -127,10 +114,13 @@ def _differ(values: list[int]) -> bool:
 
 
 def before_epoch(adapter: Any, steps_per_epoch: int | None) -> bool | None:
-    """Agree on what every process feeds this epoch; raise where it differs.
+    """Agree on what every process feeds this epoch (``fit``, validation,
+    ``evaluate``, ``predict``); raise :class:`UnevenDataError` where it differs.
 
     Returns None with one process (nothing to agree on), else whether the
-    batches must be agreed on one by one (:func:`per_batch`).
+    batches must be agreed on one by one (:func:`per_batch`): where a count or
+    a size is unknown (a generator, a ``PyDataset``, an iterable loader), or
+    the counts differ under ``steps_per_epoch``.
     """
     if place.world() == 1:
         return None
@@ -159,8 +149,7 @@ def _rows_of(batch: Any) -> int:
 def per_batch(batches: Iterator[Any]) -> Iterator[Any]:
     """``batches``, each first agreed on by every process: all have one of the
     same size, or all have none (the epoch ends), else all raise."""
-    index = 0
-    while True:
+    for index in itertools.count():
         batch = next(batches, _END)
         have = batch is not _END
         rows = _exchange([BATCH, int(have), _rows_of(batch) if have else 0, index, 0])
@@ -170,7 +159,6 @@ def per_batch(batches: Iterator[Any]) -> Iterator[Any]:
             _raise(rows, "one process ran out of batches while another had one")
         if len({row[2] for row in rows}) > 1:
             _raise(rows, "the batch size differs")
-        index += 1
         yield batch
 
 

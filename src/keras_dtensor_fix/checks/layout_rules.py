@@ -15,22 +15,9 @@ import warnings
 import weakref
 from typing import Any
 
-
-class _Seen:
-    """One LayoutMap's rules: matched, warned of, and keras-hub's (never judged)."""
-
-    def __init__(self) -> None:
-        self.matched: set[str] = set()
-        self.warned: set[str] = set()
-        self.library: set[str] = set()
-
-    def done(self, layout_map: Any) -> bool:
-        judged = self.matched | self.warned | self.library
-        return all(rule in judged for rule in layout_map if isinstance(rule, str))
-
-
-#: By the LayoutMap's id (unhashable), dropped when it dies.
-_SEEN: dict[int, _Seen] = {}
+#: By the LayoutMap's id (unhashable), dropped when it dies: its rules judged
+#: (matched or warned of) and keras-hub's (never judged).
+_SEEN: dict[int, tuple[set[str], set[str]]] = {}
 
 
 def _paths(model: Any) -> list[str]:
@@ -86,26 +73,25 @@ def warn_unmatched(model: Any, distribution: Any | None) -> list[str]:
     layout_map = getattr(distribution, "_layout_map", None)
     if layout_map is None:
         return []  # train_on_batch asks at every step
-    seen = _SEEN.get(id(layout_map))
-    if seen is not None and seen.done(layout_map):
-        return []  # every rule judged: later steps pay one lookup
+    judged, library = _SEEN.get(id(layout_map), (set(), set()))
+    if all(r in judged or r in library for r in layout_map if isinstance(r, str)):
+        return []  # every rule judged: later steps pay one look each
     paths = _paths(model)
     if not paths or not getattr(model, "built", True):
         return []
-    if seen is None:
-        seen = _SEEN[id(layout_map)] = _Seen()
-        weakref.finalize(layout_map, _SEEN.pop, id(layout_map), None)
-    library = _library_rules(model, distribution)
-    if library is None:
+    found = _library_rules(model, distribution)
+    if found is None:
         return []
-    seen.library |= library
-    rules = [r for r in layout_map if isinstance(r, str) and r not in library]
-    for rule in rules:
-        if rule not in seen.matched and any(_matches(rule, p) for p in paths):
-            seen.matched.add(rule)
-    unmatched = [r for r in rules if r not in seen.matched and r not in seen.warned]
+    if id(layout_map) not in _SEEN:
+        _SEEN[id(layout_map)] = (judged, library)
+        weakref.finalize(layout_map, _SEEN.pop, id(layout_map), None)
+    library |= found
+    rules = [r for r in layout_map if isinstance(r, str) and r not in found]
+    unmatched = [
+        r for r in rules if r not in judged and not any(_matches(r, p) for p in paths)
+    ]
+    judged.update(rules)
     for rule in unmatched:
-        seen.warned.add(rule)
         close = nearest(rule, paths)
         example = ".*" + "/".join(close[0].split("/")[-2:])
         warnings.warn(

@@ -3,12 +3,9 @@
 * ``distribute_data_input`` is replaced: it accepts both historical signatures
   (with and without ``batch_dim_name``), walks nested structures itself, and
   keeps data on its device (upstream copies CUDA batches to the CPU and back).
-* A ModelParallel epoch iterates the ``DataLoader`` one process iterates
-  (:func:`_one_process_batches`): one process's batch order under
-  ``shuffle=True``, and its seed draws, which unseeded dropout's masks follow.
-  Before it, the processes agree on what each feeds the epoch
-  (:mod:`keras_dtensor_fix.checks.feeds`): uneven data raises on all of
-  them instead of hanging a step.
+* A ModelParallel epoch iterates the ``DataLoader`` one process iterates, once
+  the processes agree on what each feeds it (:func:`_one_process_batches`,
+  :mod:`keras_dtensor_fix.checks.feeds`).
 * On nightlies whose trainer never distributes the batch (up to ~2026-09), the
   train/test/predict steps distribute plain batches as per-process shards, and
   ``predict`` returns each process's rows with the model axes gathered.
@@ -37,20 +34,15 @@ def _placements(layout: Any) -> tuple[Any, tuple]:
     Keras builds a new ``TensorLayout`` for every batch; its conversion is
     remembered by axes and mesh.
     """
-    key = None
-    if isinstance(layout, targets.keras_object("TensorLayout")):
-        key = (tuple(layout.axes), layout.device_mesh)
-        found = _LAYOUTS.get(key)
-        if found is not None:
-            return found
-        layout = sys.modules[targets.DISTRIBUTION_LIB]._to_backend_layout(layout)
-    mesh = layout.device_mesh
-    found = (mesh, trivial_axes_replicated(mesh, layout.placements))
-    if key is not None:
+    if not isinstance(layout, targets.keras_object("TensorLayout")):
+        return _torch_placements(layout)
+    key = (tuple(layout.axes), layout.device_mesh)
+    if key not in _LAYOUTS:
         if len(_LAYOUTS) >= 64:
             _LAYOUTS.clear()
-        _LAYOUTS[key] = found
-    return found
+        backend = sys.modules[targets.DISTRIBUTION_LIB]._to_backend_layout(layout)
+        _LAYOUTS[key] = _torch_placements(backend)
+    return _LAYOUTS[key]
 
 
 _LAYOUTS: dict[tuple, tuple] = {}
@@ -79,17 +71,17 @@ def _distribute_leaf(value: Any, layout: Any) -> Any:
     return dtensor
 
 
-def trivial_axes_replicated(mesh: Any, placements: Any) -> tuple:
-    """``placements`` with Replicate on mesh axes of size 1.
+def _torch_placements(layout: Any) -> tuple[Any, tuple]:
+    """A backend layout's mesh and placements, Replicate on mesh axes of size 1.
 
     Sharding over a single process changes nothing but makes every reduction
     over the batch (loss, gradients) a Partial on that axis: a collective per
     value, each step, on a one-process group.
     """
-
-    return tuple(
+    mesh = layout.device_mesh
+    return mesh, tuple(
         Replicate() if size == 1 else placement
-        for size, placement in zip(mesh.shape, placements, strict=True)
+        for size, placement in zip(mesh.shape, layout.placements, strict=True)
     )
 
 
@@ -140,16 +132,15 @@ def _one_process_batches(wrapped, instance, args, kwargs):
     """``TorchEpochIterator._get_iterator`` under ModelParallel: the batches
     one process iterates, each distributed as Keras distributes it.
 
-    Without a distribution every epoch iterates the adapter's torch
-    ``DataLoader``: ``shuffle=True`` permutes with a torch generator, and each
-    ``iter()`` draws a seed from torch's global generator, which unseeded
-    dropout reads. Keras's ModelParallel epochs walk numpy batches instead,
-    permuted by numpy and drawing nothing: other batches and other masks than
-    one process's. The loader is iterated here, not at the first batch, so its
-    draw comes where one process's does; the processes agree on the epoch's
-    data here too, where Keras makes the iterator: Keras ends an epoch under
-    ``steps_per_epoch`` without a fetch when a process's data runs out, and
-    the iterator it makes then meets the others' next exchange (both raise).
+    Keras's ModelParallel epochs walk numpy batches, permuted by numpy and
+    drawing nothing; one process iterates the adapter's ``DataLoader``
+    (``shuffle=True`` permutes with a torch generator, each ``iter()`` draws a
+    seed from torch's global generator, which unseeded dropout reads). The
+    loader is iterated here, not at the first batch, so its draw comes where
+    one process's does. The processes agree on the epoch's data here, where
+    Keras makes the iterator: under ``steps_per_epoch`` Keras ends an epoch
+    without a fetch when a process's data runs out, and the iterator it makes
+    then meets the others' next exchange (both raise).
     """
     dist = model_parallel()
     if dist is None:

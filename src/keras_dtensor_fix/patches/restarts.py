@@ -61,19 +61,13 @@ def _create_store(wrapped, instance, args, kwargs):
     return store
 
 
-def rendezvous_round(worker_group: object) -> int | None:
-    """The rendezvous round that made ``worker_group`` (torch's private state:
-    ``None`` where it is not there)."""
-    handler = getattr(getattr(worker_group, "spec", None), "rdzv_handler", None)
-    state = getattr(getattr(handler, "_state_holder", None), "state", None)
-    round_ = getattr(state, "round", None)
-    return round_ if isinstance(round_, int) else None
-
-
 def _start_workers(wrapped, instance, args, kwargs):
     group = args[0] if args else kwargs.get("worker_group")
-    round_ = rendezvous_round(group)
-    if round_ is None:
+    # The rendezvous round that made the group: torch's private state.
+    handler = getattr(getattr(group, "spec", None), "rdzv_handler", None)
+    state = getattr(getattr(handler, "_state_holder", None), "state", None)
+    round_ = getattr(state, "round", None)
+    if not isinstance(round_, int):
         return wrapped(*args, **kwargs)
     # The workers inherit the agent's environment while they start.
     saved = os.environ.get(ROUND)

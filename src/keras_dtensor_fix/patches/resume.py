@@ -15,21 +15,19 @@ from keras_dtensor_fix.engine.contract import Implementation, Patch
 
 
 def _skipping(batches, skip: int):
-    done = False
+    batches = iter(batches)
     for begin, end, iterator in batches:
-        if begin < skip:
-            try:
-                for _ in range(end - begin + 1):
-                    next(iterator)  # drawn, not trained
-            except StopIteration:
-                break
-            continue
-        if not done:
-            done = True
+        if begin >= skip:
             position.skipped()
-        yield begin, end, iterator
-    if not done:
-        position.skipped()
+            yield begin, end, iterator
+            yield from batches
+            return
+        try:
+            for _ in range(end - begin + 1):
+                next(iterator)  # drawn, not trained
+        except StopIteration:
+            break
+    position.skipped()
 
 
 def _enumerate(wrapped, instance, args, kwargs):

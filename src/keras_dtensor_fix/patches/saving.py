@@ -37,8 +37,8 @@ def _local_path(filepath: Any) -> str | None:
     """``filepath`` as a local path, or ``None`` (a file object, a remote URL)."""
     if not isinstance(filepath, (str, os.PathLike)):
         return None
-    path = os.fspath(filepath)
-    return None if "://" in str(path) else str(path)
+    path = str(os.fspath(filepath))
+    return None if "://" in path else path
 
 
 def _values(model: Any) -> list:
@@ -55,23 +55,19 @@ def make_wrapper(name: str):
     what = ENTRIES[name]
 
     def wrapper(wrapped, instance, args, kwargs):
-        kwargs = dict(kwargs)
-        if len(args) >= 2:
-            model, filepath, rest = args[0], args[1], args[2:]
-        else:
-            model, rest = args[0] if args else kwargs.pop("model"), ()
-            filepath = kwargs.pop("filepath")
-        path = _local_path(filepath)
-        if path is None or _processes() == 1:
-            return wrapped(model, filepath, *rest, **kwargs)
+        def save(model: Any, filepath: Any, *rest: Any, **options: Any) -> Any:
+            path = _local_path(filepath)
+            if path is None or _processes() == 1:
+                return wrapped(model, filepath, *rest, **options)
 
-        def write(target: str) -> None:
-            wrapped(model, target, *rest, **kwargs)
+            def write(target: str) -> None:
+                wrapped(model, target, *rest, **options)
 
-        if model_parallel() is None:
-            one_writer.write_atomically(path, write)
-        else:
-            one_writer.save(what, path, write, _values(model))
+            if model_parallel() is None:
+                return one_writer.write_atomically(path, write)
+            return one_writer.save(what, path, write, _values(model))
+
+        return save(*args, **kwargs)  # Keras's signature binds the arguments
 
     return wrapper
 
@@ -82,31 +78,25 @@ def _distributed_job() -> bool:
     return api is not None and api.distribution() is not None and _processes() > 1
 
 
-def _backup_save(wrapped, instance, args, kwargs):
-    """One process copies, writes and records the backup; all save the weights."""
-    if not _distributed_job():
-        return wrapped(*args, **kwargs)
+def _backup(what: str, gathers: bool):
+    """BackupAndRestore's ``what`` on one process, the others waiting; under
+    ModelParallel they save the weights with it where it ``gathers``."""
 
-    def weights_only() -> None:  # the part of Keras's _save_model that gathers
-        instance.model.save_weights(filepath=instance._weights_path, overwrite=True)
+    def wrapper(wrapped, instance, args, kwargs):
+        if not _distributed_job():
+            return wrapped(*args, **kwargs)
 
-    one_writer.by_one(
-        "BackupAndRestore backup",
-        instance.backup_dir,
-        lambda: wrapped(*args, **kwargs),
-        elsewhere=weights_only if model_parallel() is not None else None,
-    )
+        def weights_only() -> None:  # the part of Keras's _save_model that gathers
+            instance.model.save_weights(filepath=instance._weights_path, overwrite=True)
 
+        one_writer.by_one(
+            f"BackupAndRestore {what}",
+            instance.backup_dir,
+            lambda: wrapped(*args, **kwargs),
+            weights_only if gathers and model_parallel() is not None else None,
+        )
 
-def _backup_end(wrapped, instance, args, kwargs):
-    """One process deletes the backup; the others wait, then go on."""
-    if not _distributed_job():
-        return wrapped(*args, **kwargs)
-    one_writer.by_one(
-        "BackupAndRestore cleanup",
-        instance.backup_dir,
-        lambda: wrapped(*args, **kwargs),
-    )
+    return wrapper
 
 
 def _makedirs(wrapped, instance, args, kwargs):
@@ -148,8 +138,8 @@ def patches(module: types.ModuleType) -> list[Patch]:
         if not hasattr(getattr(module, "BackupAndRestore", None), "_save_model"):
             raise LookupError("BackupAndRestore._save_model")
         return [
-            Patch(name, "BackupAndRestore._save_model", _backup_save),
-            Patch(name, "BackupAndRestore.on_train_end", _backup_end),
+            Patch(name, "BackupAndRestore._save_model", _backup("backup", True)),
+            Patch(name, "BackupAndRestore.on_train_end", _backup("cleanup", False)),
         ]
     return [Patch(name, "makedirs", _makedirs)]
 

@@ -1,11 +1,9 @@
 """The store exchange: calls every process makes, and one process acting for all.
 
 A save called on one process only (``if rank == 0: model.save(...)``) would
-wait in a gather until the group's timeout (30 minutes on gloo) and die
-saying nothing useful. An exchange through the process group's key-value
-store (no collective, any backend) names the missing processes instead. On
-it stands :func:`one_acts`, the one protocol for "one process acts, every
-process learns the outcome". Pure torch.
+wait in a gather until the group's timeout (30 minutes on gloo), saying
+nothing useful; an exchange through the group's key-value store (no
+collective, any backend) names the missing processes instead. Pure torch.
 """
 
 from __future__ import annotations
@@ -15,7 +13,9 @@ import json
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any
+
+from keras_dtensor_fix.engine import config
 
 #: How long a process waits for the others before the handshake fails.
 SECONDS = 60.0
@@ -25,17 +25,17 @@ _lock = threading.Lock()
 _local = threading.local()
 
 
-def _store() -> Any:
+def store() -> Any:
     """The group's store; off the main thread a clone, so that a thread's
     exchange never queues behind the main thread's blocked wait."""
     import torch.distributed as dist
 
-    store = dist.distributed_c10d._get_default_store()
+    default = dist.distributed_c10d._get_default_store()
     if threading.current_thread() is threading.main_thread():
-        return store
+        return default
     mine = getattr(_local, "store", None)
-    if mine is None or mine[0] is not store:
-        mine = _local.store = (store, store.clone())
+    if mine is None or mine[0] is not default:
+        mine = _local.store = (default, default.clone())
     return mine[1]
 
 
@@ -65,16 +65,16 @@ def exchange(
     with _lock:
         count = _counts[what]
         _counts[what] += 1
-    store = _store()
+    shared = store()
     keys = [f"keras_dtensor_fix/{what}/{count}/{r}" for r in range(world)]
-    store.set(keys[rank], value.encode())
+    shared.set(keys[rank], value.encode())
     wait = SECONDS if seconds is None else seconds
     try:
-        store.wait(keys, timedelta(seconds=wait))
+        shared.wait(keys, timedelta(seconds=wait))
     except Exception:  # noqa: BLE001 - the store's timeout error varies by version
-        missing = [r for r in range(world) if not store.check([keys[r]])]
+        missing = [r for r in range(world) if not shared.check([keys[r]])]
         # Take this arrival back: the next call meets again under one count.
-        store.delete_key(keys[rank])
+        shared.delete_key(keys[rank])
         with _lock:
             _counts[what] -= 1
         raise MissingProcessesError(
@@ -82,39 +82,43 @@ def exchange(
             f"process(es) {missing} within {wait:g} s. {hint}",
             missing,
         ) from None
-    return [store.get(key).decode() for key in keys]
-
-
-class Outcomes(NamedTuple):
-    """What :func:`one_acts` brought back from every process."""
-
-    results: list[Any]  # by rank; None where a process did not act
-    failed: list[tuple[int, str, str]]  # (rank, note, "Type: message")
-    error: BaseException | None  # this process's own failure
+    return [shared.get(key).decode() for key in keys]
 
 
 def one_acts(
     what: str,
-    acting: bool,
-    act: Callable[[], Any],
+    act: Callable[[], Any] | None,
     hint: str,
+    failure: Callable[[str], Exception],
     *,
     note: str = "",
-    seconds: float | None = None,
-) -> Outcomes:
-    """``act()`` where ``acting``; every process learns every outcome.
+    own: bool = False,
+) -> list[Any]:
+    """``act()`` where given (one process acts, or each); all learn every outcome.
 
-    Every process calls it in the same order; ``act``'s result must be
-    JSON-encodable; the caller raises what ``failed`` lists, in its words.
+    Every process calls it in the same order, waiting for the others up to
+    the save timeout (``config.save_seconds``); returns the (JSON) results by
+    rank. A failure anywhere raises ``failure(listing)`` everywhere, naming
+    each failed process (``note`` after its number); with ``own``, a process
+    that failed raises its own error instead.
     """
-    result, error, failure = None, None, None
-    if acting:
+    result, error, text = None, None, None
+    if act is not None:
         try:
             result = act()
             json.dumps(result)  # what the others cannot read fails here
         except Exception as exc:  # noqa: BLE001 - every process learns it
-            result, error, failure = None, exc, f"{type(exc).__name__}: {exc}"
-    mine = json.dumps({"note": note, "error": failure, "result": result})
+            result, error, text = None, exc, f"{type(exc).__name__}: {exc}"
+    mine = json.dumps({"note": note, "error": text, "result": result})
+    seconds = config.save_seconds()
     found = [json.loads(o) for o in exchange(f"{what} (outcome)", mine, hint, seconds)]
-    failed = [(r, o["note"], o["error"]) for r, o in enumerate(found) if o["error"]]
-    return Outcomes([o["result"] for o in found], failed, error)
+    if own and error is not None:
+        raise error
+    failed = "; ".join(
+        f"process {r}{o['note']}: {o['error']}"
+        for r, o in enumerate(found)
+        if o["error"]
+    )
+    if failed:
+        raise failure(failed) from error
+    return [o["result"] for o in found]

@@ -2,11 +2,8 @@
 
 Every process of a job calls ``save_weights("best.weights.h5")`` with the
 same path, and under a sharded distribution the save is a collective (each
-sharded variable gathered). :func:`save` makes it one collective step: every
-process gathers in the same order, the lowest rank per (host, path) writes
-into a fresh directory beside the target and moves it into place, and all
-learn through the store how it went, so a failure anywhere is an error
-everywhere.
+sharded variable gathered). :func:`save` makes it one collective step, so a
+failure anywhere is an error everywhere.
 """
 
 from __future__ import annotations
@@ -95,33 +92,10 @@ def write_atomically(path: str, write: Callable[[str], None]) -> None:
 def writer(what: str, path: str) -> bool:
     """Whether this process writes ``path``: the lowest rank passing it on
     this host (exchanged with every process)."""
-    from keras_dtensor_fix.dtensor.world import rank as own_rank
+    from keras_dtensor_fix.dtensor.world import rank
 
-    rank = own_rank()
     place = f"{socket.gethostname()}\0{os.path.abspath(path)}"
-    places = handshake.exchange(what, place, HINT)
-    return places.index(place) == rank
-
-
-def _act_report(what: str, path: str, acting: bool, act: Callable[[], None]) -> None:
-    """``act()`` where ``acting``; a failure anywhere raises
-    :class:`SaveError` everywhere, naming process and path."""
-    hint = (
-        f"A process did not finish its part of a save of {path} (it may have "
-        f"died while writing it). Raise {config.ENV_SAVE_TIMEOUT} for larger models."
-    )
-    outcomes = handshake.one_acts(
-        what, acting, act, hint, note=path, seconds=config.save_seconds()
-    )
-    failed = outcomes.failed
-    if failed:
-        raise SaveError(
-            "keras-dtensor-fix: a save failed on "
-            + "; ".join(f"process {p} writing {where}: {m}" for p, where, m in failed)
-            + ". The file there, if any, is the one saved before (nothing half "
-            "written replaces it). Fix the path (it must be writable by that "
-            "process, on a disk with room) and save again."
-        ) from outcomes.error
+    return handshake.exchange(what, place, HINT).index(place) == rank()
 
 
 def by_one(
@@ -131,22 +105,35 @@ def by_one(
     elsewhere: Callable[[], None] | None = None,
 ) -> None:
     """``run()`` on the process that writes ``path``, ``elsewhere()`` on the
-    others; every process calls it."""
-    act = run if writer(what, path) else elsewhere
-    _act_report(what, path, act is not None, act or (lambda: None))
+    others; every process calls it, and a failure anywhere raises
+    :class:`SaveError` everywhere, naming process and path."""
+    hint = (
+        f"A process did not finish its part of a save of {path} (it may have "
+        f"died while writing it). Raise {config.ENV_SAVE_TIMEOUT} for larger models."
+    )
+    handshake.one_acts(
+        what,
+        run if writer(what, path) else elsewhere,
+        hint,
+        lambda failed: SaveError(
+            f"keras-dtensor-fix: a save failed on {failed}. The file there, if "
+            "any, is the one saved before (nothing half written replaces it). "
+            "Fix the path (it must be writable by that process, on a disk with "
+            "room) and save again."
+        ),
+        note=f" writing {path}",
+    )
 
 
 def save(what: str, path: str, write: Callable[[str], None], values: Iterable) -> None:
     """A save every process makes: gather ``values`` (in the same order
     everywhere), one writer per path, report."""
-    mine = writer(what, path)
-    cache = _gather(values, keep=mine)
 
-    def act() -> None:
-        _local.cache = cache  # what gathered() hands the conversions
+    def gather_and_write() -> None:
+        _local.cache = _gather(values, keep=True)  # what gathered() hands on
         try:
             write_atomically(path, write)
         finally:
             _local.cache = None
 
-    _act_report(what, path, mine, act)
+    by_one(what, path, gather_and_write, lambda: _gather(values, keep=False))
