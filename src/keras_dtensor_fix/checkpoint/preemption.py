@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from types import CodeType, FrameType
 from typing import Any
@@ -46,10 +47,6 @@ def leave(code: int, message: str) -> None:
     os._exit(code)
 
 
-#: The thread's save of the stop: the signal in, the exit line out.
-Saver = Callable[[int], str]
-
-
 class Watcher:
     """Notes ``signals`` during ``fit``; every process stops at one step."""
 
@@ -62,19 +59,21 @@ class Watcher:
         self._previous: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
         self._within: CodeType | None = None
-        self._cond = threading.Condition()
+        self.cond = threading.Condition()  # held while changing what a save reads
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._save: Saver | None = None
+        self._save: Callable[[int], str] | None = None  # signal in, exit line out
         self._keys: str | None = None  # the store's, with several processes
-        # The main thread's progress, read under _cond.
+        # The main thread's progress, read under cond.
         self._done = self._saves = 0  # steps finished, saves begun
         self._busy = self._saving = False  # inside a step, inside a save
         self._signum: int | None = None  # the agreed signal
         self._stop: tuple[int, int] | None = None  # agreed (steps, saves)
         self._over = False  # fit ended: the thread leaves
 
-    def start(self, save: Saver, within: CodeType | None = None, done: int = 0) -> None:
+    def start(
+        self, save: Callable[[int], str], within: CodeType | None = None, done: int = 0
+    ) -> None:
         """Install the handlers (main thread only), the group and the thread.
 
         ``within``: the watched call's code (``fit``), outside which a signal
@@ -87,8 +86,6 @@ class Watcher:
         if not self.signals:
             return
         if threading.current_thread() is not threading.main_thread():
-            import warnings
-
             warnings.warn(
                 "Checkpoint: fit() runs outside the main thread, where Python "
                 "cannot handle signals: preemption is not watched",
@@ -108,10 +105,6 @@ class Watcher:
         )
         self._thread.start()
 
-    def held(self) -> threading.Condition:
-        """Hold it (``with``) while changing what the thread's save reads."""
-        return self._cond
-
     def watching(self) -> bool:
         """Whether a watch is on (started with signals, not stopped)."""
         return self._thread is not None
@@ -130,18 +123,18 @@ class Watcher:
         elif self.received is not None:
             self.gate(signum=self.received)
         self._end_thread()
+        if self._timer is not None:  # armed only by a signal
+            self._timer.cancel()
         late, self.received = self.received, None
         if late is None:
             self._put_back()
         else:
-            if self._timer is not None:
-                self._timer.cancel()
             self._hand_back(late, sys._getframe())
 
     def _end_thread(self) -> None:
-        with self._cond:
+        with self.cond:
             self._over = True
-            self._cond.notify_all()
+            self.cond.notify_all()
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
@@ -150,21 +143,21 @@ class Watcher:
 
     def begin_step(self) -> None:
         """Before a training step: wait or stop here if the stop is reached."""
-        with self._cond:
+        with self.cond:
             if self._signaled():
                 self._pass()
             self._busy = True
 
     def end_step(self) -> None:
-        with self._cond:
+        with self.cond:
             self._done += 1
             self._busy = False
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
         """Around the callback's save: begun only if no process stopped before."""
-        with self._cond:
+        with self.cond:
             if self._signaled():
                 self._pass(saving=True)
             self._saves += 1
@@ -172,29 +165,29 @@ class Watcher:
         try:
             yield
         finally:
-            with self._cond:
+            with self.cond:
                 self._saving = False
-                self._cond.notify_all()
+                self.cond.notify_all()
 
     def gate(self, signum: int | None = None) -> None:
         """Between steps or after a save: stop if due (``signum``: known won)."""
         if signum is not None or self._signaled():
-            with self._cond:
+            with self.cond:
                 self._pass()
 
     def _signaled(self) -> bool:
         return self._signum is not None or self.received is not None
 
     def _pass(self, saving: bool = False) -> None:
-        """(under _cond) Wait for the agreed stop; park at it (a save, once
+        """(under cond) Wait for the agreed stop; park at it (a save, once
         the saves reach it) and let the thread save and end the process."""
         self._wake.set()
-        self._cond.wait_for(lambda: self._stop is not None)
+        self.cond.wait_for(lambda: self._stop is not None)
         steps, saves = self._stop
         if (saving or self._done >= steps) and self._saves >= saves:
-            self._cond.notify_all()
+            self.cond.notify_all()
             while True:
-                self._cond.wait()
+                self.cond.wait()
 
     def _key(self, name: str) -> str:
         return f"{self._keys}: {name}"
@@ -203,7 +196,7 @@ class Watcher:
         while True:
             self._wake.wait(POLL)
             self._wake.clear()
-            with self._cond:
+            with self.cond:
                 if self._over:
                     return
             try:
@@ -214,13 +207,13 @@ class Watcher:
                 break
         self._signum = signum
         self._arm()
-        with self._cond:
+        with self.cond:
             mine = (self._done + self._busy, self._saves)
         stop = self._offer(mine)
-        with self._cond:
+        with self.cond:
             self._stop = stop
-            self._cond.notify_all()
-            self._cond.wait_for(
+            self.cond.notify_all()
+            self.cond.wait_for(
                 lambda: (
                     not self._busy
                     and not self._saving
@@ -251,8 +244,8 @@ class Watcher:
         else:
             return None
         if value == b"end":  # fit ended first: no stop
-            with self._cond:
-                self._cond.wait_for(lambda: self._over)
+            with self.cond:
+                self.cond.wait_for(lambda: self._over)
             sys.exit()  # this thread only
         return int(value)
 
