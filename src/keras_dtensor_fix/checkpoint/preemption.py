@@ -63,7 +63,7 @@ class Watcher:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._save: Callable[[int], str] | None = None  # signal in, exit line out
-        self._keys: str | None = None  # the store's, with several processes
+        self._keys: str | None = None  # the store keys' prefix, with several processes
         # The main thread's progress, read under cond.
         self._done = self._saves = 0  # steps finished, saves begun
         self._busy = self._saving = False  # inside a step, inside a save
@@ -99,7 +99,7 @@ class Watcher:
         if dist.is_initialized() and dist.get_world_size() > 1:
             if self.group is None:
                 self.group = dist.new_group(backend="gloo")  # every process, in step
-            self._keys = f"preemption {next(_watches)}"
+            self._keys = f"preemption {next(_watches)}: "
         self._thread = threading.Thread(
             target=self._watch, name="keras_dtensor_fix preemption", daemon=True
         )
@@ -116,8 +116,8 @@ class Watcher:
             return
         self.gate()
         if self._keys is not None:
-            handshake.exchange(self._key("end"), "", HINT, max(self.timeout, 60.0))
-            fate = handshake.store().compare_set(self._key("fate"), "", "end")
+            handshake.exchange(f"{self._keys}end", "", HINT, max(self.timeout, 60.0))
+            fate = handshake.store().compare_set(f"{self._keys}fate", "", "end")
             if fate != b"end":
                 self.gate(signum=int(fate))  # a signal came first: it parks
         elif self.received is not None:
@@ -189,9 +189,6 @@ class Watcher:
             while True:
                 self.cond.wait()
 
-    def _key(self, name: str) -> str:
-        return f"{self._keys}: {name}"
-
     def _watch(self) -> None:
         while True:
             self._wake.wait(POLL)
@@ -236,7 +233,7 @@ class Watcher:
         """The signal any process got (this one's offered first), or None."""
         if self._keys is None:
             return self.received
-        store, fate = handshake.store(), self._key("fate")
+        store, fate = handshake.store(), f"{self._keys}fate"
         if self.received is not None:
             value = store.compare_set(fate, "", str(self.received))
         elif store.check([fate]):
@@ -252,7 +249,7 @@ class Watcher:
     def _offer(self, mine: tuple[int, int]) -> tuple[int, int]:
         """Every process's (steps, saves) reach; the largest of each."""
         offers = handshake.exchange(
-            self._key("reach"), json.dumps(mine), HINT, self.timeout
+            f"{self._keys}reach", json.dumps(mine), HINT, self.timeout
         )
         steps, saves = zip(*map(json.loads, offers), strict=True)
         return max(steps), max(saves)
