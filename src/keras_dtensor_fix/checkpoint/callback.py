@@ -110,12 +110,11 @@ class Checkpoint(MonitorCallback):
         )
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        with self._watcher.held():  # a stop's save reads what changes here
+        with self._watcher.cond:  # a stop's save reads what changes here
             self._epoch, self._batch, self._after = epoch, 0, None
             resume, self._resume = self._resume, None
             if resume is not None and resume["epoch"] == epoch:
-                if resume.get("random") is not None:
-                    position.restore_random(resume["random"])
+                position.restore_random(resume.get("random"))
                 skip = resume["batch"]
                 position.plan(
                     skip, resume.get("adapter_epoch"), resume.get("random_now")
@@ -150,7 +149,7 @@ class Checkpoint(MonitorCallback):
     def on_test_begin(self, logs: dict | None = None) -> None:
         if self._after is None and self._watcher.watching():
             # Validation resets the metrics: a stop during it saves the step's.
-            with self._watcher.held():
+            with self._watcher.cond:
                 values = snapshot(self.model) if self.metrics else None
                 self._after = (*self._position(at_epoch_end=False), values)
 
@@ -161,7 +160,7 @@ class Checkpoint(MonitorCallback):
                 logs.setdefault(name, value)
         self._resumed_epoch = None
         if self._watcher.watching():  # from here on a stop resumes the next epoch
-            with self._watcher.held():
+            with self._watcher.cond:
                 self._after = (*self._position(at_epoch_end=True), None)
         if self.save_freq == "epoch":
             self._maybe_save(logs, at_epoch_end=True)

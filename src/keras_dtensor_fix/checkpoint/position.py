@@ -62,8 +62,7 @@ def skipped() -> None:
     """The planned batches are drawn: the random states as at the save."""
     global _after
     after, _after = _after, None
-    if after is not None:
-        restore_random(after)
+    restore_random(after)
 
 
 def adapter_epoch(at_epoch_begin: bool) -> int | None:
@@ -87,8 +86,10 @@ def random_state() -> dict[str, Any]:
     }
 
 
-def restore_random(state: dict[str, Any]) -> None:
-    """Put back what :func:`random_state` recorded."""
+def restore_random(state: dict[str, Any] | None) -> None:
+    """Put back what :func:`random_state` recorded (None: nothing)."""
+    if state is None:
+        return
     import numpy as np
     import torch
 

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from types import CodeType, FrameType
 from typing import Any
@@ -46,10 +47,6 @@ def leave(code: int, message: str) -> None:
     os._exit(code)
 
 
-#: The thread's save of the stop: the signal in, the exit line out.
-Saver = Callable[[int], str]
-
-
 class Watcher:
     """Notes ``signals`` during ``fit``; every process stops at one step."""
 
@@ -62,19 +59,21 @@ class Watcher:
         self._previous: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
         self._within: CodeType | None = None
-        self._cond = threading.Condition()
+        self.cond = threading.Condition()  # held while changing what a save reads
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._save: Saver | None = None
-        self._keys: str | None = None  # the store's, with several processes
-        # The main thread's progress, read under _cond.
+        self._save: Callable[[int], str] | None = None  # signal in, exit line out
+        self._keys: str | None = None  # the store keys' prefix, with several processes
+        # The main thread's progress, read under cond.
         self._done = self._saves = 0  # steps finished, saves begun
         self._busy = self._saving = False  # inside a step, inside a save
         self._signum: int | None = None  # the agreed signal
         self._stop: tuple[int, int] | None = None  # agreed (steps, saves)
         self._over = False  # fit ended: the thread leaves
 
-    def start(self, save: Saver, within: CodeType | None = None, done: int = 0) -> None:
+    def start(
+        self, save: Callable[[int], str], within: CodeType | None = None, done: int = 0
+    ) -> None:
         """Install the handlers (main thread only), the group and the thread.
 
         ``within``: the watched call's code (``fit``), outside which a signal
@@ -87,8 +86,6 @@ class Watcher:
         if not self.signals:
             return
         if threading.current_thread() is not threading.main_thread():
-            import warnings
-
             warnings.warn(
                 "Checkpoint: fit() runs outside the main thread, where Python "
                 "cannot handle signals: preemption is not watched",
@@ -102,15 +99,11 @@ class Watcher:
         if dist.is_initialized() and dist.get_world_size() > 1:
             if self.group is None:
                 self.group = dist.new_group(backend="gloo")  # every process, in step
-            self._keys = f"preemption {next(_watches)}"
+            self._keys = f"preemption {next(_watches)}: "
         self._thread = threading.Thread(
             target=self._watch, name="keras_dtensor_fix preemption", daemon=True
         )
         self._thread.start()
-
-    def held(self) -> threading.Condition:
-        """Hold it (``with``) while changing what the thread's save reads."""
-        return self._cond
 
     def watching(self) -> bool:
         """Whether a watch is on (started with signals, not stopped)."""
@@ -123,25 +116,25 @@ class Watcher:
             return
         self.gate()
         if self._keys is not None:
-            handshake.exchange(self._key("end"), "", HINT, max(self.timeout, 60.0))
-            fate = handshake.store().compare_set(self._key("fate"), "", "end")
+            handshake.exchange(f"{self._keys}end", "", HINT, max(self.timeout, 60.0))
+            fate = handshake.store().compare_set(f"{self._keys}fate", "", "end")
             if fate != b"end":
                 self.gate(signum=int(fate))  # a signal came first: it parks
         elif self.received is not None:
             self.gate(signum=self.received)
         self._end_thread()
+        if self._timer is not None:  # armed only by a signal
+            self._timer.cancel()
         late, self.received = self.received, None
         if late is None:
             self._put_back()
         else:
-            if self._timer is not None:
-                self._timer.cancel()
             self._hand_back(late, sys._getframe())
 
     def _end_thread(self) -> None:
-        with self._cond:
+        with self.cond:
             self._over = True
-            self._cond.notify_all()
+            self.cond.notify_all()
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
@@ -150,21 +143,21 @@ class Watcher:
 
     def begin_step(self) -> None:
         """Before a training step: wait or stop here if the stop is reached."""
-        with self._cond:
+        with self.cond:
             if self._signaled():
                 self._pass()
             self._busy = True
 
     def end_step(self) -> None:
-        with self._cond:
+        with self.cond:
             self._done += 1
             self._busy = False
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
         """Around the callback's save: begun only if no process stopped before."""
-        with self._cond:
+        with self.cond:
             if self._signaled():
                 self._pass(saving=True)
             self._saves += 1
@@ -172,38 +165,35 @@ class Watcher:
         try:
             yield
         finally:
-            with self._cond:
+            with self.cond:
                 self._saving = False
-                self._cond.notify_all()
+                self.cond.notify_all()
 
     def gate(self, signum: int | None = None) -> None:
         """Between steps or after a save: stop if due (``signum``: known won)."""
         if signum is not None or self._signaled():
-            with self._cond:
+            with self.cond:
                 self._pass()
 
     def _signaled(self) -> bool:
         return self._signum is not None or self.received is not None
 
     def _pass(self, saving: bool = False) -> None:
-        """(under _cond) Wait for the agreed stop; park at it (a save, once
+        """(under cond) Wait for the agreed stop; park at it (a save, once
         the saves reach it) and let the thread save and end the process."""
         self._wake.set()
-        self._cond.wait_for(lambda: self._stop is not None)
+        self.cond.wait_for(lambda: self._stop is not None)
         steps, saves = self._stop
         if (saving or self._done >= steps) and self._saves >= saves:
-            self._cond.notify_all()
+            self.cond.notify_all()
             while True:
-                self._cond.wait()
-
-    def _key(self, name: str) -> str:
-        return f"{self._keys}: {name}"
+                self.cond.wait()
 
     def _watch(self) -> None:
         while True:
             self._wake.wait(POLL)
             self._wake.clear()
-            with self._cond:
+            with self.cond:
                 if self._over:
                     return
             try:
@@ -214,13 +204,13 @@ class Watcher:
                 break
         self._signum = signum
         self._arm()
-        with self._cond:
+        with self.cond:
             mine = (self._done + self._busy, self._saves)
         stop = self._offer(mine)
-        with self._cond:
+        with self.cond:
             self._stop = stop
-            self._cond.notify_all()
-            self._cond.wait_for(
+            self.cond.notify_all()
+            self.cond.wait_for(
                 lambda: (
                     not self._busy
                     and not self._saving
@@ -243,7 +233,7 @@ class Watcher:
         """The signal any process got (this one's offered first), or None."""
         if self._keys is None:
             return self.received
-        store, fate = handshake.store(), self._key("fate")
+        store, fate = handshake.store(), f"{self._keys}fate"
         if self.received is not None:
             value = store.compare_set(fate, "", str(self.received))
         elif store.check([fate]):
@@ -251,15 +241,15 @@ class Watcher:
         else:
             return None
         if value == b"end":  # fit ended first: no stop
-            with self._cond:
-                self._cond.wait_for(lambda: self._over)
+            with self.cond:
+                self.cond.wait_for(lambda: self._over)
             sys.exit()  # this thread only
         return int(value)
 
     def _offer(self, mine: tuple[int, int]) -> tuple[int, int]:
         """Every process's (steps, saves) reach; the largest of each."""
         offers = handshake.exchange(
-            self._key("reach"), json.dumps(mine), HINT, self.timeout
+            f"{self._keys}reach", json.dumps(mine), HINT, self.timeout
         )
         steps, saves = zip(*map(json.loads, offers), strict=True)
         return max(steps), max(saves)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import types
+import warnings
 
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
@@ -55,8 +56,6 @@ def _create_store(wrapped, instance, args, kwargs):
         os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         and os.environ.get("GROUP_WORLD_SIZE", "1") != "1"
     ):  # several agents, no round from theirs: nothing names the attempt
-        import warnings
-
         warnings.warn(UNSHARED_ROUND, stacklevel=3)
     return store
 
