@@ -2,9 +2,7 @@
 
 Upstream keeps a variable with no sharded axis a plain ``Parameter``; the
 first op meeting a sharded value (``bias + matmul``) then fails with "got
-mixed torch.Tensor and DTensor". Also: layouts checked against the variable's
-dims, placements dynamo can trace, one torch mesh per Keras mesh, and
-assignments to replicated variables without DTensor's dispatch.
+mixed torch.Tensor and DTensor". The other patches here serve those DTensors.
 """
 
 from __future__ import annotations
@@ -78,9 +76,7 @@ def _replicated_parameter(variable, dist, convert_to_tensor, initializer):
         value = initializer(variable._shape, dtype=variable._dtype)
     else:
         value = initializer
-    if isinstance(value, torch.nn.Parameter):
-        value = value.data
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor):  # a Parameter too: detached, a plain tensor
         value = value.detach()
     value = convert_to_tensor(value, dtype=variable._dtype)
     mesh = dist.device_mesh.backend_mesh
