@@ -72,10 +72,9 @@ def _initialize_distributed(convert_to_tensor, wrapped, instance, args, kwargs):
 
 
 def _replicated_parameter(variable, dist, convert_to_tensor, initializer):
+    value = initializer
     if callable(initializer):
         value = initializer(variable._shape, dtype=variable._dtype)
-    else:
-        value = initializer
     if isinstance(value, torch.Tensor):  # a Parameter too: detached, a plain tensor
         value = value.detach()
     value = convert_to_tensor(value, dtype=variable._dtype)
@@ -174,13 +173,11 @@ def _direct_assign(wrapped, instance, args, kwargs):
         and not compiling()
         and is_replicated(current)
     ):
-        local = None
-        if not isinstance(value, DTensor):
-            local = value if value.ndim == 0 else None
-        elif same_mesh(value.device_mesh, current.device_mesh) and tuple(
-            value.placements
-        ) == tuple(current.placements):
-            local = value._local_tensor
+        local = value if value.ndim == 0 else None
+        if isinstance(value, DTensor):
+            moves = not same_mesh(value.device_mesh, current.device_mesh)
+            moves = moves or tuple(value.placements) != tuple(current.placements)
+            local = None if moves else value._local_tensor
         if local is not None:
             with torch.no_grad():
                 current._local_tensor.copy_(local)
