@@ -185,9 +185,8 @@ def patches(module: types.ModuleType) -> list[Patch]:
             Patch(module.__name__, f"{cls}.{name}", _eager_on_early_nightly)
             for name in BUILDERS
         ]
-    attribute = f"{cls}._use_torch_compile"
     return [
-        Patch(module.__name__, attribute, _use_torch_compile),
+        Patch(module.__name__, f"{cls}._use_torch_compile", _use_torch_compile),
         Patch(module.__name__, f"{cls}.train_step", plan.step, gated=True),
     ] + [Patch(module.__name__, f"{cls}.{name}", _static_shapes) for name in BUILDERS]
 

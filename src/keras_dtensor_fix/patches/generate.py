@@ -1,9 +1,7 @@
 """keras-hub ``generate()`` under ModelParallel: compiled or on local tensors.
 
-``CausalLM.make_generate_function`` is wrapped: each ``generate()`` call runs
-in :func:`keras_dtensor_fix.generation.tokens.generating`'s context (the token
-step compiled, or blocks and tokens on local tensors); without ModelParallel
-keras-hub's own generation stands.
+Each call runs in :func:`keras_dtensor_fix.generation.tokens.generating`'s context;
+without ModelParallel keras-hub's own generation stands.
 """
 
 from __future__ import annotations

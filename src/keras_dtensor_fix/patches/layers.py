@@ -5,9 +5,6 @@ activation) cost about 12 dispatched DTensor ops per layer. Where the kernel
 and bias placements have a local form (column or row parallel, a
 batch-sharded input) the layer runs as
 :func:`~keras_dtensor_fix.dtensor.einsum.local_dense` on the local tensors.
-Anything else (LoRA, quantized, a plain kernel, an activation the output's
-sharding would split, compiled steps) calls the original. Each layer's first
-local call is checked (``ops.first_call``).
 """
 
 from __future__ import annotations

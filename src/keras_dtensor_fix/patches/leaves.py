@@ -6,9 +6,6 @@ value on every rank, each small op paying DTensor's dispatch: it runs as one
 process runs it, inputs and weights local, the output wrapped once. Layers
 reading across some axes only (``targets.MIXING_LAYERS``) also run on shards
 split on the others (attention heads); ``dtensor.planner.region`` decides.
-Anything else (sublayers, sharded weights, a seed generator, a mask, a
-laid-out output, compiled steps, ...) calls the original. Each layer's first
-local call is checked (``ops.first_call``). Gated.
 """
 
 from __future__ import annotations
@@ -34,8 +31,6 @@ from keras_dtensor_fix.ops.values import (
 
 #: True while a leaf runs locally: a layer it calls runs as it is.
 _ACTIVE: list[bool] = []
-#: Layer class -> its kind in :data:`targets.MIXING_LAYERS`, or None.
-_KINDS: dict[type, str | None] = {}
 #: Each layer's first local call, checked against DTensor's path.
 FIRST = FirstCall("the leaves family's local call")
 #: Layers whose output the LayoutMap lays out (checked once per layer).
@@ -45,9 +40,7 @@ _LAID_OUT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def mixes(layer: Any, ndim: int) -> frozenset[int] | None:
     """The input dims ``layer`` reads across (None: unknown, all of them)."""
     cls = type(layer)
-    if cls not in _KINDS:
-        _KINDS[cls] = targets.MIXING_LAYERS.get((cls.__module__, cls.__qualname__))
-    kind = _KINDS[cls]
+    kind = targets.MIXING_LAYERS.get((cls.__module__, cls.__qualname__))
     if kind == "softmax":
         axes = layer.axis if isinstance(layer.axis, (list, tuple)) else (layer.axis,)
         return frozenset(a % ndim for a in axes)

@@ -46,10 +46,8 @@ def _make_metrics_result(owner_name: str):
                 results = super(owner, instance).get_metrics_result()
         else:
             with torch.no_grad():
-                values = [
-                    v.to_local() if isinstance(v, DTensor) else v
-                    for v in (variable.value for variable in variables)
-                ]
+                values = [variable.value for variable in variables]
+                values = [v.to_local() if isinstance(v, DTensor) else v for v in values]
                 # A concatenated copy is reduced: the variables stay.
                 values = all_reduce_sums(values, group) if values else values
             with stateless_scope(

@@ -1,16 +1,8 @@
 """The torch backend's nn, math, linalg, image and core ops on DTensors.
 
 Every multi-tensor function gets the op-handler table's wrapper
-(:mod:`keras_dtensor_fix.ops.handlers`); from the core module
-``slice_update``, and two more:
-
-- ``slice`` with a tensor start (keras-hub's ``PositionEmbedding`` at a cache
-  index) becomes ``torch.narrow`` on the start's value: traced, a graph break
-  and a view AOT autograd rebuilds with ``as_strided``, refused on DTensors
-  (pytorch/pytorch#184002). Traced, such a start gathers the rows instead.
-- ``fori_loop`` whose body closes over a DTensor (RWKV-7's time mix) writes
-  DTensors into plain carries in place, which DTensor refuses: such carries
-  enter as Replicate DTensors.
+(:mod:`keras_dtensor_fix.ops.handlers`); from the core module ``slice_update``,
+``slice`` and ``fori_loop``.
 """
 
 from __future__ import annotations
@@ -37,8 +29,10 @@ def _static(value: Any) -> bool:
 
 
 def _slice(convert_to_tensor: Any, wrapped: Any, instance: Any, args, kwargs) -> Any:
-    """``slice(inputs, start_indices, shape)``: a tensor start, traced, gathers
-    (``convert_to_tensor``: the core module's)."""
+    """``slice(inputs, start_indices, shape)`` with a tensor start (keras-hub's
+    ``PositionEmbedding`` at a cache index), traced, gathers the rows: Keras's
+    ``torch.narrow`` on the start's value breaks the graph, and AOT autograd rebuilds
+    the view with ``as_strided``, refused on DTensors (pytorch/pytorch#184002)."""
     if not torch.compiler.is_compiling():
         return wrapped(*args, **kwargs)
     names = ("inputs", "start_indices", "shape")
@@ -85,8 +79,9 @@ def _closed_over(fn: Any) -> list[Any]:
 
 
 def _fori_loop(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``fori_loop(lower, upper, body_fun, init_val)``: plain carries promoted
-    where the body closes over a DTensor (see the module)."""
+    """``fori_loop(lower, upper, body_fun, init_val)`` whose body closes over a DTensor
+    (RWKV-7's time mix) writes DTensors into plain carries in place, which DTensor
+    refuses: such carries enter as Replicate DTensors."""
     names = ("lower", "upper", "body_fun", "init_val")
     bound = dict(zip(names, args, strict=False), **kwargs)
     if set(bound) != set(names):

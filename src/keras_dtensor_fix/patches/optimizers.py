@@ -29,7 +29,6 @@ def _parallel_update_step(wrapped, instance, args, kwargs):
     grads, variables, learning_rate = _bind(*args, **kwargs)
     if not shardwise.sharded(grads, variables):
         return wrapped(*args, **kwargs)
-    # Traced (a compiled step), the update runs on the aligned DTensors.
     return shardwise.update(
         instance, wrapped, grads, variables, learning_rate, local=not compiling()
     )
@@ -108,16 +107,10 @@ def _selected_cond(
 
 
 def _cond(wrapped, instance, args, kwargs):
-    if not _SELECTING or not compiling():
+    pred = args[0] if args else kwargs.get("pred")
+    if not _SELECTING or not compiling() or not isinstance(pred, torch.Tensor):
         return wrapped(*args, **kwargs)
-    pred, true_fn, false_fn = _bind_cond(*args, **kwargs)
-    if not isinstance(pred, torch.Tensor):
-        return wrapped(*args, **kwargs)
-    return _selected_cond(pred, true_fn, false_fn, _SELECTING[-1])
-
-
-def _bind_cond(pred, true_fn, false_fn):
-    return pred, true_fn, false_fn
+    return _selected_cond(*args, variables=_SELECTING[-1], **kwargs)
 
 
 #: Module kind -> the attribute wrapped there and its wrapper (compiled steps run all

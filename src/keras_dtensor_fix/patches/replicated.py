@@ -10,6 +10,7 @@ without DTensor dispatch. Any other placement keeps the DTensor path. Eager only
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
@@ -42,14 +43,11 @@ def _run_local(wrapped, instance, args, kwargs, *, grad: bool = True):
     if compiling() or not getattr(instance, "built", True):
         return wrapped(*args, **kwargs)
     variables = list(instance.variables)
-    mesh = None
-    for variable in variables:
-        value = getattr(variable, "_value", None)
-        if isinstance(value, DTensor):
-            if not whole(value):
-                return wrapped(*args, **kwargs)
-            if mesh is None:
-                mesh = value.device_mesh
+    values = [getattr(variable, "_value", None) for variable in variables]
+    dtensors = [value for value in values if isinstance(value, DTensor)]
+    if not all(whole(value) for value in dtensors):
+        return wrapped(*args, **kwargs)
+    mesh = dtensors[0].device_mesh if dtensors else None
     leaves, structure = flatten_call(args, kwargs)
     mesh = planner.replicated(leaves, mesh=mesh, partial=True)
     if mesh is None:
@@ -63,8 +61,7 @@ def _run_local(wrapped, instance, args, kwargs, *, grad: bool = True):
     return replicate(result, mesh)
 
 
-def _update_local(wrapped, instance, args, kwargs):
-    return _run_local(wrapped, instance, args, kwargs, grad=False)
+_update_local = functools.partial(_run_local, grad=False)
 
 
 def patches(module: types.ModuleType) -> list[Patch]:

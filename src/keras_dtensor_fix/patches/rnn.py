@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import types
 
-from keras_dtensor_fix.dtensor import DTensor, gather_axis
+from keras_dtensor_fix.dtensor import DTensor, gather_axis, is_replicated
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 
 ENTRIES = ("lstm", "gru")
@@ -23,17 +23,11 @@ WEIGHTS = ("kernel", "recurrent_kernel", "bias")
 def make_wrapper(signature: inspect.Signature):
     def wrapper(wrapped, instance, args, kwargs):
         bound = signature.bind(*args, **kwargs)
-        gathered = False
         for name in WEIGHTS:
             value = bound.arguments.get(name)
             value = getattr(value, "value", value)  # a Keras Variable's tensor
-            if isinstance(value, DTensor) and not all(
-                p.is_replicate() for p in value.placements
-            ):
+            if isinstance(value, DTensor) and not is_replicated(value):
                 bound.arguments[name] = gather_axis(value, None)
-                gathered = True
-        if not gathered:
-            return wrapped(*args, **kwargs)
         return wrapped(*bound.args, **bound.kwargs)
 
     return wrapper

@@ -2,9 +2,7 @@
 
 Upstream keeps a variable with no sharded axis a plain ``Parameter``; the
 first op meeting a sharded value (``bias + matmul``) then fails with "got
-mixed torch.Tensor and DTensor". Also: layouts checked against the variable's
-dims, placements dynamo can trace, one torch mesh per Keras mesh, and
-assignments to replicated variables without DTensor's dispatch.
+mixed torch.Tensor and DTensor". The other patches here serve those DTensors.
 """
 
 from __future__ import annotations
@@ -74,13 +72,10 @@ def _initialize_distributed(convert_to_tensor, wrapped, instance, args, kwargs):
 
 
 def _replicated_parameter(variable, dist, convert_to_tensor, initializer):
+    value = initializer
     if callable(initializer):
         value = initializer(variable._shape, dtype=variable._dtype)
-    else:
-        value = initializer
-    if isinstance(value, torch.nn.Parameter):
-        value = value.data
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor):  # a Parameter too: detached, a plain tensor
         value = value.detach()
     value = convert_to_tensor(value, dtype=variable._dtype)
     mesh = dist.device_mesh.backend_mesh
@@ -178,13 +173,11 @@ def _direct_assign(wrapped, instance, args, kwargs):
         and not compiling()
         and is_replicated(current)
     ):
-        local = None
-        if not isinstance(value, DTensor):
-            local = value if value.ndim == 0 else None
-        elif same_mesh(value.device_mesh, current.device_mesh) and tuple(
-            value.placements
-        ) == tuple(current.placements):
-            local = value._local_tensor
+        local = value if value.ndim == 0 else None
+        if isinstance(value, DTensor):
+            moves = not same_mesh(value.device_mesh, current.device_mesh)
+            moves = moves or tuple(value.placements) != tuple(current.placements)
+            local = None if moves else value._local_tensor
         if local is not None:
             with torch.no_grad():
                 current._local_tensor.copy_(local)
