@@ -34,9 +34,8 @@ def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
         return None
     axis = rows[0]
     if isinstance(ids, DTensor):
-        if not same_mesh(ids.device_mesh, mesh):
-            return None
-        if any(p.is_partial() for p in ids.placements):
+        pending = any(p.is_partial() for p in ids.placements)
+        if pending or not same_mesh(ids.device_mesh, mesh):
             return None
         id_placements = tuple(
             Replicate() if i == axis else p for i, p in enumerate(ids.placements)
@@ -92,9 +91,7 @@ def gather_non_batch_axes(value: Any, batch_dim_name: str | None) -> Any:
 def per_element_call(fn: Any, value: Any) -> DTensor | None:
     """``fn(value)`` on each rank's shard, for an op mapping each element alone
     (``one_hot``, which DTensor cannot trace); None for a Partial value."""
-    if not isinstance(value, DTensor):
-        return None
-    if any(p.is_partial() for p in value.placements):
+    if not isinstance(value, DTensor) or any(p.is_partial() for p in value.placements):
         return None
     local = fn(value.to_local())
     if local.ndim < value.ndim:
