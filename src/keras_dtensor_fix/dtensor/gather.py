@@ -34,9 +34,8 @@ def vocab_parallel_lookup(table: Any, ids: Any) -> DTensor | None:
         return None
     axis = rows[0]
     if isinstance(ids, DTensor):
-        if not same_mesh(ids.device_mesh, mesh):
-            return None
-        if any(p.is_partial() for p in ids.placements):
+        pending = any(p.is_partial() for p in ids.placements)
+        if pending or not same_mesh(ids.device_mesh, mesh):
             return None
         id_placements = tuple(
             Replicate() if i == axis else p for i, p in enumerate(ids.placements)
@@ -92,9 +91,7 @@ def gather_non_batch_axes(value: Any, batch_dim_name: str | None) -> Any:
 def per_element_call(fn: Any, value: Any) -> DTensor | None:
     """``fn(value)`` on each rank's shard, for an op mapping each element alone
     (``one_hot``, which DTensor cannot trace); None for a Partial value."""
-    if not isinstance(value, DTensor):
-        return None
-    if any(p.is_partial() for p in value.placements):
+    if not isinstance(value, DTensor) or any(p.is_partial() for p in value.placements):
         return None
     local = fn(value.to_local())
     if local.ndim < value.ndim:
@@ -118,17 +115,14 @@ def batch_parallel_call(
     """``fn(value, *weights)`` per rank: weights gathered, ``value`` only batch-split (a
     convolution with sharded channels, which torch's rule mislabels); a weight's
     gradient is a Partial sum over the batch axes."""
-    batch = (
-        tuple(
-            Shard(0) if isinstance(p, Shard) and p.dim == 0 else Replicate()
-            for p in (value.placements if isinstance(value, DTensor) else ())
-        )
-        or (Replicate(),) * mesh.ndim
-    )
-    full = (Replicate(),) * mesh.ndim
-    weight_grads = tuple(Partial() if p == Shard(0) else p for p in batch)
+    full = batch = (Replicate(),) * mesh.ndim
     if isinstance(value, DTensor):
+        batch = tuple(
+            Shard(0) if isinstance(p, Shard) and p.dim == 0 else Replicate()
+            for p in value.placements
+        )
         value = value.redistribute(mesh, batch).to_local(grad_placements=batch)
+    weight_grads = tuple(Partial() if p == Shard(0) else p for p in batch)
     local = [
         w.redistribute(mesh, full).to_local(grad_placements=weight_grads)
         if isinstance(w, DTensor)
@@ -166,9 +160,8 @@ def update_in_place_of(
 def gather_axes_splitting(table: Any, ids: Any) -> Any:
     """``table`` gathered on every mesh axis that also splits ``ids`` (FSDP-style 2-D
     layouts: DTensor's embedding rule failed with an IndexError)."""
-    if not (isinstance(table, DTensor) and isinstance(ids, DTensor)):
-        return table
-    if not same_mesh(table.device_mesh, ids.device_mesh):
+    both = isinstance(table, DTensor) and isinstance(ids, DTensor)
+    if not both or not same_mesh(table.device_mesh, ids.device_mesh):
         return table
     placements = tuple(
         Replicate() if isinstance(mine, Shard) and isinstance(theirs, Shard) else mine

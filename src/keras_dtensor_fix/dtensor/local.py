@@ -84,8 +84,7 @@ def unwrap_local(
         or any(p.is_partial() for p in value.placements)
     ):
         return value.to_local(grad_placements=grad_placements)
-    placements = tuple(grad_placements or value.placements)
-    return _UnwrapLocal.apply(value, placements)
+    return _UnwrapLocal.apply(value, tuple(grad_placements or value.placements))
 
 
 def reducing_gradient(value: Any) -> Any:

@@ -293,14 +293,8 @@ def split_axis(values: Sequence[DTensor]) -> tuple[Any, int] | None:
         return None
     axes = set()
     for value in values:
-        split = [
-            i
-            for i, p in enumerate(value.placements)
-            if not p.is_replicate() and mesh.size(i) > 1
-        ]
-        if len(split) > 1 or not all(
-            isinstance(value.placements[i], Shard) for i in split
-        ):
+        split = {i: p for i, p in enumerate(_effective(value)) if not p.is_replicate()}
+        if len(split) > 1 or not all(isinstance(p, Shard) for p in split.values()):
             return None
         axes.update(split)
     return (mesh, axes.pop()) if len(axes) == 1 else None

@@ -19,10 +19,6 @@ from keras_dtensor_fix.hub import generation as hub
 __all__ = ["TokenArgs", "one_token", "signature_of"]
 
 CORE = len(hub.CALL_WITH_CACHE)
-_POSITIONAL = (
-    inspect.Parameter.POSITIONAL_ONLY,
-    inspect.Parameter.POSITIONAL_OR_KEYWORD,
-)
 
 
 @dataclass
@@ -52,7 +48,8 @@ def signature_of(method: Callable[..., Any]) -> inspect.Signature | None:
         return None
     params = list(signature.parameters.values())
     core, rest = params[:CORE], params[CORE:]
-    if len(core) < CORE or any(p.kind not in _POSITIONAL for p in core):
+    # parameter kinds are ordered: the positional ones come first
+    if len(core) < CORE or any(p.kind > p.POSITIONAL_OR_KEYWORD for p in core):
         return None
     # :class:`TokenArgs` hands the rest on by keyword
     kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)

@@ -46,14 +46,6 @@ def _region(cls: type) -> region.Region:
     return by_class[cls]
 
 
-def _compiled(cls: type) -> Any:
-    """The class's compiled token call under this distribution, its guards
-    checked again until this generation's tokens settle."""
-    found = _region(cls)
-    found.reset()
-    return found.compiled()
-
-
 def _token_call(model: Any) -> Callable[..., Any]:
     """``model.call_with_cache``: one token compiled (on local tensors where
     :func:`.local.planned` plans the whole call, else on DTensors), the
@@ -62,7 +54,9 @@ def _token_call(model: Any) -> Callable[..., Any]:
     plans, found = local.planned(model)
     eager = model.call_with_cache
     signature = token_args.signature_of(eager)
-    steps, compiled = _region(type(model)), _compiled(type(model))
+    steps = _region(type(model))
+    steps.reset()  # its guards checked again until this generation's tokens settle
+    compiled = steps.compiled()
     plain = causal_lm.whole_inputs
     # the weights' mesh: the graph guards on its identity
     meshes = (getattr(v, "_value", None) for v in model.weights)

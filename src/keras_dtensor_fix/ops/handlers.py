@@ -202,15 +202,13 @@ def _per_element(call: Call) -> Any:
 
 def _replicated(call: Call) -> Any:
     args, kwargs = call.args, call.kwargs
-    resolved = [resolve(v) for v in args]
-    names = list(kwargs)
-    found = replicated_locals(resolved + [resolve(kwargs[k]) for k in names])
+    found = replicated_locals([resolve(v) for v in (*args, *kwargs.values())])
     if found is None:
         return NOT_HANDLED
     mesh, local = found
-    n = len(resolved)
+    n = len(args)
     try:
-        result = call.wrapped(*local[:n], **dict(zip(names, local[n:], strict=True)))
+        result = call.wrapped(*local[:n], **dict(zip(kwargs, local[n:], strict=True)))
     except Exception:  # noqa: BLE001 - the next handler names the operands
         return NOT_HANDLED
     return replicate_result(result, mesh)
@@ -281,13 +279,9 @@ def wrapper_for(name: str, function: Any, *, elementwise: bool | None = None):
     plain = {torch.Tensor, torch.nn.Parameter, int, float, bool, str, type(None)}
 
     def wrapper(wrapped, instance, args, kwargs):
-        for value in args:
+        for value in (*args, *kwargs.values()) if kwargs else args:
             if type(value) not in plain and distributed(value):
                 return handle(chain, Call(op, wrapped, args, kwargs))
-        if kwargs:
-            for value in kwargs.values():
-                if type(value) not in plain and distributed(value):
-                    return handle(chain, Call(op, wrapped, args, kwargs))
         return wrapped(*args, **kwargs)
 
     return wrapper

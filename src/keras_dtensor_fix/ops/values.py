@@ -160,6 +160,11 @@ def mix_error(
     )
 
 
+#: Words of torch's errors about placements (2.13: "Sharding propagation failed").
+_DTENSOR_WORDS = ("dtensor", "placement", "sharding", "mixed torch")
+#: The ops whose full-value fallback has been logged once.
+_WARNED: set[str] = set()
+
 HINT_RULE = (
     "the op fails on the full (gathered) values too ({fallback}), so the "
     "operands do not fit each other: check their shapes and dtypes. If they "
@@ -195,7 +200,8 @@ def promote_call(
     try:
         return call(given)
     except (RuntimeError, ValueError, NotImplementedError) as err:
-        if isinstance(err, DTensorMixError) or not _about_dtensor(err):
+        about = any(k in str(err).lower() for k in _DTENSOR_WORDS)
+        if isinstance(err, DTensorMixError) or not about:
             raise
         failure = err
     # No DTensor rule for what the op does inside: run it on full values and
@@ -205,7 +211,14 @@ def promote_call(
     except Exception as err:
         hint = HINT_RULE.format(fallback=f"{type(err).__name__}: {err}")
         raise mix_error(op, values, failure, hint) from failure
-    _warn_fallback(op)
+    if op not in _WARNED:
+        _WARNED.add(op)
+        logging.getLogger("keras_dtensor_fix").warning(
+            "%s has no DTensor rule for its inputs: it ran on full (gathered) values "
+            "and returned a replicated result. Correct, but it costs a gather each "
+            "call; shard the inputs differently to avoid it.",
+            op,
+        )
     return replicate_result(result, partner.device_mesh)
 
 
@@ -213,28 +226,6 @@ def full_value(value: Any) -> Any:
     """Each DTensor in ``value`` as its full (gathered) tensor."""
     return walk(
         value, None, lambda v, _: v.full_tensor() if isinstance(v, DTensor) else v
-    )
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_fallback(op: str) -> None:
-    if op in _WARNED:
-        return
-    _WARNED.add(op)
-    logging.getLogger("keras_dtensor_fix").warning(
-        "%s has no DTensor rule for its inputs: it ran on full (gathered) values "
-        "and returned a replicated result. Correct, but it costs a gather each "
-        "call; shard the inputs differently to avoid it.",
-        op,
-    )
-
-
-def _about_dtensor(err: BaseException) -> bool:
-    text = str(err).lower()  # torch 2.13 says "Sharding propagation failed"
-    return any(
-        key in text for key in ("dtensor", "placement", "sharding", "mixed torch")
     )
 
 
