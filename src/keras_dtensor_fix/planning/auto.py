@@ -27,10 +27,9 @@ class Plan:
         """One line: what was split how, and the bytes per rank."""
         roles = Counter(c.role for c in self.choices.values() if c.role != "replicated")
         said = ", ".join(f"{n} {role}" for role, n in roles.items()) or "nothing split"
-        ratio = self.cost.bytes_per_rank / max(self.cost.bytes_one_process, 1)
         return (
             f"planned {len(self.choices)} weights on mesh {self.mesh}: {said}; "
-            f"{ratio:.2f}x one process's weight bytes per rank, "
+            f"{self.cost.ratio:.2f}x one process's weight bytes per rank, "
             f"{self.cost.count} collectives per step"
         )
 
