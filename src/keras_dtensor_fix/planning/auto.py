@@ -63,8 +63,6 @@ def auto_layout_map(
             f"{list(mesh.axis_names)}); pass model_axis= naming the one to split "
             "weights on"
         )
-    if batch_axis not in sizes:
-        batch_axis = ""  # a mesh without one: no weight splits on it
     traced = trace_model(build, sample_input)
     choices = choose(
         traced.flow, traced.shapes, traced.nbytes, sizes, model_axis, batch_axis

@@ -113,8 +113,7 @@ class _Watch(TorchFunctionMode):
         if not leaves:
             return out
         results = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-        self.alive.extend(leaves)
-        self.alive.extend(results)
+        self.alive += leaves + results
         weighted = [t for t in leaves if id(t) in self.derived]
         others = [t for t in leaves if id(t) not in self.derived]
         src = frozenset().union(*(self.src.get(id(t), frozenset()) for t in others))
