@@ -56,12 +56,10 @@ def evaluate(
     itemsize: int = 4,
 ) -> Cost:
     """The :class:`Cost` of ``assignment`` (weights it leaves out: replicated)."""
-    cost = Cost()
+    cost = Cost(bytes_one_process=sum(nbytes.values()))
     for name, size in nbytes.items():
         axes = assignment.get(name, ())
-        cost.bytes_one_process += size
-        per_rank = size // prod(mesh.get(a, 1) for a in axes if a is not None)
-        cost.per_rank[name] = per_rank
+        per_rank = cost.per_rank[name] = size // prod(mesh.get(a, 1) for a in axes if a)
         if mesh.get(batch_axis, 1) > 1:
             if batch_axis in axes:
                 cost.add(name, f"all-gather over {batch_axis}", per_rank)

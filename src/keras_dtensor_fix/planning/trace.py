@@ -84,10 +84,7 @@ def _trace(build, sample_input, device: str) -> Traced:
             state.set_global_attribute(_DEVICE, _Meta("meta"))
         flow = trace(lambda: model(inputs, training=False), weights)
     shapes = {v.path: tuple(v.shape) for v in variables}
-    nbytes = {
-        v.path: int(np.prod(v.shape, dtype=np.int64)) * v.value.element_size()
-        for v in variables
-    }
+    nbytes = {v.path: v.value.numel() * v.value.element_size() for v in variables}
     return Traced(shapes, nbytes, flow, device)
 
 
