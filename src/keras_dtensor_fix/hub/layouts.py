@@ -165,11 +165,8 @@ class NoLayoutError(NotImplementedError):
 
 def rules_for(cls: type) -> tuple[Rule, ...] | None:
     """The rules of ``cls`` or of the nearest base class with a row."""
-    for klass in cls.__mro__:
-        rules = ROWS.get((klass.__module__, klass.__qualname__))
-        if rules is not None:
-            return rules
-    return None
+    keys = ((klass.__module__, klass.__qualname__) for klass in cls.__mro__)
+    return next((ROWS[key] for key in keys if key in ROWS), None)
 
 
 def get_layout_map(

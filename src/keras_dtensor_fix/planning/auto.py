@@ -27,10 +27,9 @@ class Plan:
         """One line: what was split how, and the bytes per rank."""
         roles = Counter(c.role for c in self.choices.values() if c.role != "replicated")
         said = ", ".join(f"{n} {role}" for role, n in roles.items()) or "nothing split"
-        ratio = self.cost.bytes_per_rank / max(self.cost.bytes_one_process, 1)
         return (
             f"planned {len(self.choices)} weights on mesh {self.mesh}: {said}; "
-            f"{ratio:.2f}x one process's weight bytes per rank, "
+            f"{self.cost.ratio:.2f}x one process's weight bytes per rank, "
             f"{self.cost.count} collectives per step"
         )
 
@@ -64,8 +63,6 @@ def auto_layout_map(
             f"{list(mesh.axis_names)}); pass model_axis= naming the one to split "
             "weights on"
         )
-    if batch_axis not in sizes:
-        batch_axis = ""  # a mesh without one: no weight splits on it
     traced = trace_model(build, sample_input)
     choices = choose(
         traced.flow, traced.shapes, traced.nbytes, sizes, model_axis, batch_axis

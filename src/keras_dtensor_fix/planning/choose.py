@@ -39,7 +39,6 @@ def choose(
 ) -> dict[str, Choice]:
     """A :class:`Choice` for every weight of ``shapes``, by name."""
     n = mesh[model_axis]
-    products = flow.products
     roles = _pair(flow, shapes, n)
     consumers = flow.consumers()
     total = sum(nbytes.values()) or 1
@@ -49,7 +48,7 @@ def choose(
 
     # weight -> {(role, weight axis): the product asking}
     asks: dict[str, dict[tuple[str, int], Product]] = {}
-    for p in products:
+    for p in flow.products:
         if p.index in roles:
             ask = roles[p.index]
         elif p.kind == "lookup" and large(p, p.contracted[0]):

@@ -52,38 +52,34 @@ def _mesh(text: str, axes: list[str]) -> Any:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
+    return f"{n:.1f} GiB"
 
 
 def table(plan: Any) -> str:
     """The plan's rows and totals as text."""
-    mesh = plan.mesh
+    cost = plan.cost
     rows = [["WEIGHT", "SHAPE", "SPLIT", "PER RANK", "COLLECTIVES PER STEP"]]
     for path, choice in plan.choices.items():
-        per = plan.traced.nbytes[path] // math.prod(
-            mesh.get(a, 1) for a in choice.axes if a
-        )
-        collectives = plan.cost.collectives.get(path, [])
+        collectives = cost.collectives.get(path, [])
         said = "; ".join(f"{what} ({_size(b)})" for what, b in collectives) or "-"
         split = "-"
         if choice.role != "replicated":
             split = f"({', '.join(str(a) for a in choice.axes)}) {choice.role}"
-        rows.append([path, str(plan.traced.shapes[path]), split, _size(per), said])
+        shape, per = str(plan.traced.shapes[path]), _size(cost.per_rank[path])
+        rows.append([path, shape, split, per, said])
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [
         "  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), r[4]])
         for r in rows
     ]
-    cost = plan.cost
-    ratio = cost.bytes_per_rank / max(cost.bytes_one_process, 1)
     lines += [
         "",
         f"weights per rank: {_size(cost.bytes_per_rank)} of "
-        f"{_size(cost.bytes_one_process)} ({ratio:.2f}x one process)",
+        f"{_size(cost.bytes_one_process)} ({cost.ratio:.2f}x one process)",
         f"collectives per train step: {cost.count}, moving {_size(cost.moved)} "
         "(on the traced batch)",
     ]

@@ -19,11 +19,20 @@ Assignment = dict[str, tuple[str | None, ...]]
 
 @dataclass
 class Cost:
-    """A layout's bytes per rank and its collectives per train step."""
+    """A layout's weight bytes per rank (by weight) and collectives per step."""
 
-    bytes_per_rank: int = 0
+    per_rank: dict[str, int] = field(default_factory=dict)
     bytes_one_process: int = 0
     collectives: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return sum(self.per_rank.values())
+
+    @property
+    def ratio(self) -> float:
+        """Bytes per rank in units of one process's weight bytes."""
+        return self.bytes_per_rank / max(self.bytes_one_process, 1)
 
     @property
     def count(self) -> int:
@@ -47,12 +56,10 @@ def evaluate(
     itemsize: int = 4,
 ) -> Cost:
     """The :class:`Cost` of ``assignment`` (weights it leaves out: replicated)."""
-    cost = Cost()
+    cost = Cost(bytes_one_process=sum(nbytes.values()))
     for name, size in nbytes.items():
         axes = assignment.get(name, ())
-        cost.bytes_one_process += size
-        per_rank = size // prod(mesh.get(a, 1) for a in axes if a is not None)
-        cost.bytes_per_rank += per_rank
+        per_rank = cost.per_rank[name] = size // prod(mesh.get(a, 1) for a in axes if a)
         if mesh.get(batch_axis, 1) > 1:
             if batch_axis in axes:
                 cost.add(name, f"all-gather over {batch_axis}", per_rank)

@@ -113,8 +113,7 @@ class _Watch(TorchFunctionMode):
         if not leaves:
             return out
         results = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-        self.alive.extend(leaves)
-        self.alive.extend(results)
+        self.alive += leaves + results
         weighted = [t for t in leaves if id(t) in self.derived]
         others = [t for t in leaves if id(t) not in self.derived]
         src = frozenset().union(*(self.src.get(id(t), frozenset()) for t in others))
@@ -200,12 +199,10 @@ def _roles(func, args, weight) -> tuple[tuple[int, ...], tuple[int, ...]] | None
     """(contracted dims, output-only dims) of ``weight`` in a product call."""
     if func is F.linear:
         return ((1,), (0,)) if args[1] is weight and weight.ndim == 2 else None
-    if func in _MATMULS:
+    if func in _MATMULS and weight.ndim >= 2:
         left, right = args[0], args[1]
         if func is torch.Tensor.__rmatmul__:
             left, right = right, left
-        if weight.ndim < 2:
-            return None
         n = weight.ndim
         if right is weight:
             return (n - 2,), (n - 1,)

@@ -76,8 +76,7 @@ class PlannedLayoutMap(keras.distribution.LayoutMap):
             f"# mesh: shape {tuple(mesh.shape)}, axes {list(mesh.axis_names)}",
             "layout_map = keras.distribution.LayoutMap(mesh)",
         ]
-        for key in self:
-            lines.append(f'layout_map[r"{key}"] = {tuple(self[key].axes)!r}')
+        lines += [f'layout_map[r"{k}"] = {tuple(self[k].axes)!r}' for k in self]
         return "\n".join(lines)
 
     __str__ = __repr__

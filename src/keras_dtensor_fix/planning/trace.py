@@ -25,10 +25,6 @@ from keras_dtensor_fix.planning.dataflow import Dataflow, trace
 __all__ = ["Traced", "trace_model"]
 
 _LOG = logging.getLogger("keras_dtensor_fix.planning")
-_NAMES = "object_name_uids"
-_SEEDS = "global_seed_generator"
-_DISTRIBUTION = "distribution"
-_DEVICE = "torch_device"
 #: Unknown input dims: the batch, then any other (a sequence).
 _BATCH, _OTHER = 2, 8
 
@@ -68,7 +64,7 @@ def _trace(build, sample_input, device: str) -> Traced:
     import keras
 
     with _put_back() as state, keras.device(device):
-        state.set_global_attribute(_DISTRIBUTION, None)  # plan unsharded
+        state.set_global_attribute("distribution", None)  # plan unsharded
         model = build()
         if not isinstance(model, keras.Model | keras.layers.Layer):
             raise TypeError(
@@ -81,13 +77,10 @@ def _trace(build, sample_input, device: str) -> Traced:
         variables = list({id(v): v for v in model.weights}.values())
         weights = {id(v.value): (v.path, v.value) for v in variables}
         if device == "meta":
-            state.set_global_attribute(_DEVICE, _Meta("meta"))
+            state.set_global_attribute("torch_device", _Meta("meta"))
         flow = trace(lambda: model(inputs, training=False), weights)
     shapes = {v.path: tuple(v.shape) for v in variables}
-    nbytes = {
-        v.path: int(np.prod(v.shape, dtype=np.int64)) * v.value.element_size()
-        for v in variables
-    }
+    nbytes = {v.path: v.value.numel() * v.value.element_size() for v in variables}
     return Traced(shapes, nbytes, flow, device)
 
 
@@ -148,16 +141,16 @@ def _put_back() -> Iterator[Any]:
     """Keras's global state, holding the layer names, the seed generator, the
     distribution and the device, and the random states, as they were before."""
     state = targets.keras_object("global_state")
-    names = copy.deepcopy(state.get_global_attribute(_NAMES))
-    seeds = state.get_global_attribute(_SEEDS)
+    names = copy.deepcopy(state.get_global_attribute("object_name_uids"))
+    seeds = state.get_global_attribute("global_seed_generator")
     seed_state = None if seeds is None else seeds.state.value.detach().clone()
-    kept = {k: state.get_global_attribute(k) for k in (_DISTRIBUTION, _DEVICE)}
+    kept = {k: state.get_global_attribute(k) for k in ("distribution", "torch_device")}
     randoms = torch.random.get_rng_state(), np.random.get_state(), random.getstate()
     try:
         yield state
     finally:
-        state.set_global_attribute(_NAMES, names)
-        state.set_global_attribute(_SEEDS, seeds)
+        state.set_global_attribute("object_name_uids", names)
+        state.set_global_attribute("global_seed_generator", seeds)
         if seeds is not None:
             seeds.state.assign(seed_state)
         for key, value in kept.items():
