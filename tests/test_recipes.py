@@ -204,7 +204,7 @@ def test_no_module_is_long() -> None:
 
 
 def test_an_eager_only_method_leaves_compiled_steps_to_the_original() -> None:
-    """``Patch(eager_only=True)``: eager calls run the wrapper, dynamo traces
+    """A method ``Patch`` not ``traced``: eager calls run the wrapper, dynamo traces
     the original alone (no frame of the plugin per call: the leaves family's
     ``Layer.__call__`` ran a deep MoE model out of recursion depth without
     it), and the original comes back on restore."""
@@ -225,7 +225,7 @@ def test_an_eager_only_method_leaves_compiled_steps_to_the_original() -> None:
         calls.append(bool(torch.compiler.is_compiling()))
         return wrapped(*args, **kwargs)
 
-    patch = Patch("toy", "Toy.__call__", wrapper, eager_only=True)
+    patch = Patch("toy", "Toy.__call__", wrapper)
     record = wrappers.install("toy", patch, Toy, "__call__", raw)
     try:
         toy = Toy()

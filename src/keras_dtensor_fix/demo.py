@@ -58,11 +58,6 @@ def set_model_parallel(
     keras.distribution.set_distribution(dist)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
 def _dynamo_graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -148,6 +143,7 @@ def _worker(out: Path, runs: Sequence[str]) -> None:
     import torch
 
     import keras_dtensor_fix  # activates unless KERAS_DTENSOR_FIX is off
+    from keras_dtensor_fix.ops.first_call import first_line
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -163,13 +159,13 @@ def _worker(out: Path, runs: Sequence[str]) -> None:
         try:
             report["jit_probe"] = _jit_probe()
         except Exception as exc:  # noqa: BLE001 - a probe must not stop the demo
-            report["jit_probe"] = f"probe failed: {_first_line(exc)}"
+            report["jit_probe"] = f"probe failed: {first_line(exc)}"
     for run in runs:
         say(f"{run}: training {EPOCHS} epochs of {STEPS} steps")
         try:
             result = _train(run == "jit", say)
         except Exception as exc:  # noqa: BLE001 - upstream's failure is a result
-            result = {"error": _first_line(exc)}
+            result = {"error": first_line(exc)}
             say(f"{run}: failed: {result['error']}")
         report["runs"][run] = result
     report["dispatch_modes"] = [

@@ -1,4 +1,4 @@
-"""Whether an error comes from torch.compile itself, and how a warning names it."""
+"""Whether an error comes from torch.compile itself."""
 
 from __future__ import annotations
 
@@ -29,13 +29,6 @@ def in_compiled_runtime(error: BaseException) -> bool:
     return any(
         part in name for name in _traceback_files(error) for part in _COMPILED_RUNTIME
     )
-
-
-def cause(error: BaseException) -> str:
-    """``Type: first line`` of a compile failure's cause, for a warning."""
-    inner = getattr(error, "inner_exception", None) or error
-    lines = [line for line in str(inner).splitlines() if line.strip()]
-    return f"{type(inner).__name__}: {(lines or [''])[0][:200]}"
 
 
 def _traceback_files(error: BaseException) -> list[str]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from keras_dtensor_fix.compiled import failure
+from keras_dtensor_fix.ops.first_call import first_line
 
 Marks = list[tuple[Any, torch.Tensor]]
 #: model -> its seed generators' states (found once: a step adds none).
@@ -104,7 +105,7 @@ def eager_if_compile_fails(
                 raise
             warnings.warn(
                 "keras-dtensor-fix: torch.compile failed on this ModelParallel "
-                f"step ({failure.cause(error)}); it runs eagerly from "
+                f"step ({first_line(error)}); it runs eagerly from "
                 "now on, as upstream Keras runs it.",
                 stacklevel=2,
             )

@@ -21,6 +21,7 @@ import torch
 
 from keras_dtensor_fix.compiled import cache_key, failure
 from keras_dtensor_fix.engine import state, targets
+from keras_dtensor_fix.ops.first_call import first_line
 
 __all__ = ["SCOPELESS", "Region", "eligible", "name_scope", "scopeless"]
 
@@ -276,6 +277,6 @@ class Region:
         self.failed = True
         warnings.warn(
             f"keras-dtensor-fix: torch.compile failed on {self.what} "
-            f"({failure.cause(error)}); {self.then}",
+            f"({first_line(error)}); {self.then}",
             stacklevel=4,
         )

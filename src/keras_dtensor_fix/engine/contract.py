@@ -23,11 +23,9 @@ class Patch:
     # Runs only once sharding is on (``state.note_sharding``); until then wrapt
     # calls the original at C speed.
     gated: bool = False
-    # torch.compile runs the wrapper too (``wrappers.traced_method``).
+    # torch.compile runs the wrapper too (``wrappers.traced_method``); by
+    # default dynamo traces the original alone.
     traced: bool = False
-    # Eager code alone needs the wrapper (every method patch not ``traced``
-    # is installed so; the flag tells a reader of the family).
-    eager_only: bool = False
     # An attribute the target lacks, ``wrapper`` its value; deleted on
     # deactivation, left alone where the target has its own.
     added: bool = False

@@ -15,11 +15,10 @@ INSTALL_NIGHTLY = f"pip install keras-nightly=={NIGHTLY}"
 
 def configured_backend() -> tuple[str, str]:
     """``(backend, where it comes from)``, as Keras will choose it on import."""
-    imported = targets.backend()
-    if imported:
+    if imported := targets.backend():
         return imported, "the imported Keras"
-    if os.environ.get("KERAS_BACKEND"):
-        return os.environ["KERAS_BACKEND"], "KERAS_BACKEND"
+    if configured := os.environ.get("KERAS_BACKEND"):
+        return configured, "KERAS_BACKEND"
     home = os.environ.get("KERAS_HOME") or os.path.expanduser("~/.keras")
     path = os.path.join(home, "keras.json")
     try:

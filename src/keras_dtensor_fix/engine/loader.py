@@ -80,15 +80,12 @@ def register(module: types.ModuleType) -> Family | None:
         raise TypeError(f"{module!r}: invalid family module: {what}")
     if module in _registered:
         return None
-    optional = (
-        getattr(module, n, None) for n in ("after_apply", "after_revert", "notes")
-    )
-    implementation = Implementation(module.patches, *optional)
-    family = _registered[module] = Family(
+    hooks = (getattr(module, n, None) for n in ("after_apply", "after_revert", "notes"))
+    _registered[module] = Family(
         str(module.FAMILY),
         tuple(module.MODULES),
         module.__name__,
         bool(getattr(module, "GATED", True)),
-        implementation=implementation,
+        implementation=Implementation(module.patches, *hooks),
     )
-    return family
+    return _registered[module]

@@ -67,15 +67,12 @@ def _warn(message: str, *, exc_info: bool = False) -> None:
     _warnings.append(message)
 
 
-def _strict() -> bool:
-    return _cfg is not None and _cfg.strict
-
-
-def _fail(message: str) -> None:
-    """A warning, or in strict mode an error (inside ``except``: it chains)."""
-    if _strict():
+def _fail(message: str, *, trace: bool = True) -> None:
+    """A warning (with the exception being handled, if ``trace``), or in strict mode
+    an error (inside ``except``: it chains)."""
+    if _cfg is not None and _cfg.strict:
         raise PatchError(f"keras_dtensor_fix (strict): {message}")
-    _warn(message, exc_info=sys.exc_info()[0] is not None)
+    _warn(message, exc_info=trace and sys.exc_info()[0] is not None)
 
 
 def families() -> list[str]:
@@ -180,9 +177,7 @@ def _apply_family(family: loader.Family, module: types.ModuleType) -> None:
         # The family's way of saying "this Keras has no such target": a
         # one-line warning and a status row, no traceback.
         note(Cause.NOT_IN_THIS_KERAS, str(exc))
-        if _strict():
-            raise PatchError(f"family {family.name} skips {name}: {exc}") from exc
-        _warn(f"keras_dtensor_fix: family {family.name} skips {name}: {exc}")
+        _fail(f"family {family.name} skips {name}: {exc}", trace=False)
         return
     except Exception as exc:  # noqa: BLE001
         note(Cause.PATCHES_FAILED, f"{type(exc).__name__}: {exc}")

@@ -191,22 +191,22 @@ def install(family: str, patch: Patch, owner: Any, name: str, raw: Any) -> Appli
         wrapper = traced_method(wrapper, inline=not patch.traced)
     setattr(owner, name, wrapper)
     record = Applied(family, patch, owner, name, raw, wrapper)
-    for module_name in patch.also_in:
-        other = _also_owner(record, module_name)
-        if other is not None and stored(other, name)[0] is raw:
-            setattr(other, name, wrapper)
-            record.also.add(module_name)
+    record.also = _rebind(record, raw, wrapper)
     return record
 
 
-def _also_owner(record: Applied, module_name: str) -> Any:
-    if (module := sys.modules.get(module_name)) is None:
-        return None
-    try:
-        owner, _ = resolve(module, record.patch.attribute)
-    except AttributeError:
-        return None
-    return None if owner is record.owner else owner
+def _rebind(record: Applied, old: Any, new: Any) -> set[str]:
+    """Put ``new`` where an ``also_in`` module holds ``old``; the modules changed."""
+    changed = set()
+    for module_name in record.patch.also_in:
+        try:
+            owner, _ = resolve(sys.modules[module_name], record.patch.attribute)
+        except (KeyError, AttributeError):
+            continue
+        if owner is not record.owner and stored(owner, record.name)[0] is old:
+            setattr(owner, record.name, new)
+            changed.add(module_name)
+    return changed
 
 
 def restore(record: Applied) -> bool:
@@ -217,10 +217,7 @@ def restore(record: Applied) -> bool:
         delattr(record.owner, record.name)
     elif ours:
         setattr(record.owner, record.name, record.original)
-    for module_name in record.patch.also_in:
-        owner = _also_owner(record, module_name)
-        if owner is not None and stored(owner, record.name)[0] is record.wrapper:
-            setattr(owner, record.name, record.original)
+    _rebind(record, record.wrapper, record.original)
     return ours
 
 

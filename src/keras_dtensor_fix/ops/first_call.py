@@ -126,9 +126,11 @@ class FirstCall:
 
 
 def first_line(error: BaseException) -> str:
-    """``error``'s type and first line, for a warning."""
+    """``Type: first line`` of ``error``, for a warning or a report; a dynamo
+    failure names its ``inner_exception``, the step's own error."""
+    error = getattr(error, "inner_exception", None) or error
     lines = [line for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {(lines or [''])[0][:200]}"
+    return f"{type(error).__name__}: {(lines or [''])[0][:200]}".rstrip(": ")
 
 
 def _state(owner: Any, written: Sequence[Any]) -> tuple[list[Any], list | None]:

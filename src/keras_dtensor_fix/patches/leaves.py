@@ -122,10 +122,8 @@ def _wrap_all(result: Any, mesh: Any, placements: tuple) -> Any:
 def patches(module: types.ModuleType) -> list[Patch]:
     if "__call__" not in vars(getattr(module, "Layer", object)):
         raise LookupError("Layer.__call__ not found: this Keras moved it")
-    # eager_only: dynamo is sent to the original (no extra frame per call).
-    return [
-        Patch(module.__name__, "Layer.__call__", _call, gated=True, eager_only=True)
-    ]
+    # Not traced: dynamo is sent to the original (no extra frame per call).
+    return [Patch(module.__name__, "Layer.__call__", _call, gated=True)]
 
 
 IMPLEMENTATION = Implementation(patches, after_revert=FIRST.forget)
