@@ -16,7 +16,6 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils._pytree import tree_leaves
 
 from keras_dtensor_fix.dtensor import all_gather_ints
@@ -90,16 +89,8 @@ def _raise(rows: list[list[int]], why: str) -> None:
     )
 
 
-def _device() -> torch.device:
-    """Where the default group's backend takes tensors (CPU for gloo)."""
-    backend = str(torch.distributed.get_backend())
-    if "gloo" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def _exchange(row: list[int]) -> list[list[int]]:
-    rows = all_gather_ints(row, _device())
+    rows = all_gather_ints(row)
     if len({r[0] for r in rows}) > 1:
         _raise(
             rows,

@@ -66,8 +66,11 @@ def all_gather_last(value: torch.Tensor, mesh: Any, axis: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def all_gather_ints(values: Sequence[int], device: Any) -> list[list[int]]:
-    """Every process's ``values``, indexed by rank, over the default group."""
+def all_gather_ints(values: Sequence[int]) -> list[list[int]]:
+    """Every process's ``values``, indexed by rank, over the default group (on
+    the CPU for gloo, else on this process's GPU)."""
+    gloo = "gloo" in str(torch.distributed.get_backend())
+    device = "cpu" if gloo or not torch.cuda.is_available() else "cuda"
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     parts = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
     _wait(torch.distributed.all_gather(parts, mine, async_op=True), mine)
