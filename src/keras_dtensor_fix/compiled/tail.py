@@ -45,7 +45,7 @@ class _Plan:
     boundary: list[Any]
     #: Whether the loss reads ``x`` (a ``compute_loss`` of the model's own).
     reads_x: bool
-    region: Any = None
+    region: Any
     #: The instance's own values of :data:`_ATTRIBUTES` before (:func:`uninstall`).
     saved: dict[str, Any] = field(default_factory=dict)
     #: The batch of the model's ``train_step`` running now (:func:`step`).
@@ -115,14 +115,13 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
     boundary = _boundary(tail, model.outputs)
     base = targets.keras_object("BaseTrainer")
     reads_x = getattr(type(model), "compute_loss", None) is not base.compute_loss
-    found = _Plan(front, tail, boundary, reads_x)
-    found.region = region.Region(
+    compiled = region.Region(
         _tail,
         f"the layers after {model.name}'s last block and its loss",
         qualname=f"{model.name}.tail",
         then="they run eagerly from now on.",
     )
-    return found
+    return _Plan(front, tail, boundary, reads_x, compiled)
 
 
 def install(model: Any, routed: list[Any]) -> _Plan | str:
