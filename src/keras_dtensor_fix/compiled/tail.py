@@ -33,6 +33,8 @@ from keras_dtensor_fix.engine import state, targets
 #: The instance attributes this module sets (undone by :func:`uninstall`).
 _ATTRIBUTES = ("_run_through_graph", "_compute_loss", "compute_metrics")
 _ABSENT = object()
+#: The arguments of ``_compute_loss`` that are a step's own (:class:`_Pending`'s).
+_BATCH = ("x", "y", "y_pred", "sample_weight")
 
 
 @dataclass
@@ -154,10 +156,7 @@ def install(model: Any, routed: list[Any]) -> _Plan | str:
             pending is not None
             and pending.loss is not None
             and not args
-            and kwargs.get("y_pred") is pending.y_pred
-            and kwargs.get("y") is pending.y
-            and kwargs.get("sample_weight") is pending.sample_weight
-            and kwargs.get("x") is pending.x
+            and all(kwargs.get(k) is getattr(pending, k) for k in _BATCH)
             and kwargs.get("training", True)
         ):
             loss, pending.loss = pending.loss, None

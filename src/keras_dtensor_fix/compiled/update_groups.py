@@ -122,9 +122,7 @@ class _Entry:
 def _group_step(update, proxy, stands, rows, grads, values, slots, learning_rate):
     """The region: the stand-ins take the group's tensors, then the class's update runs
     on them."""
-    for stand, value in zip(stands, values, strict=True):
-        stand.value = value
-    for row, row_values in zip(rows, slots, strict=True):
+    for row, row_values in zip([stands, *rows], [values, *slots], strict=True):
         for stand, value in zip(row, row_values, strict=True):
             stand.value = value
     update(proxy, grads, stands, learning_rate)
