@@ -100,7 +100,12 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
     for name in ("tree", "unpack_singleton"):
         targets.keras_object(name)  # imported now: the region's trace cannot
     ids = {id(block) for block in routed}
-    nodes = _nodes_of(model)
+    nodes = [
+        node
+        for depth in sorted(model._nodes_by_depth, reverse=True)
+        for node in model._nodes_by_depth[depth]
+        if node.operation is not None and not node.is_input
+    ]
     held = [i for i, node in enumerate(nodes) if _holds(node.operation, ids)]
     last = held[-1] if held else len(nodes) - 1
     if last == len(nodes) - 1:
@@ -210,8 +215,7 @@ def uninstall(model: Any, found: _Plan) -> None:
 
 
 def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
-    tree = targets.keras_object("tree")
-    flat = tree.flatten(inputs)
+    flat = targets.keras_object("tree").flatten(inputs)
     values = {id(ref): value for ref, value in zip(model.inputs, flat, strict=False)}
     _run_nodes(model, found.front, values)
     boundary = [values.get(id(ref)) for ref in found.boundary]
@@ -267,15 +271,6 @@ def _tail(model, found, boundary, x, y, weight, metrics):
     leaves, spec = pytree.tree_flatten((outputs, loss))
     kept = [kept_detached(v) if isinstance(v, DTensor) else [] for v in leaves]
     return pytree.tree_unflatten([without_kept(v) for v in leaves], spec), kept
-
-
-def _nodes_of(model: Any) -> list[Any]:
-    return [
-        node
-        for depth in sorted(model._nodes_by_depth, reverse=True)
-        for node in model._nodes_by_depth[depth]
-        if node.operation is not None and not node.is_input
-    ]
 
 
 def _holds(operation: Any, ids: set[int]) -> bool:

@@ -1,13 +1,12 @@
 """Blocks mode's optimizer update compiled per block, one graph for alike blocks.
 
-Eager ``_foreach_*`` updates are one op per variable, which a whole step's graph fuses.
-Here ``apply`` runs eagerly on DTensors (clipping, weight decay, the step count) and the
-optimizer's ``_parallel_update_step`` (set on the instance) runs the shard-wise update
+Eager ``_foreach_*`` updates are one op per variable, which a whole step's graph
+fuses, but tracing the whole ``apply`` made the start grow with the depth
+(``benchmarks/results/2026-11-29-update-per-block.md``). So ``apply`` runs eagerly on
+DTensors and the instance's ``_parallel_update_step`` runs the shard-wise update
 (:mod:`..ops.shardwise`) per owning block (:class:`Grouped`), each group through a
-region keyed by its shapes and given stand-ins (an optimizer with its slot lists cut to
-the group, variables whose ``value`` it sets): one graph serves alike blocks. Tracing
-the whole ``apply`` made the start grow with the depth
-(``benchmarks/results/2026-11-29-update-per-block.md``).
+region keyed by its shapes on stand-ins (slot lists cut to the group, variables whose
+``value`` it sets): one graph serves alike blocks.
 
 Only Keras's own ``train_step`` and torch optimizers whose update is per variable (not
 Nadam) and selects no branch (gradient accumulation, EMA overwrites)."""
