@@ -12,8 +12,7 @@ Two things would split its graph:
   an extra output without gradient: the region's first op is the "f" of each DTensor
   input (:func:`_region`), its all-reduce in the block's backward graph.
 
-Outside training, inside a compiled step, without ModelParallel and in symbolic calls
-the block's own ``call`` runs."""
+Where no region may run (:func:`.region.eligible`) the block's own ``call`` runs."""
 
 from __future__ import annotations
 

@@ -195,8 +195,7 @@ def step(found: _Plan, train_step: Callable[..., Any], args: tuple, kwargs: dict
     """Keras's ``train_step``, its batch kept for the model's tail while it runs."""
     if len(args) != 1 or kwargs:
         return train_step(*args, **kwargs)
-    x, y, sample_weight = targets.keras_object("unpack_x_y_sample_weight")(args[0])
-    found.pending = _Pending(x, y, sample_weight)
+    found.pending = _Pending(*targets.keras_object("unpack_x_y_sample_weight")(args[0]))
     try:
         return train_step(*args, **kwargs)
     finally:
@@ -247,11 +246,9 @@ def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
 def _metrics_in_region(model: Any) -> bool:
     """Whether the region updates the compiled metrics: Keras's own ``compute_metrics``,
     its metrics built (none is made in a graph)."""
-    metrics = getattr(model, "_compile_metrics", None)
     base = targets.keras_object("BaseTrainer")
     return (
-        metrics is not None
-        and getattr(metrics, "built", False)
+        getattr(getattr(model, "_compile_metrics", None), "built", False)
         and getattr(type(model), "compute_metrics", None) is base.compute_metrics
     )
 

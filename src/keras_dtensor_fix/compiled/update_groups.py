@@ -84,17 +84,13 @@ def _update_function(optimizer: Any) -> Any:
     return getattr(update, "__wrapped__", update)  # the family's wrapper
 
 
-def _stands(size: int) -> list[SimpleNamespace]:
-    """Stand-in Keras variables: the updates read only their ``value``."""
-    return [SimpleNamespace(value=None) for _ in range(size)]
-
-
 class _Entry:
     """One group shape: its stand-ins and region."""
 
     def __init__(self, optimizer: Any, rows: list[str], size: int, name: str) -> None:
-        self.stands = _stands(size)
-        self.rows = [_stands(size) for _ in rows]
+        # Stand-in Keras variables: the updates read only their ``value``.
+        self.stands = [SimpleNamespace(value=None) for _ in range(size)]
+        self.rows = [[SimpleNamespace(value=None) for _ in self.stands] for _ in rows]
         self.proxy = object.__new__(type(optimizer))
         self.overrides = {
             "_trainable_variables": list(self.stands),
