@@ -126,8 +126,7 @@ WATCHED_CALLS = 3
 
 def dynamo_counts() -> tuple[dict[str, int], int]:
     """dynamo's graph breaks by reason, and its count of graphs compiled."""
-    from torch._dynamo.utils import counters
-
+    counters = torch._dynamo.utils.counters
     return dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
 
 

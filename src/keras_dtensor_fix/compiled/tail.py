@@ -236,9 +236,8 @@ def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
     leaves = zero_gradients_if_unused(leaves)
     for leaf, entries in zip(leaves, kept, strict=True):
         keep(leaf, entries)  # the loss's gathered logits, for the metrics
-    outputs, loss = pytree.tree_unflatten(leaves, spec)
+    outputs, pending.loss = pytree.tree_unflatten(leaves, spec)
     pending.y_pred = targets.keras_object("unpack_singleton")(outputs)
-    pending.loss = loss
     pending.metrics = metrics
     return outputs
 
