@@ -10,10 +10,9 @@ Two things would split its graph:
   a path is refused (:func:`refusal`).
 - Megatron's "f" set on the block's input, a tensor from outside the graph, would be
   an extra output without gradient: the region's first op is the "f" of each DTensor
-  input (:func:`_with_f`), its all-reduce in the block's backward graph.
+  input (:func:`_region`), its all-reduce in the block's backward graph.
 
-Outside training, inside a compiled step, without ModelParallel and in symbolic calls
-the block's own ``call`` runs."""
+Where no region may run (:func:`.region.eligible`) the block's own ``call`` runs."""
 
 from __future__ import annotations
 
@@ -173,24 +172,20 @@ def _region(cls: type, original: Callable[..., Any]) -> region.Region:
     by_class = _COMPILED.setdefault(state.model_parallel(), {})
     found = by_class.get(key)
     if found is None:
+
+        def with_f(block: Any, *args: Any, **kwargs: Any) -> Any:
+            # Megatron's "f" of each DTensor input in the graph
+            args, kwargs = pytree.tree_map(reducing_input, (args, kwargs))
+            return original(block, *args, **kwargs)
+
         found = by_class[key] = region.Region(
-            _with_f(original),
+            with_f,
             cls.__name__,
             qualname=original.__qualname__,
             then="its blocks run eagerly from now on.",
             interleaved=True,
         )
     return found
-
-
-def _with_f(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``original`` with Megatron's "f" of each DTensor input in its graph."""
-
-    def call(block: Any, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = pytree.tree_map(reducing_input, (args, kwargs))
-        return original(block, *args, **kwargs)
-
-    return call
 
 
 def forget() -> None:

@@ -45,15 +45,6 @@ def none_since(taken: Marks) -> bool:
     return all(torch.equal(_local(counter), before) for counter, before in taken)
 
 
-def _state_variables(model: Any) -> list[Any]:
-    """Seed generator states and metric variables."""
-    seeds = _SEEDS.get(model)
-    if seeds is None:
-        seeds = [v for v in model.variables if "seed_generator" in v.path]
-        _SEEDS[model] = seeds
-    return seeds + list(model.metrics_variables)
-
-
 def _local(value: Any) -> torch.Tensor:
     """A tensor's (or a Keras variable's) local part."""
     value = getattr(value, "value", value)
@@ -61,9 +52,15 @@ def _local(value: Any) -> torch.Tensor:
 
 
 def kept(model: Any) -> Marks:
-    """Copies of what a step changes besides weights and optimizers."""
+    """Copies of what a step changes besides weights and optimizers: seed generator
+    states and metric variables."""
     try:
-        return [(v, _local(v).detach().clone()) for v in _state_variables(model)]
+        seeds = _SEEDS.get(model)
+        if seeds is None:
+            seeds = [v for v in model.variables if "seed_generator" in v.path]
+            _SEEDS[model] = seeds
+        variables = seeds + list(model.metrics_variables)
+        return [(v, _local(v).detach().clone()) for v in variables]
     except Exception:  # noqa: BLE001 - a model without them keeps nothing
         return []
 
@@ -130,8 +127,7 @@ WATCHED_CALLS = 3
 
 def dynamo_counts() -> tuple[dict[str, int], int]:
     """dynamo's graph breaks by reason, and its count of graphs compiled."""
-    from torch._dynamo.utils import counters
-
+    counters = torch._dynamo.utils.counters
     return dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
 
 

@@ -30,13 +30,6 @@ class Plan:
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _plan_of(model: Any) -> Plan | None:
-    try:
-        return _PLANS.get(model)
-    except TypeError:  # an object no weak reference can hold: nothing installed
-        return None
-
-
 def install(model: Any, training: bool) -> Plan | None:
     """Blocks mode for ``model`` (``training``: its tail and update too); None where it
     repeats no block it can compile alone."""
@@ -44,8 +37,7 @@ def install(model: Any, training: bool) -> Plan | None:
     if not routed:
         uninstall(model)
         return None
-    found = _plan_of(model) or Plan()
-    _PLANS[model] = found
+    found = _PLANS.setdefault(model, Plan())
     found.blocks = routed
     if training and found.split is None:
         split = tail.install(model, routed)
@@ -57,10 +49,9 @@ def install(model: Any, training: bool) -> Plan | None:
 
 def uninstall(model: Any) -> None:
     """Undo :func:`install` on ``model``, the update first, the blocks last."""
-    found = _plan_of(model)
+    found = _PLANS.pop(model, None)
     if found is None:
         return
-    del _PLANS[model]
     if found.update:
         update_groups.uninstall(model)
     if found.split is not None:
@@ -70,7 +61,7 @@ def uninstall(model: Any) -> None:
 
 def step(train_step: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
     """Keras's ``train_step``, its batch kept for the model's tail."""
-    found = _plan_of(model)
+    found = _PLANS.get(model)
     if found is None or found.split is None:
         return train_step(*args, **kwargs)
     return tail.step(found.split, train_step, args, kwargs)

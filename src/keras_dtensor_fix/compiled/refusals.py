@@ -21,23 +21,19 @@ def keras_train_step(model) -> bool:
 def step(model: Any) -> str | None:
     """Why ``model``'s compiled ModelParallel step runs eagerly, or None."""
     if not targets.torch_compiles_dtensor_grad():
-        import torch
-
         return (
-            f"torch {torch.__version__} cannot compile its gradient (before torch "
-            "2.12 dynamo cannot trace torch.autograd.grad over DTensors). The model "
-            "runs eagerly. Install torch>=2.12 to compile it."
+            f"torch {targets.torch_version()} cannot compile its gradient (before "
+            "torch 2.12 dynamo cannot trace torch.autograd.grad over DTensors). The "
+            "model runs eagerly. Install torch>=2.12 to compile it."
         )
-    recurrent = recurrent_layers(model)
-    if recurrent:
+    if recurrent := recurrent_layers(model):
         return (
             f"its recurrent layers ({', '.join(recurrent)}) run Keras's generic RNN "
             f"loop, which torch {targets.torch_version()} cannot compile over "
             "DTensors. The model runs eagerly. LSTM and GRU with their defaults "
             "(use_cudnn='auto', no recurrent_dropout) and no mask compile."
         )
-    seeded = seeded_random_layers(model)
-    if seeded:
+    if seeded := seeded_random_layers(model):
         return (
             f"its seeded random layers ({', '.join(seeded)}) draw with a "
             "torch.Generator, a graph break, and with torch 2.13 DTensor gradients "

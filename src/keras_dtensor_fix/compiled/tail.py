@@ -33,6 +33,8 @@ from keras_dtensor_fix.engine import state, targets
 #: The instance attributes this module sets (undone by :func:`uninstall`).
 _ATTRIBUTES = ("_run_through_graph", "_compute_loss", "compute_metrics")
 _ABSENT = object()
+#: The arguments of ``_compute_loss`` that are a step's own (:class:`_Pending`'s).
+_BATCH = ("x", "y", "y_pred", "sample_weight")
 
 
 @dataclass
@@ -45,7 +47,7 @@ class _Plan:
     boundary: list[Any]
     #: Whether the loss reads ``x`` (a ``compute_loss`` of the model's own).
     reads_x: bool
-    region: Any = None
+    region: Any
     #: The instance's own values of :data:`_ATTRIBUTES` before (:func:`uninstall`).
     saved: dict[str, Any] = field(default_factory=dict)
     #: The batch of the model's ``train_step`` running now (:func:`step`).
@@ -98,7 +100,12 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
     for name in ("tree", "unpack_singleton"):
         targets.keras_object(name)  # imported now: the region's trace cannot
     ids = {id(block) for block in routed}
-    nodes = _nodes_of(model)
+    nodes = [
+        node
+        for depth in sorted(model._nodes_by_depth, reverse=True)
+        for node in model._nodes_by_depth[depth]
+        if node.operation is not None and not node.is_input
+    ]
     held = [i for i, node in enumerate(nodes) if _holds(node.operation, ids)]
     last = held[-1] if held else len(nodes) - 1
     if last == len(nodes) - 1:
@@ -115,14 +122,13 @@ def plan(model: Any, routed: list[Any]) -> _Plan | str:
     boundary = _boundary(tail, model.outputs)
     base = targets.keras_object("BaseTrainer")
     reads_x = getattr(type(model), "compute_loss", None) is not base.compute_loss
-    found = _Plan(front, tail, boundary, reads_x)
-    found.region = region.Region(
+    compiled = region.Region(
         _tail,
         f"the layers after {model.name}'s last block and its loss",
         qualname=f"{model.name}.tail",
         then="they run eagerly from now on.",
     )
-    return found
+    return _Plan(front, tail, boundary, reads_x, compiled)
 
 
 def install(model: Any, routed: list[Any]) -> _Plan | str:
@@ -155,10 +161,7 @@ def install(model: Any, routed: list[Any]) -> _Plan | str:
             pending is not None
             and pending.loss is not None
             and not args
-            and kwargs.get("y_pred") is pending.y_pred
-            and kwargs.get("y") is pending.y
-            and kwargs.get("sample_weight") is pending.sample_weight
-            and kwargs.get("x") is pending.x
+            and all(kwargs.get(k) is getattr(pending, k) for k in _BATCH)
             and kwargs.get("training", True)
         ):
             loss, pending.loss = pending.loss, None
@@ -192,8 +195,7 @@ def step(found: _Plan, train_step: Callable[..., Any], args: tuple, kwargs: dict
     """Keras's ``train_step``, its batch kept for the model's tail while it runs."""
     if len(args) != 1 or kwargs:
         return train_step(*args, **kwargs)
-    x, y, sample_weight = targets.keras_object("unpack_x_y_sample_weight")(args[0])
-    found.pending = _Pending(x, y, sample_weight)
+    found.pending = _Pending(*targets.keras_object("unpack_x_y_sample_weight")(args[0]))
     try:
         return train_step(*args, **kwargs)
     finally:
@@ -212,8 +214,7 @@ def uninstall(model: Any, found: _Plan) -> None:
 
 
 def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
-    tree = targets.keras_object("tree")
-    flat = tree.flatten(inputs)
+    flat = targets.keras_object("tree").flatten(inputs)
     values = {id(ref): value for ref, value in zip(model.inputs, flat, strict=False)}
     _run_nodes(model, found.front, values)
     boundary = [values.get(id(ref)) for ref in found.boundary]
@@ -235,9 +236,8 @@ def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
     leaves = zero_gradients_if_unused(leaves)
     for leaf, entries in zip(leaves, kept, strict=True):
         keep(leaf, entries)  # the loss's gathered logits, for the metrics
-    outputs, loss = pytree.tree_unflatten(leaves, spec)
+    outputs, pending.loss = pytree.tree_unflatten(leaves, spec)
     pending.y_pred = targets.keras_object("unpack_singleton")(outputs)
-    pending.loss = loss
     pending.metrics = metrics
     return outputs
 
@@ -245,11 +245,9 @@ def _run(model: Any, found: _Plan, inputs: Any, pending: _Pending) -> Any:
 def _metrics_in_region(model: Any) -> bool:
     """Whether the region updates the compiled metrics: Keras's own ``compute_metrics``,
     its metrics built (none is made in a graph)."""
-    metrics = getattr(model, "_compile_metrics", None)
     base = targets.keras_object("BaseTrainer")
     return (
-        metrics is not None
-        and getattr(metrics, "built", False)
+        getattr(getattr(model, "_compile_metrics", None), "built", False)
         and getattr(type(model), "compute_metrics", None) is base.compute_metrics
     )
 
@@ -269,15 +267,6 @@ def _tail(model, found, boundary, x, y, weight, metrics):
     leaves, spec = pytree.tree_flatten((outputs, loss))
     kept = [kept_detached(v) if isinstance(v, DTensor) else [] for v in leaves]
     return pytree.tree_unflatten([without_kept(v) for v in leaves], spec), kept
-
-
-def _nodes_of(model: Any) -> list[Any]:
-    return [
-        node
-        for depth in sorted(model._nodes_by_depth, reverse=True)
-        for node in model._nodes_by_depth[depth]
-        if node.operation is not None and not node.is_input
-    ]
 
 
 def _holds(operation: Any, ids: set[int]) -> bool:

@@ -1,13 +1,12 @@
 """Blocks mode's optimizer update compiled per block, one graph for alike blocks.
 
-Eager ``_foreach_*`` updates are one op per variable, which a whole step's graph fuses.
-Here ``apply`` runs eagerly on DTensors (clipping, weight decay, the step count) and the
-optimizer's ``_parallel_update_step`` (set on the instance) runs the shard-wise update
+Eager ``_foreach_*`` updates are one op per variable, which a whole step's graph
+fuses, but tracing the whole ``apply`` made the start grow with the depth
+(``benchmarks/results/2026-11-29-update-per-block.md``). So ``apply`` runs eagerly on
+DTensors and the instance's ``_parallel_update_step`` runs the shard-wise update
 (:mod:`..ops.shardwise`) per owning block (:class:`Grouped`), each group through a
-region keyed by its shapes and given stand-ins (an optimizer with its slot lists cut to
-the group, variables whose ``value`` it sets): one graph serves alike blocks. Tracing
-the whole ``apply`` made the start grow with the depth
-(``benchmarks/results/2026-11-29-update-per-block.md``).
+region keyed by its shapes on stand-ins (slot lists cut to the group, variables whose
+``value`` it sets): one graph serves alike blocks.
 
 Only Keras's own ``train_step`` and torch optimizers whose update is per variable (not
 Nadam) and selects no branch (gradient accumulation, EMA overwrites)."""
@@ -85,17 +84,13 @@ def _update_function(optimizer: Any) -> Any:
     return getattr(update, "__wrapped__", update)  # the family's wrapper
 
 
-def _stands(size: int) -> list[SimpleNamespace]:
-    """Stand-in Keras variables: the updates read only their ``value``."""
-    return [SimpleNamespace(value=None) for _ in range(size)]
-
-
 class _Entry:
     """One group shape: its stand-ins and region."""
 
     def __init__(self, optimizer: Any, rows: list[str], size: int, name: str) -> None:
-        self.stands = _stands(size)
-        self.rows = [_stands(size) for _ in rows]
+        # Stand-in Keras variables: the updates read only their ``value``.
+        self.stands = [SimpleNamespace(value=None) for _ in range(size)]
+        self.rows = [[SimpleNamespace(value=None) for _ in self.stands] for _ in rows]
         self.proxy = object.__new__(type(optimizer))
         self.overrides = {
             "_trainable_variables": list(self.stands),
@@ -122,9 +117,7 @@ class _Entry:
 def _group_step(update, proxy, stands, rows, grads, values, slots, learning_rate):
     """The region: the stand-ins take the group's tensors, then the class's update runs
     on them."""
-    for stand, value in zip(stands, values, strict=True):
-        stand.value = value
-    for row, row_values in zip(rows, slots, strict=True):
+    for row, row_values in zip([stands, *rows], [values, *slots], strict=True):
         for stand, value in zip(row, row_values, strict=True):
             stand.value = value
     update(proxy, grads, stands, learning_rate)
