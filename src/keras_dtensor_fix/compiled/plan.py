@@ -30,6 +30,13 @@ class Plan:
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _plan_of(model: Any) -> Plan | None:
+    try:
+        return _PLANS.get(model)
+    except TypeError:  # no weak reference to it (not a Keras model): none installed
+        return None
+
+
 def install(model: Any, training: bool) -> Plan | None:
     """Blocks mode for ``model`` (``training``: its tail and update too); None where it
     repeats no block it can compile alone."""
@@ -49,9 +56,10 @@ def install(model: Any, training: bool) -> Plan | None:
 
 def uninstall(model: Any) -> None:
     """Undo :func:`install` on ``model``, the update first, the blocks last."""
-    found = _PLANS.pop(model, None)
+    found = _plan_of(model)
     if found is None:
         return
+    del _PLANS[model]
     if found.update:
         update_groups.uninstall(model)
     if found.split is not None:
@@ -61,7 +69,7 @@ def uninstall(model: Any) -> None:
 
 def step(train_step: Callable[..., Any], model: Any, args: tuple, kwargs: dict) -> Any:
     """Keras's ``train_step``, its batch kept for the model's tail."""
-    found = _PLANS.get(model)
+    found = _plan_of(model)
     if found is None or found.split is None:
         return train_step(*args, **kwargs)
     return tail.step(found.split, train_step, args, kwargs)

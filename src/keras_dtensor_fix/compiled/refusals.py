@@ -21,8 +21,10 @@ def keras_train_step(model) -> bool:
 def step(model: Any) -> str | None:
     """Why ``model``'s compiled ModelParallel step runs eagerly, or None."""
     if not targets.torch_compiles_dtensor_grad():
+        import torch  # the version the check read: the torch imported
+
         return (
-            f"torch {targets.torch_version()} cannot compile its gradient (before "
+            f"torch {torch.__version__} cannot compile its gradient (before "
             "torch 2.12 dynamo cannot trace torch.autograd.grad over DTensors). The "
             "model runs eagerly. Install torch>=2.12 to compile it."
         )
