@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -35,9 +34,6 @@ from keras_dtensor_fix.dtensor import (
 )
 from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.hub import generation as hub
-
-#: Distribution -> (block class, the user's cache key tag) -> the class's region.
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def repeated(model: Any, least: int = 2) -> list[Any]:
@@ -114,9 +110,7 @@ def install(model: Any) -> list[Any]:
     """Route each repeated block of ``model`` through its class's region; the blocks
     routed (those refused named in one warning)."""
     routed, refused = [], []
-    for by_class in _COMPILED.values():
-        for compiled in by_class.values():
-            compiled.reset()  # a new step: every block's guards run again
+    region.reset_all()  # a new step: every block's guards run again
     for block in repeated(model):
         if getattr(vars(block).get("call"), "func", None) is _region_call:
             routed.append(block)  # installed already
@@ -168,26 +162,24 @@ def _tangents_ready(result: Any) -> Any:
 
 def _region(cls: type, original: Callable[..., Any]) -> region.Region:
     """The class's region under this distribution, shared by its blocks."""
-    key = (cls, torch.compiler.config.cache_key_tag)
-    by_class = _COMPILED.setdefault(state.model_parallel(), {})
-    found = by_class.get(key)
-    if found is None:
 
-        def with_f(block: Any, *args: Any, **kwargs: Any) -> Any:
-            # Megatron's "f" of each DTensor input in the graph
-            args, kwargs = pytree.tree_map(reducing_input, (args, kwargs))
-            return original(block, *args, **kwargs)
+    def with_f(block: Any, *args: Any, **kwargs: Any) -> Any:
+        # Megatron's "f" of each DTensor input in the graph
+        args, kwargs = pytree.tree_map(reducing_input, (args, kwargs))
+        return original(block, *args, **kwargs)
 
-        found = by_class[key] = region.Region(
+    return region.of_class(
+        (cls, torch.compiler.config.cache_key_tag),
+        lambda: region.Region(
             with_f,
             cls.__name__,
             qualname=original.__qualname__,
             then="its blocks run eagerly from now on.",
             interleaved=True,
-        )
-    return found
+        ),
+    )
 
 
 def forget() -> None:
     """Drop the compiled regions (deactivation)."""
-    _COMPILED.clear()
+    region.forget()

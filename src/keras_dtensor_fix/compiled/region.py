@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from types import CodeType
 from typing import Any
@@ -23,7 +24,16 @@ from keras_dtensor_fix.compiled import cache_key, failure
 from keras_dtensor_fix.engine import state, targets
 from keras_dtensor_fix.ops.first_call import first_line
 
-__all__ = ["SCOPELESS", "Region", "eligible", "name_scope", "scopeless"]
+__all__ = [
+    "SCOPELESS",
+    "Region",
+    "eligible",
+    "forget",
+    "name_scope",
+    "of_class",
+    "reset_all",
+    "scopeless",
+]
 
 #: True while a block's or the tail's region runs: its sublayers open no name scope.
 SCOPELESS: list[bool] = []
@@ -280,3 +290,28 @@ class Region:
             f"({first_line(error)}); {self.then}",
             stacklevel=4,
         )
+
+
+#: Distribution -> key (a class first) -> its region: one per class, as dynamo guards
+#: on what its instances share (blocks' and generation's token step).
+_BY_CLASS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def of_class(key: tuple, make: Callable[[], Region]) -> Region:
+    """The region ``key`` names under this distribution, ``make()``'s at first."""
+    regions = _BY_CLASS.setdefault(state.model_parallel(), {})
+    if key not in regions:
+        regions[key] = make()
+    return regions[key]
+
+
+def reset_all() -> None:
+    """Every region's guards run again until its calls settle again (a new step)."""
+    for regions in _BY_CLASS.values():
+        for found in regions.values():
+            found.reset()
+
+
+def forget() -> None:
+    """Drop every region (deactivation)."""
+    _BY_CLASS.clear()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,24 +25,21 @@ from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED
 
 __all__ = ["forget", "generating"]
 
-#: Distribution -> CausalLM class -> its ``call_with_cache`` as a region (one
-#: per class: dynamo guards on the model it is called with).
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 def _region(cls: type) -> region.Region:
-    by_class = _COMPILED.setdefault(model_parallel(), {})
-    if cls not in by_class:
-        # dynamic shapes as torch.compile's default: a longer generate() call
-        # makes its cache length symbolic rather than compile again
-        by_class[cls] = region.Region(
+    """The class's ``call_with_cache`` as a region (dynamic shapes, as
+    torch.compile's default: a longer generate() call makes its cache length
+    symbolic rather than compile again)."""
+    return region.of_class(
+        (cls, "call_with_cache"),
+        lambda: region.Region(
             cls.call_with_cache,
             f"{cls.__name__}.call_with_cache",
             then="generate() of this class runs eagerly: its compiled token step "
             "is off from now on.",
             dynamic=None,
-        )
-    return by_class[cls]
+        ),
+    )
 
 
 def _token_call(model: Any) -> Callable[..., Any]:
@@ -151,6 +147,6 @@ def generating(model: Any) -> Callable[[Any], Any] | None:
 
 def forget() -> None:
     """Every compiled token call and learnt path (on deactivation)."""
-    _COMPILED.clear()
+    region.forget()
     local.BLOCKS.forget()
     local.WHOLE.forget()
