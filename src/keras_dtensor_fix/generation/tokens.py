@@ -42,6 +42,14 @@ def _region(cls: type) -> region.Region:
     )
 
 
+def _compiled(cls: type) -> Any:
+    """The class's compiled token call, its guards checked again until this
+    generation's tokens settle (a test makes it raise)."""
+    found = _region(cls)
+    found.reset()
+    return found.compiled()
+
+
 def _token_call(model: Any) -> Callable[..., Any]:
     """``model.call_with_cache``: one token compiled (on local tensors where
     :func:`.local.planned` plans the whole call, else on DTensors), the
@@ -50,9 +58,7 @@ def _token_call(model: Any) -> Callable[..., Any]:
     plans, found = local.planned(model)
     eager = model.call_with_cache
     signature = token_args.signature_of(eager)
-    steps = _region(type(model))
-    steps.reset()  # its guards checked again until this generation's tokens settle
-    compiled = steps.compiled()
+    steps, compiled = _region(type(model)), _compiled(type(model))
     plain = causal_lm.whole_inputs
     # the weights' mesh: the graph guards on its identity
     meshes = (getattr(v, "_value", None) for v in model.weights)
