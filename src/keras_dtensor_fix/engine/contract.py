@@ -16,7 +16,7 @@ __all__ = ["Implementation", "Patch"]
 class Patch:
     """One attribute to wrap."""
 
-    module: str  # module owning the attribute, e.g. targets.modules("numpy")[0]
+    module: str  # module owning the attribute, e.g. targets.MODULES["numpy"][0]
     attribute: str  # dotted path inside module: "add" or "Adam._parallel_update_step"
     wrapper: Callable[[Any, Any, tuple, dict], Any]  # wrapt wrapper
     also_in: tuple[str, ...] = ()  # modules that bound the same object by name

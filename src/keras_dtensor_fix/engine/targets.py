@@ -174,16 +174,6 @@ OBJECTS: dict[str, tuple[str | tuple[str, ...], str]] = {
 }
 
 
-def modules(kind: str) -> tuple[str, ...]:
-    """The modules of ``kind`` (see :data:`MODULES`)."""
-    return MODULES[kind]
-
-
-def aliases(kind: str) -> tuple[str, ...]:
-    """Modules that bind ``kind``'s functions by name (see :data:`ALIASES`)."""
-    return ALIASES.get(kind, ())
-
-
 def is_kind(module_name: str, kind: str) -> bool:
     """Whether ``module_name`` is one of the modules of ``kind``."""
     return module_name in MODULES[kind]

@@ -72,14 +72,14 @@ PICKLER = "FxGraphCachePickler._reduce_fake_script_object"
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    if module.__name__ in targets.modules("inductor_codecache"):
+    if module.__name__ in targets.MODULES["inductor_codecache"]:
         pickler = getattr(module, "FxGraphCachePickler", None)
         if not callable(getattr(pickler, "_reduce_fake_script_object", None)):
             raise LookupError(PICKLER)
         return [Patch(module.__name__, PICKLER, _reduce_fake_script_object)]
     if not callable(getattr(module, "numpy_wrapper_cache_key", None)):
         raise LookupError("numpy_wrapper_cache_key")
-    also_in = targets.aliases("dynamo_utils")
+    also_in = targets.ALIASES["dynamo_utils"]
     return [Patch(module.__name__, "numpy_wrapper_cache_key", _cache_key, also_in)]
 
 

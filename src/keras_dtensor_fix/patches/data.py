@@ -177,7 +177,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
                 name,
                 "distribute_data_input",
                 _replace_distribute_data_input,
-                also_in=targets.aliases("trainer"),
+                also_in=targets.ALIASES["trainer"],
             )
         ]
     if targets.trainer_distributes_batches(module):

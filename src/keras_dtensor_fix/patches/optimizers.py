@@ -134,7 +134,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
         owner = getattr(module, "LossScaleOptimizer", object)
         if kind == "loss_scale_optimizer" and "_common_apply" not in vars(owner):
             raise LookupError(f"{attribute} not found: this Keras moved it")
-        also_in = targets.aliases("core_star") if kind == "core" else ()
+        also_in = targets.ALIASES["core_star"] if kind == "core" else ()
         traced = kind != "parallel_optimizer"
         return [Patch(name, attribute, wrapper, also_in, gated=True, traced=traced)]
     update = _parallel_update_step

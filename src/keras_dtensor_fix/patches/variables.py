@@ -188,7 +188,7 @@ def _direct_assign(wrapped, instance, args, kwargs):
 def patches(module: types.ModuleType) -> list[Patch]:
     name = module.__name__
     if targets.is_kind(name, "distribution_lib"):
-        trainer = targets.aliases("trainer")
+        trainer = targets.ALIASES["trainer"]
         return [
             Patch(name, "distribute_tensor", _distribute_tensor),
             Patch(name, "_to_backend_layout", _to_backend_layout),
