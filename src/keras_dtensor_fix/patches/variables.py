@@ -22,7 +22,7 @@ from keras_dtensor_fix.dtensor import (
     same_mesh,
 )
 from keras_dtensor_fix.engine import state, targets
-from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch, require
 from keras_dtensor_fix.engine.state import compiling, model_parallel, note_sharding
 
 
@@ -194,13 +194,10 @@ def patches(module: types.ModuleType) -> list[Patch]:
             Patch(name, "_to_backend_layout", _to_backend_layout),
             Patch(name, "_to_backend_mesh", _to_backend_mesh, also_in=trainer),
         ]
-    if "_initialize_distributed" not in vars(module.Variable):
-        raise LookupError(
-            "Variable._initialize_distributed not found: this Keras creates "
-            "distributed variables another way"
-        )
+    why = "this Keras creates distributed variables another way"
+    initialize = require(module, "Variable._initialize_distributed", why)
     wrapper = functools.partial(_initialize_distributed, module.convert_to_tensor)
-    result = [Patch(name, "Variable._initialize_distributed", wrapper)]
+    result = [Patch(name, initialize, wrapper)]
     if "_direct_assign" in vars(module.Variable):
         # traced: compiled steps assign too; dynamo must run the original.
         assign = "Variable._direct_assign"
