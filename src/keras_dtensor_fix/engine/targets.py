@@ -33,8 +33,6 @@ EINSUM_DENSE = "keras.src.layers.core.einsum_dense"
 #: from about 2026-10, ``flat`` before.
 LAYOUTS: dict[str, str] = {"ops": f"{KERAS_TORCH}.ops", "flat": KERAS_TORCH}
 
-KERAS_DISTRIBUTIONS: tuple[str, ...] = ("keras-nightly", "keras")
-
 #: The torch optimizers with a ``_parallel_update_step``.
 OPTIMIZERS: tuple[str, ...] = (
     "adadelta",
@@ -281,7 +279,7 @@ def backend() -> str | None:
 
 def installed_keras() -> list[tuple[str, str]]:
     """Installed Keras distributions as ``(name, version)``, nightly first."""
-    found = ((dist, _installed(dist)) for dist in KERAS_DISTRIBUTIONS)
+    found = ((dist, _installed(dist)) for dist in ("keras-nightly", "keras"))
     return [(dist, version) for dist, version in found if version]
 
 
