@@ -150,7 +150,6 @@ OBJECTS: dict[str, tuple[str | tuple[str, ...], str]] = {
         "unpack_x_y_sample_weight",
     ),
     "in_symbolic_scope": ("keras.src.backend", "in_symbolic_scope"),
-    "get_autocast_scope": ("keras.src.backend.common.variables", "get_autocast_scope"),
     "in_stateless_scope": ("keras.src.backend", "in_stateless_scope"),
     "RNN": ("keras.src.layers.rnn.rnn", "RNN"),
     "LSTM": ("keras.src.layers.rnn.lstm", "LSTM"),
