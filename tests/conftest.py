@@ -128,7 +128,7 @@ def mesh1(tmp_path_factory: pytest.TempPathFactory):
     import keras_dtensor_fix
     from keras_dtensor_fix.engine import state
 
-    was_active, was_open = keras_dtensor_fix.is_active(), state.sharding()
+    was_active, was_open = keras_dtensor_fix.is_active(), bool(state.SHARDING)
     keras_dtensor_fix.activate()
     store = tmp_path_factory.mktemp("gloo") / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)

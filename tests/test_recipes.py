@@ -77,7 +77,7 @@ from keras_dtensor_fix.engine import patcher, families, targets
 from keras_dtensor_fix import patches
 
 patches.__path__.append(FAMILY_FOLDER)  # the file, as if in patches/
-row = families.Family("toy", ("toy",), "toy_family", "a toy", gated=False)
+row = families.Family("toy", ("toy",), "a toy", "toy_family", gated=False)
 families.FAMILIES += (row,)  # the row
 # Test scaffolding, not the recipe: the toy patches a module that is not Keras's.
 targets.MODULES["toy"] = ("toy_target",)

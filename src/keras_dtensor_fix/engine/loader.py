@@ -33,7 +33,7 @@ class Family:
 
 def _from_row(row: _table.Family) -> Family:
     modules = tuple(
-        dict.fromkeys(name for kind in row.kinds for name in targets.modules(kind))
+        dict.fromkeys(name for kind in row.kinds for name in targets.MODULES[kind])
     )
     source = f"{PATCHES}.{row.implementation}"
     return Family(row.name, modules, source, row.gated, row.preload)

@@ -21,7 +21,7 @@ from typing import Any
 from keras_dtensor_fix.engine import config as _config
 from keras_dtensor_fix.engine import hooks, ledger, loader, targets, wrappers
 from keras_dtensor_fix.engine import state as _state
-from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch, resolve
 from keras_dtensor_fix.engine.ledger import ANY, Cause
 from keras_dtensor_fix.engine.wrappers import (
     chain_length,
@@ -217,18 +217,15 @@ def _apply_one(family: loader.Family, patch: Patch) -> None:
     if module is None:
         note(Cause.MODULE_NOT_IMPORTED, f"module {patch.module} is not imported")
         return
-    try:
-        owner, name = wrappers.resolve(module, patch.attribute)
-    except AttributeError:  # a class on the path is missing
-        owner, name = None, ""
+    owner, name = resolve(module, patch.attribute)
     raw, inherited_from = wrappers.stored(owner, name)
+    if owner is None or (raw is wrappers.MISSING and not patch.added):
+        note(Cause.NOT_FOUND, f"not found: {patch.module}.{patch.attribute}")
+        _fail(f"family {family.name}: {patch.module}.{patch.attribute} not found")
+        return
     if patch.added and raw is not wrappers.MISSING:
         if row not in _applied or _applied[row].wrapper is not raw:
             note(Cause.NOTHING_TO_PATCH, "has its own: kept")
-        return
-    if raw is wrappers.MISSING and (owner is None or not patch.added):
-        note(Cause.NOT_FOUND, f"not found: {patch.module}.{patch.attribute}")
-        _fail(f"family {family.name}: {patch.module}.{patch.attribute} not found")
         return
     if inherited_from is not None:
         base = f"inherited from {inherited_from.__name__}"

@@ -28,11 +28,6 @@ def note_sharding() -> None:
         SHARDING.append(True)
 
 
-def sharding() -> bool:
-    """Whether the gated wrappers are open."""
-    return bool(SHARDING)
-
-
 def model_parallel() -> Any | None:
     """The active Keras distribution when it shards with DTensors (not
     ``DataParallel``), else None."""

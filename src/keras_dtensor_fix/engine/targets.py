@@ -33,8 +33,6 @@ EINSUM_DENSE = "keras.src.layers.core.einsum_dense"
 #: from about 2026-10, ``flat`` before.
 LAYOUTS: dict[str, str] = {"ops": f"{KERAS_TORCH}.ops", "flat": KERAS_TORCH}
 
-KERAS_DISTRIBUTIONS: tuple[str, ...] = ("keras-nightly", "keras")
-
 #: The torch optimizers with a ``_parallel_update_step``.
 OPTIMIZERS: tuple[str, ...] = (
     "adadelta",
@@ -152,7 +150,6 @@ OBJECTS: dict[str, tuple[str | tuple[str, ...], str]] = {
         "unpack_x_y_sample_weight",
     ),
     "in_symbolic_scope": ("keras.src.backend", "in_symbolic_scope"),
-    "get_autocast_scope": ("keras.src.backend.common.variables", "get_autocast_scope"),
     "in_stateless_scope": ("keras.src.backend", "in_stateless_scope"),
     "RNN": ("keras.src.layers.rnn.rnn", "RNN"),
     "LSTM": ("keras.src.layers.rnn.lstm", "LSTM"),
@@ -172,16 +169,6 @@ OBJECTS: dict[str, tuple[str | tuple[str, ...], str]] = {
     ),
     "get_device": (torch_module("core"), "get_device"),
 }
-
-
-def modules(kind: str) -> tuple[str, ...]:
-    """The modules of ``kind`` (see :data:`MODULES`)."""
-    return MODULES[kind]
-
-
-def aliases(kind: str) -> tuple[str, ...]:
-    """Modules that bind ``kind``'s functions by name (see :data:`ALIASES`)."""
-    return ALIASES.get(kind, ())
 
 
 def is_kind(module_name: str, kind: str) -> bool:
@@ -291,7 +278,7 @@ def backend() -> str | None:
 
 def installed_keras() -> list[tuple[str, str]]:
     """Installed Keras distributions as ``(name, version)``, nightly first."""
-    found = ((dist, _installed(dist)) for dist in KERAS_DISTRIBUTIONS)
+    found = ((dist, _installed(dist)) for dist in ("keras-nightly", "keras"))
     return [(dist, version) for dist, version in found if version]
 
 

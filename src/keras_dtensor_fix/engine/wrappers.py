@@ -18,7 +18,7 @@ from typing import Any
 import wrapt
 
 from keras_dtensor_fix.engine import state
-from keras_dtensor_fix.engine.contract import Patch
+from keras_dtensor_fix.engine.contract import Patch, resolve
 
 __all__ = [
     "MISSING",
@@ -28,7 +28,6 @@ __all__ = [
     "install",
     "is_fix_wrapper",
     "not_a_frame",
-    "resolve",
     "restore",
     "stored",
     "wrapt_problem",
@@ -136,15 +135,6 @@ def chain_length(obj: object) -> int:
     return count
 
 
-def resolve(module: types.ModuleType, attribute: str) -> tuple[Any, str]:
-    """The owner of dotted ``attribute`` in ``module`` and the last name."""
-    *path, name = attribute.split(".")
-    owner: Any = module
-    for part in path:
-        owner = getattr(owner, part)
-    return owner, name
-
-
 #: What :func:`stored` finds where there is nothing.
 MISSING = object()
 
@@ -199,10 +189,7 @@ def _rebind(record: Applied, old: Any, new: Any) -> set[str]:
     """Put ``new`` where an ``also_in`` module holds ``old``; the modules changed."""
     changed = set()
     for module_name in record.patch.also_in:
-        try:
-            owner, _ = resolve(sys.modules[module_name], record.patch.attribute)
-        except (KeyError, AttributeError):
-            continue
+        owner, _ = resolve(sys.modules.get(module_name), record.patch.attribute)
         if owner is not record.owner and stored(owner, record.name)[0] is old:
             setattr(owner, record.name, new)
             changed.add(module_name)

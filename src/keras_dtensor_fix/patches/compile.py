@@ -88,7 +88,7 @@ _FORWARD = BUILDERS[1:]
 def _check_layout_rules(model) -> None:
     """Every variable exists when a step is built: unmatched rules warn. Only
     once a sharded distribution was set (``train_on_batch`` builds each step)."""
-    if state.sharding():
+    if state.SHARDING:
         layout_rules.warn_unmatched(model, model_parallel())
 
 

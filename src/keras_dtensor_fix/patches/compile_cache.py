@@ -16,7 +16,7 @@ import sys
 import types
 
 from keras_dtensor_fix.engine import targets
-from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch, require
 
 
 def operator_key(obj: object) -> tuple[str, str] | None:
@@ -72,15 +72,12 @@ PICKLER = "FxGraphCachePickler._reduce_fake_script_object"
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    if module.__name__ in targets.modules("inductor_codecache"):
-        pickler = getattr(module, "FxGraphCachePickler", None)
-        if not callable(getattr(pickler, "_reduce_fake_script_object", None)):
-            raise LookupError(PICKLER)
-        return [Patch(module.__name__, PICKLER, _reduce_fake_script_object)]
-    if not callable(getattr(module, "numpy_wrapper_cache_key", None)):
-        raise LookupError("numpy_wrapper_cache_key")
-    also_in = targets.aliases("dynamo_utils")
-    return [Patch(module.__name__, "numpy_wrapper_cache_key", _cache_key, also_in)]
+    name, moved = module.__name__, "this torch moved it"
+    if name in targets.MODULES["inductor_codecache"]:
+        pickler = require(module, PICKLER, moved)
+        return [Patch(name, pickler, _reduce_fake_script_object)]
+    key = require(module, "numpy_wrapper_cache_key", moved)
+    return [Patch(name, key, _cache_key, targets.ALIASES["dynamo_utils"])]
 
 
 IMPLEMENTATION = Implementation(patches)

@@ -76,7 +76,7 @@ def _unchanged(args: tuple, kwargs: dict, get_device: Any, to_torch_dtype: Any) 
 
 def patches(module: types.ModuleType) -> list[Patch]:
     name, to_tensor = module.__name__, _convert_to_tensor_in(module)
-    by_name, star = targets.aliases("core_by_name"), targets.aliases("core_star")
+    by_name, star = targets.ALIASES["core_by_name"], targets.ALIASES["core_star"]
     return [
         # traced: a compiled token step (gate shut) converts too
         Patch(name, "convert_to_tensor", to_tensor, by_name, True, traced=True),
@@ -86,7 +86,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
 
 def notes() -> list[str]:
     """Whether this nightly's own ``convert_to_numpy`` returns local shards."""
-    for core in targets.modules("core"):
+    for core in targets.MODULES["core"]:
         patched = getattr(sys.modules.get(core), "convert_to_numpy", None)
         if not hasattr(patched, "__wrapped__"):
             continue  # not patched here

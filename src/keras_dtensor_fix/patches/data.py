@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from keras_dtensor_fix.checks import feeds
 from keras_dtensor_fix.dtensor import gather_non_batch_axes, same_mesh, wrap_local
 from keras_dtensor_fix.engine import targets
-from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch, require
 from keras_dtensor_fix.engine.state import model_parallel, note_sharding
 from keras_dtensor_fix.ops.values import walk
 
@@ -167,19 +167,10 @@ def _distributed(batches: Any, dist: Any) -> Any:
 def patches(module: types.ModuleType) -> list[Patch]:
     name = module.__name__
     if targets.is_kind(name, "distribution_lib"):
-        if not hasattr(module, "distribute_data_input"):
-            raise LookupError(
-                "distribute_data_input not found: this Keras has no torch "
-                "data distribution"
-            )
-        return [
-            Patch(
-                name,
-                "distribute_data_input",
-                _replace_distribute_data_input,
-                also_in=targets.aliases("trainer"),
-            )
-        ]
+        why = "this Keras has no torch data distribution"
+        attribute = require(module, "distribute_data_input", why)
+        also_in = targets.ALIASES["trainer"]
+        return [Patch(name, attribute, _replace_distribute_data_input, also_in)]
     if targets.trainer_distributes_batches(module):
         # This trainer distributes batches itself; its ModelParallel epochs
         # walk numpy.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch, require
 from keras_dtensor_fix.generation import tokens
 
 
@@ -29,10 +29,7 @@ def _make_generate_function(wrapped, instance, args, kwargs):
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    cls = getattr(module, "CausalLM", None)
-    if not callable(getattr(cls, "make_generate_function", None)):
-        raise LookupError("CausalLM.make_generate_function")
-    name = "CausalLM.make_generate_function"
+    name = require(module, "CausalLM.make_generate_function", "this keras-hub moved it")
     return [Patch(module.__name__, name, _make_generate_function)]
 
 

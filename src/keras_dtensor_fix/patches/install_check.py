@@ -35,7 +35,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
     if targets.backend() not in (None, "torch"):
         return []  # another backend's ModelParallel is not ours to judge
     name = module.__name__
-    also = targets.aliases("distribution_api")
+    also = targets.ALIASES["distribution_api"]
     return [
         Patch(name, function, _entry, also_in=also)
         for function in ENTRY_POINTS

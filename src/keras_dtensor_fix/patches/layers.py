@@ -15,7 +15,7 @@ from typing import Any
 from keras_dtensor_fix.dtensor import DTensor
 from keras_dtensor_fix.dtensor.einsum import linear_equation, local_dense
 from keras_dtensor_fix.engine import targets
-from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch, require
 from keras_dtensor_fix.engine.state import compiling
 from keras_dtensor_fix.ops.first_call import FirstCall
 from keras_dtensor_fix.ops.values import resolve
@@ -78,12 +78,9 @@ def _dense_call(wrapped, instance, args, kwargs):
 
 def patches(module: types.ModuleType) -> list[Patch]:
     name = "EinsumDense" if module.__name__ == targets.EINSUM_DENSE else "Dense"
-    if "call" not in vars(getattr(module, name, object)):
-        raise LookupError(f"{name}.call not found: this Keras moved it")
+    call = require(module, f"{name}.call")
     # traced: a plain function, cheaper to look up on every call than a proxy.
-    return [
-        Patch(module.__name__, f"{name}.call", _dense_call, gated=True, traced=True)
-    ]
+    return [Patch(module.__name__, call, _dense_call, gated=True, traced=True)]
 
 
 IMPLEMENTATION = Implementation(patches, after_revert=FIRST.forget)

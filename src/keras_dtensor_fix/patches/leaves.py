@@ -19,7 +19,7 @@ import torch
 from keras_dtensor_fix.dtensor import DTensor, local_region, whole
 from keras_dtensor_fix.dtensor import wrap_local as _wrap
 from keras_dtensor_fix.engine import targets
-from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch, require
 from keras_dtensor_fix.engine.state import compiling
 from keras_dtensor_fix.ops.first_call import REFUSED, FirstCall, first_line
 from keras_dtensor_fix.ops.values import (
@@ -120,10 +120,9 @@ def _wrap_all(result: Any, mesh: Any, placements: tuple) -> Any:
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    if "__call__" not in vars(getattr(module, "Layer", object)):
-        raise LookupError("Layer.__call__ not found: this Keras moved it")
+    call = require(module, "Layer.__call__")
     # Not traced: dynamo is sent to the original (no extra frame per call).
-    return [Patch(module.__name__, "Layer.__call__", _call, gated=True)]
+    return [Patch(module.__name__, call, _call, gated=True)]
 
 
 IMPLEMENTATION = Implementation(patches, after_revert=FIRST.forget)

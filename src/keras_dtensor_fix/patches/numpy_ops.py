@@ -14,7 +14,7 @@ from keras_dtensor_fix.ops import handlers
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    name, also_in = module.__name__, targets.aliases("numpy")
+    name, also_in = module.__name__, targets.ALIASES["numpy"]
     return [
         Patch(name, op, handlers.wrapper_for(op, getattr(module, op)), also_in, True)
         for op in handlers.target_names(module)

@@ -96,7 +96,7 @@ def _fori_loop(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 def patches(module: types.ModuleType) -> list[Patch]:
     name = module.__name__
     core = targets.is_kind(name, "core")
-    also_in = targets.aliases("core") if core else ()
+    also_in = targets.ALIASES["core"] if core else ()
     found = []
     if core and hasattr(module, "slice") and hasattr(module, "convert_to_tensor"):
         wrapper = functools.partial(_slice, module.convert_to_tensor)

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 
 from keras_dtensor_fix.dtensor import DTensor
 from keras_dtensor_fix.engine import targets
-from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch, require
 from keras_dtensor_fix.engine.state import compiling
 from keras_dtensor_fix.ops import shardwise
 
@@ -131,10 +131,9 @@ def patches(module: types.ModuleType) -> list[Patch]:
     for kind, (attribute, wrapper) in _BY_KIND.items():
         if not targets.is_kind(name, kind):
             continue
-        owner = getattr(module, "LossScaleOptimizer", object)
-        if kind == "loss_scale_optimizer" and "_common_apply" not in vars(owner):
-            raise LookupError(f"{attribute} not found: this Keras moved it")
-        also_in = targets.aliases("core_star") if kind == "core" else ()
+        if kind == "loss_scale_optimizer":
+            require(module, attribute)
+        also_in = targets.ALIASES["core_star"] if kind == "core" else ()
         traced = kind != "parallel_optimizer"
         return [Patch(name, attribute, wrapper, also_in, gated=True, traced=traced)]
     update = _parallel_update_step

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from keras_dtensor_fix.dtensor import implicit_replication, set_implicit_replication
 from keras_dtensor_fix.engine import targets
-from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch, require
 from keras_dtensor_fix.engine.state import (
     PROMOTION_MODE,
     model_parallel,
@@ -43,12 +43,9 @@ def _deactivation(wrapped, instance, args, kwargs):
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    if not hasattr(module, "activate_dtensor_promotion"):
-        raise LookupError(
-            "activate_dtensor_promotion not found: this Keras has no promotion mode"
-        )
-    name = module.__name__
-    found = [Patch(name, "activate_dtensor_promotion", _skip_activation)]
+    why = "this Keras has no promotion mode"
+    name, activate = module.__name__, require(module, "activate_dtensor_promotion", why)
+    found = [Patch(name, activate, _skip_activation)]
     if hasattr(module, "deactivate_dtensor_promotion"):
         found.append(Patch(name, "deactivate_dtensor_promotion", _deactivation))
     return found

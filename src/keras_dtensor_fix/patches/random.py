@@ -15,7 +15,7 @@ import torch
 
 from keras_dtensor_fix.dtensor import DTensor, replicate
 from keras_dtensor_fix.engine import targets
-from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch, require
 
 
 def _bind(inputs, rate, noise_shape=None, seed=None):
@@ -96,9 +96,7 @@ def _dropout(wrapped, instance, args, kwargs):
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    if not hasattr(module, "dropout"):
-        raise LookupError("random.dropout not found")
-    return [Patch(module.__name__, "dropout", _dropout, gated=True)]
+    return [Patch(module.__name__, require(module, "dropout"), _dropout, gated=True)]
 
 
 IMPLEMENTATION = Implementation(patches)

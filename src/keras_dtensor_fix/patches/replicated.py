@@ -23,7 +23,7 @@ from keras_dtensor_fix.dtensor import (
     whole,
 )
 from keras_dtensor_fix.engine import targets
-from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch, require
 from keras_dtensor_fix.engine.state import compiling
 from keras_dtensor_fix.ops.values import flatten_call, local_tensors, unflatten_call
 
@@ -72,9 +72,7 @@ def patches(module: types.ModuleType) -> list[Patch]:
             "CompileMetrics.update_state": _update_local,
         }
     for target in wrappers:
-        owner, name = target.split(".")
-        if name not in vars(getattr(module, owner, object)):
-            raise LookupError(f"{target} not found: this Keras moved it")
+        require(module, target)
     # traced: dynamo guards ``type(loss).__call__`` by identity.
     return [
         Patch(module.__name__, target, wrapper, gated=True, traced=True)

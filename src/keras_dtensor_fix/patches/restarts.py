@@ -18,7 +18,7 @@ import types
 import warnings
 
 from keras_dtensor_fix.engine import targets
-from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch, require
 
 #: The rendezvous round an agent started its workers in, set by its wrapper.
 ROUND = "KERAS_DTENSOR_FIX_RDZV_ROUND"
@@ -82,14 +82,12 @@ def _start_workers(wrapped, instance, args, kwargs):
 
 def patches(module: types.ModuleType) -> list[Patch]:
     name = module.__name__
+    moved = "this torch moved it"
     if targets.is_kind(name, "elastic_agent"):
-        agent = getattr(module, "LocalElasticAgent", None)
-        if not callable(getattr(agent, "_start_workers", None)):
-            raise LookupError("LocalElasticAgent._start_workers")
-        return [Patch(name, "LocalElasticAgent._start_workers", _start_workers)]
-    if not callable(getattr(module, "_create_c10d_store", None)):
-        raise LookupError("_create_c10d_store")
-    return [Patch(name, "_create_c10d_store", _create_store)]
+        start = require(module, "LocalElasticAgent._start_workers", moved)
+        return [Patch(name, start, _start_workers)]
+    create = require(module, "_create_c10d_store", moved)
+    return [Patch(name, create, _create_store)]
 
 
 IMPLEMENTATION = Implementation(patches)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import types
 
 from keras_dtensor_fix.checkpoint import position
-from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch, require
 
 
 def _skipping(batches, skip: int):
@@ -47,10 +47,8 @@ def _enumerate(wrapped, instance, args, kwargs):
 
 
 def patches(module: types.ModuleType) -> list[Patch]:
-    cls = getattr(module, "EpochIterator", None)
-    if not callable(getattr(cls, "_enumerate_iterator", None)):
-        raise LookupError("EpochIterator._enumerate_iterator")
-    return [Patch(module.__name__, "EpochIterator._enumerate_iterator", _enumerate)]
+    attribute = require(module, "EpochIterator._enumerate_iterator")
+    return [Patch(module.__name__, attribute, _enumerate)]
 
 
 IMPLEMENTATION = Implementation(patches)

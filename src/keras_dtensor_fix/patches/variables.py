@@ -22,7 +22,7 @@ from keras_dtensor_fix.dtensor import (
     same_mesh,
 )
 from keras_dtensor_fix.engine import state, targets
-from keras_dtensor_fix.engine.contract import Implementation, Patch
+from keras_dtensor_fix.engine.contract import Implementation, Patch, require
 from keras_dtensor_fix.engine.state import compiling, model_parallel, note_sharding
 
 
@@ -95,10 +95,6 @@ def _spec(placements: Any) -> tuple:
     return tuple(("S", p.dim) if p.is_shard() else ("R",) for p in placements)
 
 
-def _placements(spec: tuple) -> tuple:
-    return tuple(Shard(item[1]) if item[0] == "S" else Replicate() for item in spec)
-
-
 def placements_of(layout: Any, tensor: Any) -> tuple:
     """The placements ``layout`` gives, rebuilt so that dynamo can trace them
     (read from a cached backend layout, they come through as ``None``)."""
@@ -109,7 +105,7 @@ def placements_of(layout: Any, tensor: Any) -> tuple:
         spec = None if names is None else tuple(_split(layout.axes, n) for n in names)
     if spec is None:  # a layout made before activation: keep the value's own
         spec = _spec(tensor.placements)
-    return _placements(spec)
+    return tuple(Shard(item[1]) if item[0] == "S" else Replicate() for item in spec)
 
 
 def _split(axes: Any, name: str) -> tuple:
@@ -144,7 +140,8 @@ def _to_backend_mesh(wrapped, instance, args, kwargs):
 
 
 def _distribute_tensor(wrapped, instance, args, kwargs):
-    tensor, layout = (list(args) + [kwargs.get("tensor"), kwargs.get("layout")])[:2]
+    tensor = args[0] if args else kwargs.get("tensor")
+    layout = args[1] if len(args) > 1 else kwargs.get("layout")
     if (
         layout is not None
         and getattr(tensor, "ndim", None) == 0
@@ -188,19 +185,16 @@ def _direct_assign(wrapped, instance, args, kwargs):
 def patches(module: types.ModuleType) -> list[Patch]:
     name = module.__name__
     if targets.is_kind(name, "distribution_lib"):
-        trainer = targets.aliases("trainer")
+        trainer = targets.ALIASES["trainer"]
         return [
             Patch(name, "distribute_tensor", _distribute_tensor),
             Patch(name, "_to_backend_layout", _to_backend_layout),
             Patch(name, "_to_backend_mesh", _to_backend_mesh, also_in=trainer),
         ]
-    if "_initialize_distributed" not in vars(module.Variable):
-        raise LookupError(
-            "Variable._initialize_distributed not found: this Keras creates "
-            "distributed variables another way"
-        )
+    why = "this Keras creates distributed variables another way"
+    initialize = require(module, "Variable._initialize_distributed", why)
     wrapper = functools.partial(_initialize_distributed, module.convert_to_tensor)
-    result = [Patch(name, "Variable._initialize_distributed", wrapper)]
+    result = [Patch(name, initialize, wrapper)]
     if "_direct_assign" in vars(module.Variable):
         # traced: compiled steps assign too; dynamo must run the original.
         assign = "Variable._direct_assign"
