@@ -80,8 +80,8 @@ class Checkpoint(MonitorCallback):
         self.max_to_keep, self.save_on_background = max_to_keep, save_on_background
         self.optimizer, self.metrics, self.restore = optimizer, metrics, restore
         self._watcher = Watcher(signals, preemption_timeout)
-        self._epoch, self._batch, self._batches, self._restored = 0, 0, 0, False
-        self._saved_at: int | None = None  # self._batches at the newest save
+        self._epoch, self._batch, self._restored = 0, 0, False
+        self._saved_at: int | None = None  # steps done at the newest save
         self._resume: dict[str, Any] | None = None  # the epoch to resume inside
         self._resumed_epoch: int | None = None
         self._begin: dict[str, Any] = {}  # what ordered this epoch's data
@@ -105,9 +105,7 @@ class Checkpoint(MonitorCallback):
         if self.save_on_background and distributed() and self._group is None:
             # DCP's background collectives, never interleaved with training's.
             self._group = dist.new_group(backend="gloo")
-        self._watcher.start(
-            self._stop_save, within=_fit_code(self.model), done=self._batches
-        )
+        self._watcher.start(self._stop_save, within=_fit_code(self.model))
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         with self._watcher.cond:  # a stop's save reads what changes here
@@ -140,9 +138,9 @@ class Checkpoint(MonitorCallback):
         self._watcher.begin_step()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self._batch, self._batches = batch + 1, self._batches + 1
+        self._batch = batch + 1
         self._watcher.end_step()
-        if self.save_freq != "epoch" and self._batches % self.save_freq == 0:
+        if self.save_freq != "epoch" and self._watcher.done % self.save_freq == 0:
             self._maybe_save(logs, at_epoch_end=False)
         self._watcher.gate()
 
@@ -175,7 +173,7 @@ class Checkpoint(MonitorCallback):
         orders its data."""
         where = {
             "batch": 0 if at_epoch_end else self._batch,
-            "batches": self._batches,
+            "batches": self._watcher.done,
             "adapter_epoch": position.adapter_epoch(at_epoch_begin=not at_epoch_end),
         }
         if at_epoch_end:  # the next epoch starts from here
@@ -205,7 +203,7 @@ class Checkpoint(MonitorCallback):
                 background=self.save_on_background,
                 group=self._group,
             )
-            self._saved_at = self._batches
+            self._saved_at = self._watcher.done
         if isinstance(saved, PendingSave):
             self._pending = saved
         else:
@@ -241,7 +239,7 @@ class Checkpoint(MonitorCallback):
         pending = self._pending
         if pending is not None:  # never a half-written checkpoint
             self._watcher.where = pending.written()
-        if self._saved_at != self._batches:
+        if self._saved_at != self._watcher.done:
             epoch, where, values = self._after or (*self._position(False), None)
             self._watcher.where = self._write(
                 epoch,
@@ -252,7 +250,7 @@ class Checkpoint(MonitorCallback):
             )
         return (
             f"keras_dtensor_fix: {signal.Signals(signum).name}: process {rank()} "
-            f"stopped after step {self._batches} (epoch {self._epoch + 1}, batch "
+            f"stopped after step {self._watcher.done} (epoch {self._epoch + 1}, batch "
             f"{self._batch}); saved {self._watcher.where}: the next launch resumes "
             "there"
         )
@@ -265,7 +263,7 @@ class Checkpoint(MonitorCallback):
         epoch, where = info.get("epoch"), info.get("position") or {}
         if epoch is not None:
             self.model._initial_epoch = epoch
-        self._batches = self._saved_at = where.get("batches", 0)
+        self._watcher.done = self._saved_at = where.get("batches", 0)
         if epoch is not None and where:
             variables = self.model.metrics_variables if metrics else []
             values = [np.array(keras.ops.convert_to_numpy(v)) for v in variables]

@@ -64,24 +64,23 @@ class Watcher:
         self._thread: threading.Thread | None = None
         self._save: Callable[[int], str] | None = None  # signal in, exit line out
         self._keys: str | None = None  # the store keys' prefix, with several processes
-        # The main thread's progress, read under cond.
-        self._done = self._saves = 0  # steps finished, saves begun
+        # The main thread's progress, read under cond: steps finished (the
+        # callback's count, across fits and resumes), saves begun.
+        self.done = self._saves = 0
         self._busy = self._saving = False  # inside a step, inside a save
         self._signum: int | None = None  # the agreed signal
         self._stop: tuple[int, int] | None = None  # agreed (steps, saves)
         self._over = False  # fit ended: the thread leaves
 
-    def start(
-        self, save: Callable[[int], str], within: CodeType | None = None, done: int = 0
-    ) -> None:
+    def start(self, save: Callable[[int], str], within: CodeType | None = None) -> None:
         """Install the handlers (main thread only), the group and the thread.
 
         ``within``: the watched call's code (``fit``), outside which a signal
-        is not this watch's; ``done``: steps already finished (a resume).
+        is not this watch's.
         """
         self._end_thread()  # a fit that raised left its watch on
         self._within, self._save = within, save
-        self._done, self._saves, self._over = done, 0, False
+        self._saves, self._over = 0, False
         self._signum = self._stop = self._timer = self.received = None
         if not self.signals:
             return
@@ -150,7 +149,7 @@ class Watcher:
 
     def end_step(self) -> None:
         with self.cond:
-            self._done += 1
+            self.done += 1
             self._busy = False
             self.cond.notify_all()
 
@@ -184,7 +183,7 @@ class Watcher:
         self._wake.set()
         self.cond.wait_for(lambda: self._stop is not None)
         steps, saves = self._stop
-        if (saving or self._done >= steps) and self._saves >= saves:
+        if (saving or self.done >= steps) and self._saves >= saves:
             self.cond.notify_all()
             while True:
                 self.cond.wait()
@@ -205,7 +204,7 @@ class Watcher:
         self._signum = signum
         self._arm()
         with self.cond:
-            mine = (self._done + self._busy, self._saves)
+            mine = (self.done + self._busy, self._saves)
         stop = self._offer(mine)
         with self.cond:
             self._stop = stop
@@ -214,7 +213,7 @@ class Watcher:
                 lambda: (
                     not self._busy
                     and not self._saving
-                    and self._done >= stop[0]
+                    and self.done >= stop[0]
                     and self._saves >= stop[1]
                 )
             )

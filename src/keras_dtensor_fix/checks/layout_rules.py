@@ -20,12 +20,15 @@ from typing import Any
 _SEEN: dict[int, tuple[set[str], set[str]]] = {}
 
 
-def _paths(model: Any) -> list[str]:
-    variables = list(getattr(model, "variables", None) or [])
-    variables += list(getattr(model, "metrics_variables", None) or [])
+def variables(model: Any) -> list[Any]:
+    """Every variable of ``model``'s step, in one order on every process: its
+    own, its optimizer's, its metrics'."""
     optimizer = getattr(model, "optimizer", None)
-    variables += list(getattr(optimizer, "variables", None) or [])
-    return [path for path in (getattr(v, "path", None) for v in variables) if path]
+    return [
+        *(getattr(model, "variables", None) or ()),
+        *(getattr(optimizer, "variables", None) or ()),
+        *(getattr(model, "metrics_variables", None) or ()),
+    ]
 
 
 def _matches(rule: str, path: str) -> bool:
@@ -76,7 +79,7 @@ def warn_unmatched(model: Any, distribution: Any | None) -> list[str]:
     judged, library = _SEEN.get(id(layout_map), (set(), set()))
     if all(r in judged or r in library for r in layout_map if isinstance(r, str)):
         return []  # every rule judged: later steps pay one look each
-    paths = _paths(model)
+    paths = [path for v in variables(model) if (path := getattr(v, "path", None))]
     if not paths or not getattr(model, "built", True):
         return []
     found = _library_rules(model, distribution)
