@@ -83,9 +83,8 @@ class Checkpoint(MonitorCallback):
         self._epoch, self._batch, self._restored = 0, 0, False
         self._saved_at: int | None = None  # steps done at the newest save
         self._resume: dict[str, Any] | None = None  # the epoch to resume inside
-        self._resumed_epoch: int | None = None
         self._begin: dict[str, Any] = {}  # what ordered this epoch's data
-        self._resumed_logs: dict[str, float] = {}
+        self._resumed_logs: dict[str, float] = {}  # this epoch's, if resumed in it
         # After the epoch's steps, what a stop saves: (epochs done, position,
         # metric values).
         self._after: tuple[int, dict[str, Any], dict | None] | None = None
@@ -110,6 +109,7 @@ class Checkpoint(MonitorCallback):
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         with self._watcher.cond:  # a stop's save reads what changes here
             self._epoch, self._batch, self._after = epoch, 0, None
+            self._resumed_logs = {}
             resume, self._resume = self._resume, None
             if resume is not None and resume["epoch"] == epoch:
                 position.restore_random(resume.get("random"))
@@ -121,7 +121,6 @@ class Checkpoint(MonitorCallback):
                     variables, saved = self.model.metrics_variables, resume["metrics"]
                     for variable, value in zip(variables, saved, strict=False):
                         variable.assign(value)
-                    self._resumed_epoch = epoch
                     # The epoch's logs if no batch is left (validation resets them).
                     results = self.model.get_metrics_result()
                     self._resumed_logs = {k: float(v) for k, v in results.items()}
@@ -152,11 +151,10 @@ class Checkpoint(MonitorCallback):
                 self._after = (*self._position(at_epoch_end=False), values)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if self._resumed_epoch == epoch and logs is not None:
+        if logs is not None:
             # Every batch was in the checkpoint: Keras logged none of them.
             for name, value in self._resumed_logs.items():
                 logs.setdefault(name, value)
-        self._resumed_epoch = None
         if self._watcher.watching():  # from here on a stop resumes the next epoch
             with self._watcher.cond:
                 self._after = (*self._position(at_epoch_end=True), None)
@@ -228,17 +226,15 @@ class Checkpoint(MonitorCallback):
 
     def _finish(self) -> None:
         """Wait for the background save, if any (every process)."""
-        pending = self._pending
-        if pending is not None:
-            path = pending.wait()
+        if self._pending is not None:
+            path = self._pending.wait()
             self._pending = None  # only now: a stop's save waits for it too
             self._note_saved(path)
 
     def _stop_save(self, signum: int) -> str:
         """The watcher thread's save at the agreed stop; the line to exit with."""
-        pending = self._pending
-        if pending is not None:  # never a half-written checkpoint
-            self._watcher.where = pending.written()
+        if self._pending is not None:  # never a half-written checkpoint
+            self._watcher.where = self._pending.written()
         if self._saved_at != self._watcher.done:
             epoch, where, values = self._after or (*self._position(False), None)
             self._watcher.where = self._write(

@@ -86,8 +86,9 @@ def commit(directory: str, name: str, info: dict, keep: int) -> None:
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
 
 
-def resolve(directory: str) -> str:
-    """The complete checkpoint ``directory`` stands for, or a clear error."""
+def read_info(directory: str) -> dict:
+    """What the complete checkpoint ``directory`` stands for (a ``ckpt-N``
+    folder, or the one ``LATEST`` names) recorded, and its ``path``."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
     latest = os.path.join(directory, LATEST)
@@ -103,11 +104,5 @@ def resolve(directory: str) -> str:
     for required in (".metadata", INFO):
         if not os.path.isfile(os.path.join(path, required)):
             raise CheckpointError(f"checkpoint {path} is incomplete: no {required}")
-    return path
-
-
-def read_info(directory: str) -> dict:
-    """What the checkpoint ``directory`` stands for recorded, and its ``path``."""
-    path = resolve(directory)
     with open(os.path.join(path, INFO)) as handle:
         return {**json.load(handle), "path": path}

@@ -114,13 +114,14 @@ class Watcher:
         if not self.signals:
             return
         self.gate()
+        won = self.received is not None  # a signal came first: park at the stop
         if self._keys is not None:
             handshake.exchange(f"{self._keys}end", "", HINT, max(self.timeout, 60.0))
             fate = handshake.store().compare_set(f"{self._keys}fate", "", "end")
-            if fate != b"end":
-                self.gate(signum=int(fate))  # a signal came first: it parks
-        elif self.received is not None:
-            self.gate(signum=self.received)
+            won = fate != b"end"
+        if won:
+            with self.cond:
+                self._pass()
         self._end_thread()
         if self._timer is not None:  # armed only by a signal
             self._timer.cancel()
@@ -168,9 +169,9 @@ class Watcher:
                 self._saving = False
                 self.cond.notify_all()
 
-    def gate(self, signum: int | None = None) -> None:
-        """Between steps or after a save: stop if due (``signum``: known won)."""
-        if signum is not None or self._signaled():
+    def gate(self) -> None:
+        """Between steps or after a save: stop if due."""
+        if self._signaled():
             with self.cond:
                 self._pass()
 

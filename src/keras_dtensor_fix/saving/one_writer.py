@@ -58,16 +58,12 @@ def _gather(values: Iterable[Any], keep: bool) -> dict[int, Any]:
     from torch.distributed.tensor import DTensor
 
     cache: dict[int, Any] = {}
-    seen: set[int] = set()
-    for value in values:
-        if not isinstance(value, DTensor) or id(value) in seen:
-            continue
-        seen.add(id(value))
+    for key, value in {id(v): v for v in values if isinstance(v, DTensor)}.items():
         if all(p.is_replicate() for p in value.placements):
             continue
         full = value.detach().full_tensor()
         if keep:  # to the host at once: one variable at a time on the device
-            cache[id(value)] = full.cpu()
+            cache[key] = full.cpu()
         del full
     return cache
 
