@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import traceback
 import warnings
 from collections.abc import Iterable
 from types import CodeType
@@ -273,11 +274,9 @@ class Checkpoint(MonitorCallback):
 
 def _fit_code(model: Any) -> CodeType | None:
     """The code of the ``fit`` call of ``model`` that is calling us, if any."""
-    frame = sys._getframe(1)
-    while frame is not None:
+    for frame, _ in traceback.walk_stack(sys._getframe(1)):
         if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
             return frame.f_code
-        frame = frame.f_back
     return None
 
 

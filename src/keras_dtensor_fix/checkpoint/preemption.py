@@ -19,9 +19,10 @@ import os
 import signal
 import sys
 import threading
+import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from types import CodeType, FrameType
+from types import CodeType
 from typing import Any
 
 import torch.distributed as dist
@@ -255,7 +256,8 @@ class Watcher:
         return max(steps), max(saves)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self._within is not None and not _on_stack(frame, self._within):
+        codes = (f.f_code for f, _ in traceback.walk_stack(frame))
+        if self._within is not None and all(c is not self._within for c in codes):
             self._hand_back(signum, frame)
             return
         if self.received is not None:
@@ -294,12 +296,3 @@ class Watcher:
             f"preemption_timeout): exiting; the newest complete checkpoint is "
             f"{self.where}",
         )
-
-
-def _on_stack(frame: FrameType | None, code: CodeType) -> bool:
-    """Whether a frame running ``code`` is ``frame`` or one of its callers."""
-    while frame is not None:
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
