@@ -140,8 +140,7 @@ def _rows_of(batch: Any) -> int:
 def per_batch(batches: Iterator[Any]) -> Iterator[Any]:
     """``batches``, each first agreed on by every process: all have one of the
     same size, or all have none (the epoch ends), else all raise."""
-    for index in itertools.count():
-        batch = next(batches, _END)
+    for index, batch in enumerate(itertools.chain(batches, [_END])):
         have = batch is not _END
         rows = _exchange([BATCH, int(have), _rows_of(batch) if have else 0, index, 0])
         if not any(row[1] for row in rows):
