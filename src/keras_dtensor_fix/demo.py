@@ -49,8 +49,7 @@ def set_model_parallel(
     devices = devices or keras.distribution.list_devices()
     mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
     layout_map = keras.distribution.LayoutMap(mesh)
-    for key, axes in layout.items():
-        layout_map[key] = axes
+    layout_map.update(layout)
     dist = keras.distribution.ModelParallel(
         layout_map=layout_map, batch_dim_name="batch"
     )
