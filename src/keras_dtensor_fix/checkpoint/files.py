@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 LATEST = "LATEST"
 INFO = "keras_checkpoint.json"
@@ -95,8 +96,7 @@ def read_info(directory: str) -> dict:
     if os.path.isfile(os.path.join(directory, ".metadata")):
         path = directory  # a ckpt-N folder itself
     elif os.path.isfile(latest):
-        with open(latest) as handle:
-            path = os.path.join(directory, handle.read().strip())
+        path = os.path.join(directory, Path(latest).read_text().strip())
     else:
         partial = sorted(e for e in os.listdir(directory) if e.startswith(PARTIAL))
         why = f" (an interrupted save left {partial[-1]})" if partial else ""
@@ -104,5 +104,4 @@ def read_info(directory: str) -> dict:
     for required in (".metadata", INFO):
         if not os.path.isfile(os.path.join(path, required)):
             raise CheckpointError(f"checkpoint {path} is incomplete: no {required}")
-    with open(os.path.join(path, INFO)) as handle:
-        return {**json.load(handle), "path": path}
+    return {**json.loads(Path(path, INFO).read_text()), "path": path}

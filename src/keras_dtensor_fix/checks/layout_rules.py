@@ -50,8 +50,7 @@ def nearest(rule: str, paths: list[str], count: int = 3) -> list[str]:
 def _library_rules(model: Any, distribution: Any) -> set[str] | None:
     """The rules ``get_layout_map`` gives ``model``'s keras-hub backbone
     (empty without one; None where it cannot be asked)."""
-    backbone = getattr(model, "backbone", model)
-    get = getattr(type(backbone), "get_layout_map", None)
+    get = getattr(type(getattr(model, "backbone", model)), "get_layout_map", None)
     if get is None:
         return set()
     mesh = distribution.device_mesh

@@ -150,8 +150,7 @@ def _biases(flow, shapes, choices, model_axis) -> None:
         owner = choices.get(p.weight)
         if name not in shapes or owner is None or owner.role not in ("column", "head"):
             continue
-        kernel = shapes[p.weight]
-        if tuple(shapes[name]) != tuple(kernel[a] for a in p.output):
+        if tuple(shapes[name]) != tuple(shapes[p.weight][a] for a in p.output):
             continue  # a bias that is not laid out as the output axes
         axes = [None] * len(shapes[name])
         axes[p.output.index(owner.axes.index(model_axis))] = model_axis
