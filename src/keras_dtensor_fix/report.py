@@ -29,8 +29,7 @@ def report() -> dict[str, Any]:
     part = patcher.state()
     keras_version, keras_dist = targets.keras_version()
     warnings = part["warnings"] = list(cfg.warnings) + part["warnings"]
-    installed = targets.installed_keras()
-    if len(installed) > 1:
+    if len(installed := targets.installed_keras()) > 1:
         names = ", ".join(f"{name} {version}" for name, version in installed)
         warnings.append(f"several Keras distributions are installed ({names})")
     if not part["enabled"] and part["why"] == "not activated":

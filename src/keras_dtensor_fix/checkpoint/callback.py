@@ -99,8 +99,7 @@ class Checkpoint(MonitorCallback):
         )
         if self.restore and not self._restored:
             self._restored = True  # once: a second fit() goes on from where it is
-            saved = on_first(_saved_info, self.directory)
-            if saved is not None:
+            if (saved := on_first(_saved_info, self.directory)) is not None:
                 self._load(self.metrics and saved.get("metrics", False))
         if self.save_on_background and distributed() and self._group is None:
             # DCP's background collectives, never interleaved with training's.
@@ -184,8 +183,7 @@ class Checkpoint(MonitorCallback):
         if self.save_best_only:
             if self.monitor_op is None:
                 self._set_monitor_op()
-            current = (logs or {}).get(self.monitor)
-            if current is None:
+            if (current := (logs or {}).get(self.monitor)) is None:
                 warnings.warn(
                     f"Checkpoint: save_best_only needs {self.monitor!r} in the "
                     f"logs (it has {sorted(logs or {})}); not saving.",

@@ -72,8 +72,7 @@ def warn_unmatched(model: Any, distribution: Any | None) -> list[str]:
     """Warn of each rule of ``distribution``'s LayoutMap that no variable seen
     so far matches (once per rule and map); the rules warned of now. A model
     without variables yet is not judged."""
-    layout_map = getattr(distribution, "_layout_map", None)
-    if layout_map is None:
+    if (layout_map := getattr(distribution, "_layout_map", None)) is None:
         return []  # train_on_batch asks at every step
     judged, library = _SEEN.get(id(layout_map), (set(), set()))
     if all(r in judged or r in library for r in layout_map if isinstance(r, str)):
@@ -81,8 +80,7 @@ def warn_unmatched(model: Any, distribution: Any | None) -> list[str]:
     paths = [path for v in variables(model) if (path := getattr(v, "path", None))]
     if not paths or not getattr(model, "built", True):
         return []
-    found = _library_rules(model, distribution)
-    if found is None:
+    if (found := _library_rules(model, distribution)) is None:
         return []
     if id(layout_map) not in _SEEN:
         _SEEN[id(layout_map)] = (judged, library)

@@ -38,8 +38,7 @@ def gathered(value: Any) -> Any | None:
     ``None`` outside a save or for a replicated value; a sharded value the
     save did not gather raises (the others will join no collective now).
     """
-    cache = getattr(_local, "cache", None)
-    if cache is None:
+    if (cache := getattr(_local, "cache", None)) is None:
         return None
     found = cache.get(id(value))
     if found is None and not all(p.is_replicate() for p in value.placements):
