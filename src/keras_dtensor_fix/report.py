@@ -90,8 +90,7 @@ def summarize(
             family["modules"].add(module)
         target = module if row["attribute"] == ANY else f"{module}.{row['attribute']}"
         if state == SKIPPED:
-            word = EXPECTED.get(row["cause"], "unexpected")
-            if word == "unexpected":
+            if (word := EXPECTED.get(row["cause"], "unexpected")) == "unexpected":
                 unexpected.append(f"{row['family']}: {target} skipped: {reason}")
             because = family["skipped_because"]
             because[word] = because.get(word, 0) + 1
@@ -136,8 +135,7 @@ def summarize(
         headline = f"ACTIVE: {applied} Keras functions patched ({groups})"
         if not applied:
             headline = "ACTIVE, but nothing is patched"
-        off = [n for n, f in families.items() if f["state"] == DISABLED]
-        if off:
+        if off := [n for n, f in families.items() if f["state"] == DISABLED]:
             headline += f" ({len(off)} disabled: {', '.join(off)})"
     return {
         "state": state,

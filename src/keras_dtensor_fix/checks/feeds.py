@@ -131,8 +131,7 @@ def before_epoch(adapter: Any, steps_per_epoch: int | None) -> bool | None:
 def _rows_of(batch: Any) -> int:
     for leaf in tree_leaves(batch):
         local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
-        shape = getattr(local, "shape", None)
-        if shape is not None and len(shape):
+        if (shape := getattr(local, "shape", None)) is not None and len(shape):
             return int(shape[0])
     return UNKNOWN
 

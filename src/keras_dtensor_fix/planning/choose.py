@@ -71,8 +71,7 @@ def choose(
         axes = [None] * len(shape)
         axes[axis] = model_axis
         other = _hidden_axis(p, role, axis)
-        b = mesh.get(batch_axis)
-        if b and other is not None and shape[other] % b == 0:
+        if (b := mesh.get(batch_axis)) and other is not None and shape[other] % b == 0:
             axes[other] = batch_axis
         choices[name] = Choice(tuple(axes), role, _WHY[role])
     _biases(flow, shapes, choices, model_axis)
