@@ -106,7 +106,8 @@ def test_a_signal_in_a_step_stops_after_it(monkeypatch) -> None:
     before = signal.getsignal(signal.SIGUSR1)
     watcher = preemption.Watcher([signal.SIGUSR1], timeout=60)
     saved = []
-    watcher.start(lambda signum: saved.append(watcher._done) or "saved", done=3)
+    watcher.done = 3  # steps finished before (a resume)
+    watcher.start(lambda signum: saved.append(watcher.done) or "saved")
     watcher.begin_step()
     os.kill(os.getpid(), signal.SIGUSR1)
     assert not left.done.wait(0.5)  # the step is still running
@@ -125,7 +126,8 @@ def test_a_signal_between_steps_saves_at_once(monkeypatch) -> None:
     left = Left()
     monkeypatch.setattr(preemption, "leave", left)
     watcher = preemption.Watcher([signal.SIGUSR1], timeout=60)
-    watcher.start(lambda signum: f"stopped after {watcher._done}", done=2)
+    watcher.done = 2
+    watcher.start(lambda signum: f"stopped after {watcher.done}")
     watcher.begin_step()
     watcher.end_step()
     os.kill(os.getpid(), signal.SIGUSR1)

@@ -39,8 +39,7 @@ def deactivate() -> None:
 
 def is_active() -> bool:
     """Whether the fix is active in this process."""
-    patcher = _patcher()
-    return patcher is not None and patcher.is_active()
+    return (patcher := _patcher()) is not None and patcher.is_active()
 
 
 def __getattr__(name: str) -> Any:

@@ -49,8 +49,7 @@ def set_model_parallel(
     devices = devices or keras.distribution.list_devices()
     mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"], devices)
     layout_map = keras.distribution.LayoutMap(mesh)
-    for key, axes in layout.items():
-        layout_map[key] = axes
+    layout_map.update(layout)
     dist = keras.distribution.ModelParallel(
         layout_map=layout_map, batch_dim_name="batch"
     )
@@ -219,7 +218,6 @@ def _launch(
         proc.wait()
         code = None
     reader.join(timeout=10)
-    elapsed = time.perf_counter() - start
     if out.exists():
         report = json.loads(out.read_text())
     else:  # a crash or a hang before rank 0 wrote its report: its last words
@@ -228,7 +226,7 @@ def _launch(
         errors = [line for line in lines if "Error" in line] or lines[-1:] or [""]
         report = {"runs": {run: {"error": f"{why}: {errors[-1]}"} for run in runs}}
         sys.stderr.write("".join(tail))
-    print(f"  done in {elapsed:.0f} s", flush=True)
+    print(f"  done in {time.perf_counter() - start:.0f} s", flush=True)
     return report
 
 

@@ -29,8 +29,7 @@ def report() -> dict[str, Any]:
     part = patcher.state()
     keras_version, keras_dist = targets.keras_version()
     warnings = part["warnings"] = list(cfg.warnings) + part["warnings"]
-    installed = targets.installed_keras()
-    if len(installed) > 1:
+    if len(installed := targets.installed_keras()) > 1:
         names = ", ".join(f"{name} {version}" for name, version in installed)
         warnings.append(f"several Keras distributions are installed ({names})")
     if not part["enabled"] and part["why"] == "not activated":
@@ -91,8 +90,7 @@ def summarize(
             family["modules"].add(module)
         target = module if row["attribute"] == ANY else f"{module}.{row['attribute']}"
         if state == SKIPPED:
-            word = EXPECTED.get(row["cause"], "unexpected")
-            if word == "unexpected":
+            if (word := EXPECTED.get(row["cause"], "unexpected")) == "unexpected":
                 unexpected.append(f"{row['family']}: {target} skipped: {reason}")
             because = family["skipped_because"]
             because[word] = because.get(word, 0) + 1
@@ -137,8 +135,7 @@ def summarize(
         headline = f"ACTIVE: {applied} Keras functions patched ({groups})"
         if not applied:
             headline = "ACTIVE, but nothing is patched"
-        off = [n for n, f in families.items() if f["state"] == DISABLED]
-        if off:
+        if off := [n for n, f in families.items() if f["state"] == DISABLED]:
             headline += f" ({len(off)} disabled: {', '.join(off)})"
     return {
         "state": state,

@@ -25,7 +25,7 @@ def _items(title: str, items: list[str]) -> list[str]:
     return lines
 
 
-def _versions(report: dict[str, Any]) -> list[str]:
+def _head(report: dict[str, Any], verdict: str) -> list[str]:
     keras = report["keras"]
     backend = report.get("configured_backend") or {}
     keras_text = "not installed"
@@ -34,6 +34,7 @@ def _versions(report: dict[str, Any]) -> list[str]:
         if backend:
             keras_text += f", {backend['name']} backend (from {backend['from']})"
     return [
+        f"keras-dtensor-fix {report['version']}: {verdict}",
         f"  plugin:  {'on' if report['enabled'] else 'off'} ({report['why']})",
         f"  Keras:   {keras_text}",
         f"  torch:   {report['torch']['version'] or 'not installed'}",
@@ -50,7 +51,7 @@ def quick(report: dict[str, Any]) -> str:
         head = "NOT READY"
     else:
         head = "READY: a script's ModelParallel gets the fix when it imports Keras"
-    lines = [f"keras-dtensor-fix {report['version']}: {head}", *_versions(report)]
+    lines = _head(report, head)
     if problems:
         lines += ["", *_items("problems", problems)]
     lines += [
@@ -65,8 +66,7 @@ def checked(report: dict[str, Any]) -> str:
     """After importing Keras: the summary's verdict and what is unexpected."""
     summary = report["summary"]
     lines = [
-        f"keras-dtensor-fix {report['version']}: {summary['headline']}",
-        *_versions(report),
+        *_head(report, summary["headline"]),
         "",
         *_items("problems", summary["unexpected"]),
         *_items("warnings", report.get("warnings") or []),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import traceback
 import warnings
 from collections.abc import Iterable
 from types import CodeType
@@ -80,12 +81,11 @@ class Checkpoint(MonitorCallback):
         self.max_to_keep, self.save_on_background = max_to_keep, save_on_background
         self.optimizer, self.metrics, self.restore = optimizer, metrics, restore
         self._watcher = Watcher(signals, preemption_timeout)
-        self._epoch, self._batch, self._batches, self._restored = 0, 0, 0, False
-        self._saved_at: int | None = None  # self._batches at the newest save
+        self._epoch, self._batch, self._restored = 0, 0, False
+        self._saved_at: int | None = None  # steps done at the newest save
         self._resume: dict[str, Any] | None = None  # the epoch to resume inside
-        self._resumed_epoch: int | None = None
         self._begin: dict[str, Any] = {}  # what ordered this epoch's data
-        self._resumed_logs: dict[str, float] = {}
+        self._resumed_logs: dict[str, float] = {}  # this epoch's, if resumed in it
         # After the epoch's steps, what a stop saves: (epochs done, position,
         # metric values).
         self._after: tuple[int, dict[str, Any], dict | None] | None = None
@@ -99,19 +99,17 @@ class Checkpoint(MonitorCallback):
         )
         if self.restore and not self._restored:
             self._restored = True  # once: a second fit() goes on from where it is
-            saved = on_first(_saved_info, self.directory)
-            if saved is not None:
+            if (saved := on_first(_saved_info, self.directory)) is not None:
                 self._load(self.metrics and saved.get("metrics", False))
         if self.save_on_background and distributed() and self._group is None:
             # DCP's background collectives, never interleaved with training's.
             self._group = dist.new_group(backend="gloo")
-        self._watcher.start(
-            self._stop_save, within=_fit_code(self.model), done=self._batches
-        )
+        self._watcher.start(self._stop_save, within=_fit_code(self.model))
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         with self._watcher.cond:  # a stop's save reads what changes here
             self._epoch, self._batch, self._after = epoch, 0, None
+            self._resumed_logs = {}
             resume, self._resume = self._resume, None
             if resume is not None and resume["epoch"] == epoch:
                 position.restore_random(resume.get("random"))
@@ -123,7 +121,6 @@ class Checkpoint(MonitorCallback):
                     variables, saved = self.model.metrics_variables, resume["metrics"]
                     for variable, value in zip(variables, saved, strict=False):
                         variable.assign(value)
-                    self._resumed_epoch = epoch
                     # The epoch's logs if no batch is left (validation resets them).
                     results = self.model.get_metrics_result()
                     self._resumed_logs = {k: float(v) for k, v in results.items()}
@@ -140,9 +137,9 @@ class Checkpoint(MonitorCallback):
         self._watcher.begin_step()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self._batch, self._batches = batch + 1, self._batches + 1
+        self._batch = batch + 1
         self._watcher.end_step()
-        if self.save_freq != "epoch" and self._batches % self.save_freq == 0:
+        if self.save_freq != "epoch" and self._watcher.done % self.save_freq == 0:
             self._maybe_save(logs, at_epoch_end=False)
         self._watcher.gate()
 
@@ -154,11 +151,10 @@ class Checkpoint(MonitorCallback):
                 self._after = (*self._position(at_epoch_end=False), values)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if self._resumed_epoch == epoch and logs is not None:
+        if logs is not None:
             # Every batch was in the checkpoint: Keras logged none of them.
             for name, value in self._resumed_logs.items():
                 logs.setdefault(name, value)
-        self._resumed_epoch = None
         if self._watcher.watching():  # from here on a stop resumes the next epoch
             with self._watcher.cond:
                 self._after = (*self._position(at_epoch_end=True), None)
@@ -175,7 +171,7 @@ class Checkpoint(MonitorCallback):
         orders its data."""
         where = {
             "batch": 0 if at_epoch_end else self._batch,
-            "batches": self._batches,
+            "batches": self._watcher.done,
             "adapter_epoch": position.adapter_epoch(at_epoch_begin=not at_epoch_end),
         }
         if at_epoch_end:  # the next epoch starts from here
@@ -187,8 +183,7 @@ class Checkpoint(MonitorCallback):
         if self.save_best_only:
             if self.monitor_op is None:
                 self._set_monitor_op()
-            current = (logs or {}).get(self.monitor)
-            if current is None:
+            if (current := (logs or {}).get(self.monitor)) is None:
                 warnings.warn(
                     f"Checkpoint: save_best_only needs {self.monitor!r} in the "
                     f"logs (it has {sorted(logs or {})}); not saving.",
@@ -205,7 +200,7 @@ class Checkpoint(MonitorCallback):
                 background=self.save_on_background,
                 group=self._group,
             )
-            self._saved_at = self._batches
+            self._saved_at = self._watcher.done
         if isinstance(saved, PendingSave):
             self._pending = saved
         else:
@@ -230,18 +225,16 @@ class Checkpoint(MonitorCallback):
 
     def _finish(self) -> None:
         """Wait for the background save, if any (every process)."""
-        pending = self._pending
-        if pending is not None:
-            path = pending.wait()
+        if self._pending is not None:
+            path = self._pending.wait()
             self._pending = None  # only now: a stop's save waits for it too
             self._note_saved(path)
 
     def _stop_save(self, signum: int) -> str:
         """The watcher thread's save at the agreed stop; the line to exit with."""
-        pending = self._pending
-        if pending is not None:  # never a half-written checkpoint
-            self._watcher.where = pending.written()
-        if self._saved_at != self._batches:
+        if self._pending is not None:  # never a half-written checkpoint
+            self._watcher.where = self._pending.written()
+        if self._saved_at != self._watcher.done:
             epoch, where, values = self._after or (*self._position(False), None)
             self._watcher.where = self._write(
                 epoch,
@@ -252,7 +245,7 @@ class Checkpoint(MonitorCallback):
             )
         return (
             f"keras_dtensor_fix: {signal.Signals(signum).name}: process {rank()} "
-            f"stopped after step {self._batches} (epoch {self._epoch + 1}, batch "
+            f"stopped after step {self._watcher.done} (epoch {self._epoch + 1}, batch "
             f"{self._batch}); saved {self._watcher.where}: the next launch resumes "
             "there"
         )
@@ -265,7 +258,7 @@ class Checkpoint(MonitorCallback):
         epoch, where = info.get("epoch"), info.get("position") or {}
         if epoch is not None:
             self.model._initial_epoch = epoch
-        self._batches = self._saved_at = where.get("batches", 0)
+        self._watcher.done = self._saved_at = where.get("batches", 0)
         if epoch is not None and where:
             variables = self.model.metrics_variables if metrics else []
             values = [np.array(keras.ops.convert_to_numpy(v)) for v in variables]
@@ -279,11 +272,9 @@ class Checkpoint(MonitorCallback):
 
 def _fit_code(model: Any) -> CodeType | None:
     """The code of the ``fit`` call of ``model`` that is calling us, if any."""
-    frame = sys._getframe(1)
-    while frame is not None:
+    for frame, _ in traceback.walk_stack(sys._getframe(1)):
         if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
             return frame.f_code
-        frame = frame.f_back
     return None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 LATEST = "LATEST"
 INFO = "keras_checkpoint.json"
@@ -86,16 +87,16 @@ def commit(directory: str, name: str, info: dict, keep: int) -> None:
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
 
 
-def resolve(directory: str) -> str:
-    """The complete checkpoint ``directory`` stands for, or a clear error."""
+def read_info(directory: str) -> dict:
+    """What the complete checkpoint ``directory`` stands for (a ``ckpt-N``
+    folder, or the one ``LATEST`` names) recorded, and its ``path``."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
     latest = os.path.join(directory, LATEST)
     if os.path.isfile(os.path.join(directory, ".metadata")):
         path = directory  # a ckpt-N folder itself
     elif os.path.isfile(latest):
-        with open(latest) as handle:
-            path = os.path.join(directory, handle.read().strip())
+        path = os.path.join(directory, Path(latest).read_text().strip())
     else:
         partial = sorted(e for e in os.listdir(directory) if e.startswith(PARTIAL))
         why = f" (an interrupted save left {partial[-1]})" if partial else ""
@@ -103,11 +104,4 @@ def resolve(directory: str) -> str:
     for required in (".metadata", INFO):
         if not os.path.isfile(os.path.join(path, required)):
             raise CheckpointError(f"checkpoint {path} is incomplete: no {required}")
-    return path
-
-
-def read_info(directory: str) -> dict:
-    """What the checkpoint ``directory`` stands for recorded, and its ``path``."""
-    path = resolve(directory)
-    with open(os.path.join(path, INFO)) as handle:
-        return {**json.load(handle), "path": path}
+    return {**json.loads(Path(path, INFO).read_text()), "path": path}

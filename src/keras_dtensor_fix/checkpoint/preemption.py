@@ -19,9 +19,10 @@ import os
 import signal
 import sys
 import threading
+import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from types import CodeType, FrameType
+from types import CodeType
 from typing import Any
 
 import torch.distributed as dist
@@ -64,24 +65,23 @@ class Watcher:
         self._thread: threading.Thread | None = None
         self._save: Callable[[int], str] | None = None  # signal in, exit line out
         self._keys: str | None = None  # the store keys' prefix, with several processes
-        # The main thread's progress, read under cond.
-        self._done = self._saves = 0  # steps finished, saves begun
+        # The main thread's progress, read under cond: steps finished (the
+        # callback's count, across fits and resumes), saves begun.
+        self.done = self._saves = 0
         self._busy = self._saving = False  # inside a step, inside a save
         self._signum: int | None = None  # the agreed signal
         self._stop: tuple[int, int] | None = None  # agreed (steps, saves)
         self._over = False  # fit ended: the thread leaves
 
-    def start(
-        self, save: Callable[[int], str], within: CodeType | None = None, done: int = 0
-    ) -> None:
+    def start(self, save: Callable[[int], str], within: CodeType | None = None) -> None:
         """Install the handlers (main thread only), the group and the thread.
 
         ``within``: the watched call's code (``fit``), outside which a signal
-        is not this watch's; ``done``: steps already finished (a resume).
+        is not this watch's.
         """
         self._end_thread()  # a fit that raised left its watch on
         self._within, self._save = within, save
-        self._done, self._saves, self._over = done, 0, False
+        self._saves, self._over = 0, False
         self._signum = self._stop = self._timer = self.received = None
         if not self.signals:
             return
@@ -115,13 +115,14 @@ class Watcher:
         if not self.signals:
             return
         self.gate()
+        won = self.received is not None  # a signal came first: park at the stop
         if self._keys is not None:
             handshake.exchange(f"{self._keys}end", "", HINT, max(self.timeout, 60.0))
             fate = handshake.store().compare_set(f"{self._keys}fate", "", "end")
-            if fate != b"end":
-                self.gate(signum=int(fate))  # a signal came first: it parks
-        elif self.received is not None:
-            self.gate(signum=self.received)
+            won = fate != b"end"
+        if won:
+            with self.cond:
+                self._pass()
         self._end_thread()
         if self._timer is not None:  # armed only by a signal
             self._timer.cancel()
@@ -150,7 +151,7 @@ class Watcher:
 
     def end_step(self) -> None:
         with self.cond:
-            self._done += 1
+            self.done += 1
             self._busy = False
             self.cond.notify_all()
 
@@ -169,9 +170,9 @@ class Watcher:
                 self._saving = False
                 self.cond.notify_all()
 
-    def gate(self, signum: int | None = None) -> None:
-        """Between steps or after a save: stop if due (``signum``: known won)."""
-        if signum is not None or self._signaled():
+    def gate(self) -> None:
+        """Between steps or after a save: stop if due."""
+        if self._signaled():
             with self.cond:
                 self._pass()
 
@@ -184,7 +185,7 @@ class Watcher:
         self._wake.set()
         self.cond.wait_for(lambda: self._stop is not None)
         steps, saves = self._stop
-        if (saving or self._done >= steps) and self._saves >= saves:
+        if (saving or self.done >= steps) and self._saves >= saves:
             self.cond.notify_all()
             while True:
                 self.cond.wait()
@@ -205,7 +206,7 @@ class Watcher:
         self._signum = signum
         self._arm()
         with self.cond:
-            mine = (self._done + self._busy, self._saves)
+            mine = (self.done + self._busy, self._saves)
         stop = self._offer(mine)
         with self.cond:
             self._stop = stop
@@ -214,7 +215,7 @@ class Watcher:
                 lambda: (
                     not self._busy
                     and not self._saving
-                    and self._done >= stop[0]
+                    and self.done >= stop[0]
                     and self._saves >= stop[1]
                 )
             )
@@ -255,7 +256,8 @@ class Watcher:
         return max(steps), max(saves)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self._within is not None and not _on_stack(frame, self._within):
+        codes = (f.f_code for f, _ in traceback.walk_stack(frame))
+        if self._within is not None and all(c is not self._within for c in codes):
             self._hand_back(signum, frame)
             return
         if self.received is not None:
@@ -294,12 +296,3 @@ class Watcher:
             f"preemption_timeout): exiting; the newest complete checkpoint is "
             f"{self.where}",
         )
-
-
-def _on_stack(frame: FrameType | None, code: CodeType) -> bool:
-    """Whether a frame running ``code`` is ``frame`` or one of its callers."""
-    while frame is not None:
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False

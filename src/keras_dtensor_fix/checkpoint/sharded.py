@@ -61,8 +61,7 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 def _tensor(variable: Any) -> torch.Tensor:
     """The variable's storage, which DCP writes in place (``value`` is a
     copy under autocast)."""
-    value = getattr(variable, "_value", None)
-    if value is None:
+    if (value := getattr(variable, "_value", None)) is None:
         raise CheckpointError(f"variable {variable.path} is not initialized")
     return value.detach()
 
@@ -118,8 +117,7 @@ def _variables(model: Any, optimizer: bool, metrics: bool) -> dict[str, Any]:
         )
     groups = [_model_keys(model)]
     if optimizer:
-        opt = getattr(model, "optimizer", None)
-        if opt is None:
+        if (opt := getattr(model, "optimizer", None)) is None:
             raise CheckpointError(
                 f"model {model.name!r} has no optimizer: compile it first, "
                 "or pass optimizer=False"
@@ -240,8 +238,7 @@ class PendingSave:
         """Block until this process's part is committed (no exchange); the
         folder, or this process's error."""
         self._committed.wait()
-        error = self._future.exception() or self._error
-        if error is not None:
+        if (error := self._future.exception() or self._error) is not None:
             raise CheckpointError(
                 f"background save of {self.path} failed: {error!r}"
             ) from error

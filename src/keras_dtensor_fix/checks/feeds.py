@@ -131,8 +131,7 @@ def before_epoch(adapter: Any, steps_per_epoch: int | None) -> bool | None:
 def _rows_of(batch: Any) -> int:
     for leaf in tree_leaves(batch):
         local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
-        shape = getattr(local, "shape", None)
-        if shape is not None and len(shape):
+        if (shape := getattr(local, "shape", None)) is not None and len(shape):
             return int(shape[0])
     return UNKNOWN
 
@@ -140,8 +139,7 @@ def _rows_of(batch: Any) -> int:
 def per_batch(batches: Iterator[Any]) -> Iterator[Any]:
     """``batches``, each first agreed on by every process: all have one of the
     same size, or all have none (the epoch ends), else all raise."""
-    for index in itertools.count():
-        batch = next(batches, _END)
+    for index, batch in enumerate(itertools.chain(batches, [_END])):
         have = batch is not _END
         rows = _exchange([BATCH, int(have), _rows_of(batch) if have else 0, index, 0])
         if not any(row[1] for row in rows):

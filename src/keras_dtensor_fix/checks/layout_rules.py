@@ -20,12 +20,15 @@ from typing import Any
 _SEEN: dict[int, tuple[set[str], set[str]]] = {}
 
 
-def _paths(model: Any) -> list[str]:
-    variables = list(getattr(model, "variables", None) or [])
-    variables += list(getattr(model, "metrics_variables", None) or [])
+def variables(model: Any) -> list[Any]:
+    """Every variable of ``model``'s step, in one order on every process: its
+    own, its optimizer's, its metrics'."""
     optimizer = getattr(model, "optimizer", None)
-    variables += list(getattr(optimizer, "variables", None) or [])
-    return [path for path in (getattr(v, "path", None) for v in variables) if path]
+    return [
+        *(getattr(model, "variables", None) or ()),
+        *(getattr(optimizer, "variables", None) or ()),
+        *(getattr(model, "metrics_variables", None) or ()),
+    ]
 
 
 def _matches(rule: str, path: str) -> bool:
@@ -47,8 +50,7 @@ def nearest(rule: str, paths: list[str], count: int = 3) -> list[str]:
 def _library_rules(model: Any, distribution: Any) -> set[str] | None:
     """The rules ``get_layout_map`` gives ``model``'s keras-hub backbone
     (empty without one; None where it cannot be asked)."""
-    backbone = getattr(model, "backbone", model)
-    get = getattr(type(backbone), "get_layout_map", None)
+    get = getattr(type(getattr(model, "backbone", model)), "get_layout_map", None)
     if get is None:
         return set()
     mesh = distribution.device_mesh
@@ -70,17 +72,15 @@ def warn_unmatched(model: Any, distribution: Any | None) -> list[str]:
     """Warn of each rule of ``distribution``'s LayoutMap that no variable seen
     so far matches (once per rule and map); the rules warned of now. A model
     without variables yet is not judged."""
-    layout_map = getattr(distribution, "_layout_map", None)
-    if layout_map is None:
+    if (layout_map := getattr(distribution, "_layout_map", None)) is None:
         return []  # train_on_batch asks at every step
     judged, library = _SEEN.get(id(layout_map), (set(), set()))
     if all(r in judged or r in library for r in layout_map if isinstance(r, str)):
         return []  # every rule judged: later steps pay one look each
-    paths = _paths(model)
+    paths = [path for v in variables(model) if (path := getattr(v, "path", None))]
     if not paths or not getattr(model, "built", True):
         return []
-    found = _library_rules(model, distribution)
-    if found is None:
+    if (found := _library_rules(model, distribution)) is None:
         return []
     if id(layout_map) not in _SEEN:
         _SEEN[id(layout_map)] = (judged, library)

@@ -213,6 +213,5 @@ def get_layout_map(
         )
     names = {MODEL: model_parallel_dim_name, DATA: data_parallel_dim_name}
     layout_map = keras.distribution.LayoutMap(device_mesh)
-    for regex, axes in rules:
-        layout_map[regex] = tuple(names.get(axis) for axis in axes)
+    layout_map.update((regex, tuple(map(names.get, axes))) for regex, axes in rules)
     return layout_map

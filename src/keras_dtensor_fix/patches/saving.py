@@ -15,6 +15,7 @@ import sys
 import types
 from typing import Any
 
+from keras_dtensor_fix.checks import layout_rules
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
 from keras_dtensor_fix.engine.state import model_parallel
@@ -41,16 +42,6 @@ def _local_path(filepath: Any) -> str | None:
     return None if "://" in path else path
 
 
-def _values(model: Any) -> list:
-    """What a save converts, in the same order on every process."""
-    variables = list(model.variables)
-    variables += list(
-        getattr(getattr(model, "optimizer", None), "variables", None) or []
-    )
-    variables += list(getattr(model, "metrics_variables", None) or [])
-    return [getattr(variable, "value", variable) for variable in variables]
-
-
 def make_wrapper(name: str):
     what = ENTRIES[name]
 
@@ -65,7 +56,8 @@ def make_wrapper(name: str):
 
             if model_parallel() is None:
                 return one_writer.write_atomically(path, write)
-            return one_writer.save(what, path, write, _values(model))
+            values = [getattr(v, "value", v) for v in layout_rules.variables(model)]
+            return one_writer.save(what, path, write, values)
 
         return save(*args, **kwargs)  # Keras's signature binds the arguments
 

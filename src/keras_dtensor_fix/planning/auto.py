@@ -74,6 +74,5 @@ def auto_layout_map(
     from keras_dtensor_fix.planning.layout_map import PlannedLayoutMap, rules
 
     layout_map = PlannedLayoutMap(mesh, Plan(traced, choices, cost, sizes))
-    for regex, axes in rules(assignment, traced.shapes):
-        layout_map[regex] = axes
+    layout_map.update(rules(assignment, traced.shapes))
     return layout_map

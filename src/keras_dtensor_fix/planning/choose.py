@@ -71,8 +71,7 @@ def choose(
         axes = [None] * len(shape)
         axes[axis] = model_axis
         other = _hidden_axis(p, role, axis)
-        b = mesh.get(batch_axis)
-        if b and other is not None and shape[other] % b == 0:
+        if (b := mesh.get(batch_axis)) and other is not None and shape[other] % b == 0:
             axes[other] = batch_axis
         choices[name] = Choice(tuple(axes), role, _WHY[role])
     _biases(flow, shapes, choices, model_axis)
@@ -150,8 +149,7 @@ def _biases(flow, shapes, choices, model_axis) -> None:
         owner = choices.get(p.weight)
         if name not in shapes or owner is None or owner.role not in ("column", "head"):
             continue
-        kernel = shapes[p.weight]
-        if tuple(shapes[name]) != tuple(kernel[a] for a in p.output):
+        if tuple(shapes[name]) != tuple(shapes[p.weight][a] for a in p.output):
             continue  # a bias that is not laid out as the output axes
         axes = [None] * len(shapes[name])
         axes[p.output.index(owner.axes.index(model_axis))] = model_axis

@@ -106,7 +106,5 @@ def main(argv: list[str]) -> int:
     layout_map = keras_dtensor_fix.auto_layout_map(
         build, mesh, model_axis=args.model_axis, batch_axis=args.batch_axis
     )
-    print(table(layout_map.plan))
-    print()
-    print(repr(layout_map))
+    print(f"{table(layout_map.plan)}\n\n{layout_map!r}")
     return 0

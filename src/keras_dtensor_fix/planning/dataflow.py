@@ -227,8 +227,7 @@ def _einsum_roles(equation: str, operands: list, weight) -> tuple | None:
         t.ndim - len(term) + 3 if "..." in term else 0
         for term, t in zip(terms, operands, strict=True)
     ]
-    fill = "".join(c for c in string.ascii_letters if c not in equation)
-    fill = fill[: max(widths)]
+    fill = "".join(c for c in string.ascii_letters if c not in equation)[: max(widths)]
     terms = [
         term.replace("...", fill[len(fill) - width :])
         for term, width in zip(terms, widths, strict=True)

@@ -78,5 +78,3 @@ class PlannedLayoutMap(keras.distribution.LayoutMap):
         ]
         lines += [f'layout_map[r"{k}"] = {tuple(self[k].axes)!r}' for k in self]
         return "\n".join(lines)
-
-    __str__ = __repr__

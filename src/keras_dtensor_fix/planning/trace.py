@@ -41,8 +41,7 @@ class Traced:
 
 def trace_model(build: Callable[[], Any], sample_input: Any = None) -> Traced:
     """Build with ``build()`` and trace one forward, on ``meta`` where it runs."""
-    layer = targets.keras_object("Layer")
-    if not callable(build) or isinstance(build, layer):
+    if not callable(build) or isinstance(build, targets.keras_object("Layer")):
         raise TypeError(
             f"build must be a callable that builds and returns the model, got "
             f"{type(build).__name__}; pass e.g. `lambda: make_model()`"

@@ -33,8 +33,7 @@ def store() -> Any:
     default = dist.distributed_c10d._get_default_store()
     if threading.current_thread() is threading.main_thread():
         return default
-    mine = getattr(_local, "store", None)
-    if mine is None or mine[0] is not default:
+    if (mine := getattr(_local, "store", None)) is None or mine[0] is not default:
         mine = _local.store = (default, default.clone())
     return mine[1]
 
@@ -58,8 +57,7 @@ def exchange(
     """
     from keras_dtensor_fix.dtensor import world as place
 
-    world = place.world()
-    if world == 1:
+    if (world := place.world()) == 1:
         return [value]
     rank = place.rank()
     with _lock:

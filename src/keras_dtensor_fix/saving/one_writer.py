@@ -38,8 +38,7 @@ def gathered(value: Any) -> Any | None:
     ``None`` outside a save or for a replicated value; a sharded value the
     save did not gather raises (the others will join no collective now).
     """
-    cache = getattr(_local, "cache", None)
-    if cache is None:
+    if (cache := getattr(_local, "cache", None)) is None:
         return None
     found = cache.get(id(value))
     if found is None and not all(p.is_replicate() for p in value.placements):
@@ -58,16 +57,12 @@ def _gather(values: Iterable[Any], keep: bool) -> dict[int, Any]:
     from torch.distributed.tensor import DTensor
 
     cache: dict[int, Any] = {}
-    seen: set[int] = set()
-    for value in values:
-        if not isinstance(value, DTensor) or id(value) in seen:
-            continue
-        seen.add(id(value))
+    for key, value in {id(v): v for v in values if isinstance(v, DTensor)}.items():
         if all(p.is_replicate() for p in value.placements):
             continue
         full = value.detach().full_tensor()
         if keep:  # to the host at once: one variable at a time on the device
-            cache[id(value)] = full.cpu()
+            cache[key] = full.cpu()
         del full
     return cache
 
