@@ -9,6 +9,7 @@ import contextlib
 import importlib
 import json
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -63,6 +64,7 @@ def _status(args: argparse.Namespace) -> int:
     report = keras_dtensor_fix.status()
     report["notes"] = notes + report.get("notes", [])
     report["problems"] = problems(import_error)
+    report["keras_backend_env"] = os.environ.get("KERAS_BACKEND")
     report["summary"] = summarize(report, all_targets=not args.keras_only)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
