@@ -82,14 +82,21 @@ def redistributed(value: DTensor, placements: Sequence[Any]) -> DTensor:
     return value
 
 
+def effective(value: DTensor) -> tuple:
+    """``value``'s placements, Replicate on its mesh axes of one rank."""
+    sizes = value.device_mesh.shape
+    return tuple(
+        Replicate() if n == 1 else p
+        for p, n in zip(value.placements, sizes, strict=True)
+    )
+
+
 def one_rank_replicated(value: Any) -> Any:
     """``value`` labelled Replicate on its one-rank mesh axes (no data moves): a
     compiled graph guards on placements, and one label keeps one graph."""
     if not isinstance(value, DTensor):
         return value
-    have = tuple(value.placements)
-    want = _trivial_taken(value.device_mesh, have, (Replicate(),) * len(have))
-    return redistributed(value, want)
+    return redistributed(value, effective(value))
 
 
 def on_mesh(value: Any, mesh: Any) -> Any:
