@@ -178,8 +178,3 @@ def _region(cls: type, original: Callable[..., Any]) -> region.Region:
             interleaved=True,
         ),
     )
-
-
-def forget() -> None:
-    """Drop the compiled regions (deactivation)."""
-    region.forget()
