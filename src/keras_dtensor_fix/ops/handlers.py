@@ -86,14 +86,12 @@ def takes_several_tensors(fn: Any) -> bool:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return False
-    positional = [
-        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
     if any(p.kind == p.VAR_POSITIONAL for p in params):
         return True
-    if positional and positional[0].name in SEQUENCE_PARAMS:
-        return True
-    return len(positional) >= 2
+    names = [
+        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return len(names) >= 2 or (len(names) == 1 and names[0] in SEQUENCE_PARAMS)
 
 
 def target_names(module: types.ModuleType) -> list[str]:
