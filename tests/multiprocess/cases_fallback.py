@@ -255,7 +255,7 @@ def _blocks_case(
         from cases_blocks import blocks_mode
         from cases_hub import fit_gpt, watched
 
-        from keras_dtensor_fix.compiled import blocks
+        from keras_dtensor_fix.compiled import region
 
         original, chosen = torch.compile, backend()
 
@@ -269,7 +269,7 @@ def _blocks_case(
                 return watched(lambda: fit_gpt(True, depth=2))
         finally:
             torch.compile = original
-            blocks.forget()  # the class this case failed compiles again later
+            region.forget()  # the class this case failed compiles again later
 
     run.__name__ = name
     BLOCK_FALLBACKS[name] = expected

@@ -44,10 +44,9 @@ def repeated(model: Any, least: int = 2) -> list[Any]:
     if listed:
         return listed if len(listed) >= least else []
     model_class = targets.keras_object("Model")
-    layers = list(model._flatten_layers(include_self=False, recursive=True))
     composite = [
         layer
-        for layer in layers
+        for layer in model._flatten_layers(include_self=False, recursive=True)
         if not isinstance(layer, model_class)
         and any(True for _ in layer._flatten_layers(include_self=False))
     ]
@@ -178,8 +177,3 @@ def _region(cls: type, original: Callable[..., Any]) -> region.Region:
             interleaved=True,
         ),
     )
-
-
-def forget() -> None:
-    """Drop the compiled regions (deactivation)."""
-    region.forget()

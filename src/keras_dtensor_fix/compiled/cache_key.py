@@ -11,10 +11,15 @@ from collections.abc import Callable
 from typing import Any
 
 
-def cache_key_tag(dist: Any, user_tag: str = "") -> str:
-    """This process's tag under ``dist``, the user's own ``user_tag`` in front."""
+def keyed(function: Callable[..., Any], dist: Any) -> Callable[..., Any]:
+    """``function`` run with this process's tag under ``dist`` set around each call (the
+    user's own tag in front)."""
+    import torch
+
     from keras_dtensor_fix.dtensor import world as place
 
+    if dist is None:
+        return function
     mesh = dist.device_mesh
     rank, world = place.rank(), place.world()
     groups = ""
@@ -26,15 +31,6 @@ def cache_key_tag(dist: Any, user_tag: str = "") -> str:
         f"keras_dtensor_fix:rank={rank}/{world}"
         f":mesh={tuple(mesh.shape)}:groups={groups}"
     )
-    return f"{user_tag}|{ours}" if user_tag else ours
-
-
-def keyed(function: Callable[..., Any], dist: Any) -> Callable[..., Any]:
-    """``function`` run with this process's tag set around each call."""
-    import torch
-
-    if dist is None:
-        return function
-
-    tag = cache_key_tag(dist, torch.compiler.config.cache_key_tag)
+    user_tag = torch.compiler.config.cache_key_tag
+    tag = f"{user_tag}|{ours}" if user_tag else ours
     return torch.compiler.config.patch(cache_key_tag=tag)(function)

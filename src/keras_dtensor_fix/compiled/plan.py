@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from keras_dtensor_fix.compiled import blocks, tail, update_groups
+from keras_dtensor_fix.compiled import blocks, region, tail, update_groups
 from keras_dtensor_fix.engine import wrappers
 
 
@@ -83,4 +83,4 @@ wrappers.not_a_frame(step.__code__)
 def forget() -> None:
     """Drop every plan and compiled block (deactivation)."""
     _PLANS.clear()
-    blocks.forget()
+    region.forget()

@@ -53,17 +53,14 @@ def recurrent_layers(model) -> list[str]:
     fast = (targets.keras_object("LSTM"), targets.keras_object("GRU"))
     found = []
     for layer in model._flatten_layers(include_self=False):
-        if not isinstance(layer, rnn):
-            continue
-        if (
+        if isinstance(layer, rnn) and not (
             isinstance(layer, fast)
             and getattr(layer, "use_cudnn", None) in ("auto", True)
             and not getattr(layer, "recurrent_dropout", 0)
             and getattr(layer, "reset_after", True)
             and not _receives_mask(layer)
         ):
-            continue
-        found.append(layer.name)
+            found.append(layer.name)
     return found
 
 

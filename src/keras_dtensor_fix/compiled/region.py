@@ -112,10 +112,6 @@ def signature(args: tuple, kwargs: dict | None = None) -> tuple:
     return (torch.is_grad_enabled(), tuple(_meta(arg) for arg in args), named)
 
 
-def _frames_converted() -> int:
-    return torch._dynamo.utils.counters["frames"]["total"]
-
-
 def _below_recompile_limit(code: CodeType | None) -> bool:
     try:
         entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)
@@ -183,12 +179,12 @@ class Steady:
                 self._last = key
                 with stance:
                     return self._settled_call(*args, **kwargs)
-        before = _frames_converted()
+        before = torch._dynamo.utils.counters["frames"]["total"]
         result = self._compiled(*args, **kwargs)
         repeated = key in self._seen if self._interleaved else key == self._last
         if (
             repeated
-            and _frames_converted() == before
+            and torch._dynamo.utils.counters["frames"]["total"] == before
             and _below_recompile_limit(self._code)
         ):
             if not self._interleaved:
@@ -215,25 +211,16 @@ def compile_static(
     **options: Any,
 ) -> Steady:
     """``traced`` compiled as a region, its guards skipped once settled (``options``:
-    :class:`Steady`'s)."""
-    plain = torch.compile(traced, dynamic=dynamic)
+    :class:`Steady`'s), partitioned with views recomputed in the backward: saving a view
+    (a Dense input seen transposed) hides its base, so the partitioner saved relu's
+    boolean mask beside it, which inductor's CPU code stores through a slow path (torch
+    2.13: twenty times relu itself). Only the plugin's regions get the setting."""
+    plain = compiled = torch.compile(traced, dynamic=dynamic)
+    with contextlib.suppress(AttributeError, TypeError):  # another torch: as it is
+        compiled = torch._functorch.config.patch(recompute_views=True)(plain)
     # Both settings matter only where dynamo compiles: settled calls skip them.
-    compiled = cache_key.keyed(_views_recomputed(plain), distribution)
+    compiled = cache_key.keyed(compiled, distribution)
     return Steady(compiled, code_of(traced), settled_call=plain, **options)
-
-
-def _views_recomputed(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled`` partitioned with views recomputed in the backward.
-
-    Saving a view (a Dense input seen transposed) hides its base, so the partitioner
-    saved relu's boolean mask beside it, which inductor's CPU code stores through a slow
-    path (torch 2.13: twenty times relu itself). Only the plugin's regions get the
-    setting."""
-    try:
-        patch = torch._functorch.config.patch(recompute_views=True)
-    except (AttributeError, TypeError):  # another torch: as it partitions
-        return compiled
-    return patch(compiled)
 
 
 class Region:

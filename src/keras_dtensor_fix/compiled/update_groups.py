@@ -34,8 +34,7 @@ def install(model: Any, routed: list[Any]) -> str | None:
     reason = groupable(optimizer)
     if reason is not None or _installed(optimizer):
         return reason
-    grouped = Grouped(optimizer, list(routed))
-    update = functools.partial(_update, grouped, optimizer)
+    update = functools.partial(_update, Grouped(optimizer, list(routed)), optimizer)
     state.set_attribute(optimizer, "_parallel_update_step", update)
     return None
 

@@ -40,11 +40,9 @@ def all_reduce_sums(values: Sequence[torch.Tensor], group: Any) -> list[torch.Te
         picked = [i for i, v in enumerate(values) if v.dtype == dtype]
         flat = torch.cat([values[i].reshape(-1) for i in picked])
         _reduce_in_place(flat, group)
-        start = 0
-        for i in picked:
-            size = values[i].numel()
-            out[i] = flat[start : start + size].reshape(values[i].shape)
-            start += size
+        sizes = [values[i].numel() for i in picked]
+        for i, part in zip(picked, flat.split(sizes), strict=True):
+            out[i] = part.reshape(values[i].shape)
     return out
 
 

@@ -250,8 +250,7 @@ class _LocalEinsum(torch.autograd.Function):
         ctx.equation, ctx.found = equation, found
         ctx.mesh = operands[0].device_mesh
         ctx.save_for_backward(*locals_)
-        result = torch.einsum(equation, *locals_)
-        return wrap_local(result, ctx.mesh, found.placements)
+        return wrap_local(torch.einsum(equation, *locals_), ctx.mesh, found.placements)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple:

@@ -23,12 +23,6 @@ def same_mesh(a: Any, b: Any) -> bool:
     return a is b or a == b
 
 
-def _trivial_taken(mesh: Any, have: tuple, want: tuple) -> tuple:
-    """``have`` with ``want``'s placement on every mesh axis of one rank."""
-    sizes = mesh.shape
-    return tuple(w if n == 1 else h for h, w, n in zip(have, want, sizes, strict=True))
-
-
 class _Relabel(torch.autograd.Function):
     """``value`` with new ``placements``, its gradient back as ``grad_placements``: on
     one-rank mesh axes, the same local tensor (where ``redistribute`` would issue a
@@ -69,7 +63,10 @@ def redistributed(value: DTensor, placements: Sequence[Any]) -> DTensor:
     mesh = value.device_mesh
     if INTERNALS is None:
         return value.redistribute(mesh, placements)
-    relabelled = _trivial_taken(mesh, have, placements)
+    # ``have`` with the wanted placement on every mesh axis of one rank
+    relabelled = tuple(
+        w if n == 1 else h for h, w, n in zip(have, placements, mesh.shape, strict=True)
+    )
     if relabelled != have:
         if torch.compiler.is_compiling():
             # Traced (a compiled backward of an eager _Relabel too):
@@ -82,14 +79,21 @@ def redistributed(value: DTensor, placements: Sequence[Any]) -> DTensor:
     return value
 
 
+def effective(value: DTensor) -> tuple:
+    """``value``'s placements, Replicate on its mesh axes of one rank."""
+    sizes = value.device_mesh.shape
+    return tuple(
+        Replicate() if n == 1 else p
+        for p, n in zip(value.placements, sizes, strict=True)
+    )
+
+
 def one_rank_replicated(value: Any) -> Any:
     """``value`` labelled Replicate on its one-rank mesh axes (no data moves): a
     compiled graph guards on placements, and one label keeps one graph."""
     if not isinstance(value, DTensor):
         return value
-    have = tuple(value.placements)
-    want = _trivial_taken(value.device_mesh, have, (Replicate(),) * len(have))
-    return redistributed(value, want)
+    return redistributed(value, effective(value))
 
 
 def on_mesh(value: Any, mesh: Any) -> Any:

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from keras_dtensor_fix.dtensor.placement import same_mesh
+from keras_dtensor_fix.dtensor.placement import effective, same_mesh
 
 __all__ = [
     "Product",
@@ -59,15 +59,6 @@ def split_dims(value: DTensor, *, partial: bool = False) -> frozenset[int] | Non
 def whole(value: Any) -> bool:
     """Whether DTensor ``value`` holds its full value on every rank."""
     return split_dims(value) == frozenset()
-
-
-def _effective(value: DTensor) -> Placements:
-    """``value``'s placements, Replicate on mesh axes of one rank."""
-    mesh = value.device_mesh
-    return tuple(
-        Replicate() if mesh.size(axis) == 1 else p
-        for axis, p in enumerate(value.placements)
-    )
 
 
 def _one_mesh(values: Sequence[Any], mesh: Any = None) -> Any:
@@ -138,9 +129,7 @@ def region(
             return None
         if reference is None:
             reference, split = value, dims
-        elif value.shape != reference.shape or _effective(value) != _effective(
-            reference
-        ):
+        elif value.shape != reference.shape or effective(value) != effective(reference):
             return None
     for value in values:
         if isinstance(value, DTensor):
@@ -293,7 +282,7 @@ def split_axis(values: Sequence[DTensor]) -> tuple[Any, int] | None:
         return None
     axes = set()
     for value in values:
-        split = {i: p for i, p in enumerate(_effective(value)) if not p.is_replicate()}
+        split = {i: p for i, p in enumerate(effective(value)) if not p.is_replicate()}
         if len(split) > 1 or not all(isinstance(p, Shard) for p in split.values()):
             return None
         axes.update(split)

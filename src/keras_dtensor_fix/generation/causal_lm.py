@@ -148,8 +148,7 @@ def run(
         return None  # a plain cache that this plan did not make
     ours = not isinstance(cache, DTensor)
     if not ours:
-        heads = cache.ndim + hub.CACHE_HEADS
-        cache = megatron.local_part(cache, mesh, axis, heads)
+        cache = megatron.local_part(cache, mesh, axis, cache.ndim + hub.CACHE_HEADS)
     token_ids = megatron.local_part(token_ids, mesh, axis, None)
     index = megatron.local_part(index, mesh, axis, None)
     local = {k: megatron.local_part(v, mesh, axis, None) for k, v in extra.items()}

@@ -42,12 +42,11 @@ def _region(cls: type) -> region.Region:
     )
 
 
-def _compiled(cls: type) -> Any:
+def _compiled(steps: region.Region) -> Any:
     """The class's compiled token call, its guards checked again until this
     generation's tokens settle (a test makes it raise)."""
-    found = _region(cls)
-    found.reset()
-    return found.compiled()
+    steps.reset()
+    return steps.compiled()
 
 
 def _token_call(model: Any) -> Callable[..., Any]:
@@ -58,7 +57,8 @@ def _token_call(model: Any) -> Callable[..., Any]:
     plans, found = local.planned(model)
     eager = model.call_with_cache
     signature = token_args.signature_of(eager)
-    steps, compiled = _region(type(model)), _compiled(type(model))
+    steps = _region(type(model))
+    compiled = _compiled(steps)
     plain = causal_lm.whole_inputs
     # the weights' mesh: the graph guards on its identity
     meshes = (getattr(v, "_value", None) for v in model.weights)
@@ -131,16 +131,14 @@ def generating(model: Any) -> Callable[[Any], Any] | None:
     one-device script generates exactly as without the plugin."""
     if model_parallel() is None:
         return None
-    call = getattr(type(model), "call_with_cache", None)
     if (
         getattr(model, "jit_compile", False) is not True
-        or not callable(call)
+        or not callable(getattr(type(model), "call_with_cache", None))
         or "call_with_cache" in vars(model)
-        or _region(type(model)).failed
+        or (steps := _region(type(model))).failed
     ):
         return local.eager_local
     if token_args.signature_of(model.call_with_cache) is None:
-        steps = _region(type(model))
         steps.failed = True  # nothing compiled: said as what happened
         warnings.warn(
             f"keras-dtensor-fix: {steps.what} does not take (token_ids, cache, "

@@ -21,6 +21,7 @@ import torch
 
 from keras_dtensor_fix.dtensor import DTensor, all_reduce_sum
 from keras_dtensor_fix.engine import targets
+from keras_dtensor_fix.ops.values import full_value
 
 __all__ = ["PROVEN", "REFUSED", "UNKNOWN", "FirstCall", "first_line"]
 
@@ -163,10 +164,9 @@ def _pairs(expected: Any, result: Any) -> list[tuple[Any, Any]]:
 def _close(a: Any, b: Any) -> bool:
     if b is None or a.shape != b.shape:
         return False
-    low = a.dtype in (torch.float16, torch.bfloat16)
+    rtol = 1e-2 if a.dtype in (torch.float16, torch.bfloat16) else 1e-4
     a, b = a.detach().float(), b.detach().float()
     scale = float(a.abs().max()) if a.numel() else 0.0
-    rtol = 1e-2 if low else 1e-4
     return bool(torch.allclose(a, b, rtol=rtol, atol=rtol * 0.1 * max(scale, 1.0)))
 
 
@@ -178,10 +178,7 @@ def _agree(pairs: list, ok: bool) -> bool:
         for index, (a, b) in enumerate(pairs):
             if mesh is None and isinstance(a, DTensor):
                 mesh = a.device_mesh
-            full_a, full_b = (
-                v.full_tensor() if isinstance(v, DTensor) else v
-                for v in (a, a if b is None else b)
-            )
+            full_a, full_b = full_value((a, a if b is None else b))
             close = b is not None and _close(full_a, full_b)
             pairs[index] = (a, b, close)
             ok = ok and close

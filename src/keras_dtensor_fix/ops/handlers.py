@@ -44,9 +44,10 @@ from keras_dtensor_fix.dtensor import (
     vocab_parallel_lookup,
 )
 from keras_dtensor_fix.dtensor.einsum import local_einsum, local_matmul
+from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.ops import layout
 from keras_dtensor_fix.ops.call import NOT_HANDLED, Call, Op, Unbound
-from keras_dtensor_fix.ops.values import promote_call, resolve, variable_class
+from keras_dtensor_fix.ops.values import promote_call, resolve
 
 __all__ = [
     "HANDLERS",
@@ -85,14 +86,12 @@ def takes_several_tensors(fn: Any) -> bool:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return False
-    positional = [
-        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
     if any(p.kind == p.VAR_POSITIONAL for p in params):
         return True
-    if positional and positional[0].name in SEQUENCE_PARAMS:
-        return True
-    return len(positional) >= 2
+    names = [
+        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return len(names) >= 2 or (len(names) == 1 and names[0] in SEQUENCE_PARAMS)
 
 
 def target_names(module: types.ModuleType) -> list[str]:
@@ -138,41 +137,25 @@ def _lookup(call: Call) -> Any:
     return NOT_HANDLED
 
 
-def _gathered(call: Call, operand: str, axis: int | None) -> Any:
-    """``operand`` gathered on ``axis``, for the handlers after this one."""
-    arguments = call.arguments
-    if operand in arguments:
-        arguments[operand] = gather_axis(resolve(arguments[operand]), axis)
-    return NOT_HANDLED
+def _gathering(
+    operand: str, default: int | None, needs: str | None = None
+) -> Callable[[Call], Any]:
+    """A row gathering ``operand`` on the call's ``axis`` (``default`` if not given; a
+    list: each) for the rows after it; not a call without ``needs`` or whose axis is
+    neither an int nor ``default``."""
 
-
-def _index(call: Call) -> Any:
-    # an index reduction over a sharded axis needs the whole axis
-    axis = call.arguments.get("axis")
-    if axis is not None and not isinstance(axis, int):
+    def handle(call: Call) -> Any:
+        arguments = call.arguments
+        axis = arguments.get("axis", default)
+        axes = axis if isinstance(axis, (list, tuple)) else [axis]
+        if operand not in arguments or (needs and needs not in arguments):
+            return NOT_HANDLED
+        if all(isinstance(a, int) or a is default for a in axes):
+            for one in axes:
+                arguments[operand] = gather_axis(resolve(arguments[operand]), one)
         return NOT_HANDLED
-    return _gathered(call, "x", axis)
 
-
-def _classes(call: Call) -> Any:
-    axis = call.arguments.get("axis", -1)
-    if "target" not in call.arguments or not isinstance(axis, int):
-        return NOT_HANDLED
-    return _gathered(call, "output", axis)
-
-
-def _normalized(call: Call) -> Any:
-    # torch's rms_norm over a sharded dim: its decomposition adds epsilon in
-    # place to a Partial mean, which DTensor refuses (torch 2.13), eagerly and
-    # traced; a hidden dim split on a one-rank batch axis (an embedding's
-    # (model, batch) layout on (1, N)) is relabelled, no data moves.
-    axis = call.arguments.get("axis", -1)
-    axes = list(axis) if isinstance(axis, (list, tuple)) else [axis]
-    if not all(isinstance(a, int) for a in axes):  # the layer's is a list
-        return NOT_HANDLED
-    for one in axes:
-        _gathered(call, "x", one)
-    return NOT_HANDLED
+    return handle
 
 
 def _local(call: Call) -> Any:
@@ -231,9 +214,20 @@ HANDLERS: tuple[Handler, ...] = (
     ),
     Handler("slice_update", lambda op: op.name == "slice_update", layout.update),
     Handler("lookup", lambda op: op.name == "take", _lookup),
-    Handler("index", lambda op: op.name in ("argmax", "argmin"), _index),
-    Handler("classes", lambda op: op.name in CLASS_AXIS_LOSSES, _classes),
-    Handler("normalized", lambda op: op.name == "rms_normalization", _normalized),
+    # An index reduction over a sharded axis needs the whole axis.
+    Handler("index", lambda op: op.name in ("argmax", "argmin"), _gathering("x", None)),
+    Handler(
+        "classes",
+        lambda op: op.name in CLASS_AXIS_LOSSES,
+        _gathering("output", -1, needs="target"),
+    ),
+    # torch's rms_norm over a sharded dim: its decomposition adds epsilon in place to
+    # a Partial mean, which DTensor refuses (torch 2.13), eagerly and traced; a hidden
+    # dim split on a one-rank batch axis (an embedding's (model, batch) layout on
+    # (1, N)) is relabelled, no data moves. The layer's axis is a list.
+    Handler(
+        "normalized", lambda op: op.name == "rms_normalization", _gathering("x", -1)
+    ),
     Handler("local", lambda op: op.name in ("einsum", "matmul"), _local),
     Handler("per_element", lambda op: op.name == "one_hot", _per_element),
     Handler("replicated", lambda op: True, _replicated),
@@ -263,7 +257,7 @@ def wrapper_for(name: str, function: Any, *, elementwise: bool | None = None):
     if elementwise is None:
         elementwise = signature is not None and is_elementwise(name, signature)
     op = Op(name, elementwise, name in CONTRACTIONS, signature)
-    keras_variable = variable_class()
+    keras_variable = targets.keras_object("Variable")
     chain = tuple(handler for handler in HANDLERS if handler.applies(op))
 
     def distributed(value: Any) -> bool:

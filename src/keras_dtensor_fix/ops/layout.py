@@ -26,8 +26,7 @@ def conv(call: Call) -> Any:
     from keras_dtensor_fix.dtensor import DTensor, batch_parallel_call
 
     names = ("inputs", *CONVOLUTIONS[call.op.name])
-    arguments = call.arguments
-    operands = [resolve(arguments[k]) for k in names]
+    operands = [resolve(call.arguments[k]) for k in names]
     found = [v for v in operands if isinstance(v, DTensor)]
     if not found:
         return call.run()
@@ -100,5 +99,4 @@ def attention(call: Call) -> Any:
         if tuple(tensor.placements) != target:
             tensor = tensor.redistribute(mesh, target)
         local[name] = tensor.to_local()
-    output = call.run(**local)
-    return DTensor.from_local(output, mesh, placements, run_check=False)
+    return DTensor.from_local(call.run(**local), mesh, placements, run_check=False)

@@ -73,16 +73,11 @@ class DTensorMixError(RuntimeError):
         self.cause, self.hint = cause, hint
 
 
-def variable_class() -> type:
-    """Keras's backend-independent ``Variable`` base class."""
-    return targets.keras_object("Variable")  # a plain dict cache: dynamo traces it
-
-
 def resolve(value: Any) -> Any:
     """A Keras variable as its tensor, a numpy array as a tensor, lists inside."""
     if isinstance(value, torch.Tensor):  # most operands: one check (traced too)
         return value
-    variable = variable_class()
+    variable = targets.keras_object("Variable")
     if isinstance(value, variable):
         return value.value
     if isinstance(value, np.ndarray) and value.ndim:
@@ -238,6 +233,5 @@ __all__ = [
     "promote_call",
     "resolve",
     "unflatten_call",
-    "variable_class",
     "walk",
 ]

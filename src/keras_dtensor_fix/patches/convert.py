@@ -19,13 +19,13 @@ from torch.distributed.tensor import DTensor
 
 from keras_dtensor_fix.engine import targets
 from keras_dtensor_fix.engine.contract import Implementation, Patch
-from keras_dtensor_fix.ops.values import variable_class, walk
+from keras_dtensor_fix.ops.values import walk
 from keras_dtensor_fix.saving import one_writer
 
 
 def _convert_to_numpy(wrapped, instance, args, kwargs):
     def full(value: Any, _layout: Any) -> Any:
-        if isinstance(value, variable_class()):
+        if isinstance(value, targets.keras_object("Variable")):
             value = value.value
         if isinstance(value, DTensor):
             found = one_writer.gathered(value)  # a save's writer: no collective
