@@ -327,3 +327,34 @@ def test_rms_normalization_over_a_split_hidden_dim(mesh1) -> None:
         # a list of axes, as keras.layers.RMSNormalization passes it
         got = compiled(split, whole, axis=[-1], epsilon=1e-6)
         torch.testing.assert_close(got.full_tensor(), expected)
+
+
+@pytest.mark.parametrize("keyword", [False, True])
+def test_a_replicated_scalar_is_placed_without_a_broadcast(
+    mesh1, monkeypatch, keyword: bool
+) -> None:
+    """Keras's ``distribute_tensor`` of a plain scalar on a replicated layout (an
+    optimizer's step count, a metric's total) is the same value everywhere: the
+    ``variables`` family places it without torch's ``distribute_tensor`` (a
+    broadcast), its layout passed by position or by keyword. Upstream broadcasts
+    it. Can it fail: with the layout read as None when passed by keyword, the
+    keyword case reaches torch's ``distribute_tensor``."""
+    import keras
+    import torch
+    from torch.distributed import tensor as torch_tensor
+
+    def broadcast(*args, **kwargs):
+        raise AssertionError("torch's distribute_tensor ran (a broadcast)")
+
+    lib = keras.src.backend.torch.distribution_lib
+    mesh = keras.distribution.DeviceMesh((1,), ["model"], ["cpu:0"])
+    layout = keras.distribution.TensorLayout([], mesh)
+    monkeypatch.setattr(torch_tensor, "distribute_tensor", broadcast)
+    value = torch.tensor(3.0)
+    placed = (
+        lib.distribute_tensor(value, layout=layout)
+        if keyword
+        else lib.distribute_tensor(value, layout)
+    )
+    assert isinstance(placed, torch_tensor.DTensor)
+    assert placed.placements[0].is_replicate() and placed.full_tensor().item() == 3.0
