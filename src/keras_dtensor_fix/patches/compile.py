@@ -146,10 +146,7 @@ def _losses_consumed(instance) -> None:
 def _cache_backend_layouts(model) -> None:
     """Make each variable's backend layout now: made on the first assignment inside the
     traced step, it failed a guard at the next call (every model compiled twice)."""
-    optimizer = getattr(model, "optimizer", None)
-    variables = [*model.variables, *getattr(model, "metrics_variables", [])]
-    variables += list(getattr(optimizer, "variables", None) or [])
-    for variable in variables:
+    for variable in layout_rules.variables(model):
         layout = getattr(variable, "_layout", None)
         if layout is not None and hasattr(type(layout), "backend_layout"):
             layout.backend_layout  # noqa: B018  (a cached property)
