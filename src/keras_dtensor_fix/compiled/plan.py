@@ -81,6 +81,6 @@ wrappers.not_a_frame(step.__code__)
 
 
 def forget() -> None:
-    """Drop every plan and compiled block (deactivation)."""
+    """Drop every plan and compiled region, generation's too (deactivation)."""
     _PLANS.clear()
     region.forget()

@@ -150,7 +150,8 @@ def generating(model: Any) -> Callable[[Any], Any] | None:
 
 
 def forget() -> None:
-    """Every compiled token call and learnt path (on deactivation)."""
+    """Every compiled region (token calls and blocks: one registry) and learnt path
+    (on deactivation; the compile family's revert drops the regions too)."""
     region.forget()
     local.BLOCKS.forget()
     local.WHOLE.forget()
