@@ -165,6 +165,55 @@ def test_a_defeated_token_step_generates_eagerly(run_py) -> None:
         assert out[name]["equal"] == [True, True], name
 
 
+BROKEN = r"""
+import json, os, warnings
+import numpy as np
+import keras, keras_hub
+
+one_rank_model_parallel()
+
+
+class Broken(keras_hub.models.GemmaCausalLM):
+    def call_with_cache(self, token_ids, cache, cache_update_index):
+        if token_ids.shape[1] == 1:  # every generated token, not the prompt
+            raise RuntimeError("broken on purpose")
+        return super().call_with_cache(token_ids, cache, cache_update_index)
+
+
+keras.utils.set_random_seed(0)
+backbone = keras_hub.models.GemmaBackbone(
+    vocabulary_size=64, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+    hidden_dim=16, intermediate_dim=32, head_dim=8,
+)
+lm = Broken(backbone=backbone, preprocessor=None)
+lm.compile(sampler="greedy", jit_compile=True)
+ids = np.zeros((2, 10), "int32")
+ids[:, :4] = 5
+error = None
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+        lm.generate({"token_ids": ids, "padding_mask": ids > 0}, stop_token_ids=None)
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
+print(json.dumps({
+    "error": error,
+    "warnings": [str(w.message) for w in caught if "dtensor-fix" in str(w.message)],
+}))
+"""
+
+
+@pytest.mark.parametrize("fix", ["1", "0"], ids=["plugin", "upstream"])
+def test_a_model_that_fails_eagerly_too_raises_its_error(run_py, fix: str) -> None:
+    """A ``call_with_cache`` that raises on every generated token fails the compiled
+    step and its eager retry alike: the model's own error reaches the caller, as
+    upstream raises it, after one warning. Before a region failed once, the retry's
+    error failed it again: two warnings, the second blaming torch.compile."""
+    out = last_json(run_py(ONE_RANK + BROKEN, env={"KERAS_DTENSOR_FIX": fix}))
+    assert out["error"] == "RuntimeError: broken on purpose", out
+    assert len(out["warnings"]) == (1 if fix == "1" else 0), out["warnings"]
+
+
 SLICE = r"""
 import json
 import torch, keras

@@ -270,7 +270,10 @@ class Region:
             return eager()
 
     def fail(self, error: BaseException) -> None:
-        """Its calls run the eager code from now on: one warning naming ``error``."""
+        """Its calls run the eager code from now on: one warning naming ``error`` (a
+        failed region's eager retry can fail it again: no second warning)."""
+        if self.failed:
+            return
         self.failed = True
         warnings.warn(
             f"keras-dtensor-fix: torch.compile failed on {self.what} "
