@@ -16,7 +16,13 @@ import warnings
 import pytest
 import torch
 
-from keras_dtensor_fix.ops.first_call import PROVEN, REFUSED, UNKNOWN, FirstCall
+from keras_dtensor_fix.ops.first_call import (
+    PROVEN,
+    REFUSED,
+    UNKNOWN,
+    FirstCall,
+    first_line,
+)
 
 
 class Layer:
@@ -138,3 +144,16 @@ def test_a_compared_view_is_checked_and_the_result_returned() -> None:
     assert torch.equal(result, torch.ones(2)) and check.known(layer) is PROVEN
     with pytest.warns(UserWarning, match="norm slower: did not match"):
         check.run(Layer(), lambda: torch.ones(2), lambda: torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (RuntimeError("expected one of:\nmore"), "RuntimeError: expected one of:"),
+        (RuntimeError(), "RuntimeError"),
+    ],
+)
+def test_a_warning_names_the_errors_first_line_as_written(error, said) -> None:
+    """The type and first line of the error, its own last colon kept (a message
+    ending in one lost it when an empty message's ": " was stripped)."""
+    assert first_line(error) == said

@@ -131,7 +131,7 @@ def first_line(error: BaseException) -> str:
     failure names its ``inner_exception``, the step's own error."""
     error = getattr(error, "inner_exception", None) or error
     lines = [line for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {(lines or [''])[0][:200]}".rstrip(": ")
+    return ": ".join([type(error).__name__, *(line[:200] for line in lines[:1])])
 
 
 def _state(owner: Any, written: Sequence[Any]) -> tuple[list[Any], list | None]:
