@@ -29,6 +29,19 @@ def one_rank_model_parallel():
     keras.distribution.set_distribution(keras.distribution.ModelParallel(
         layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch"
     ))
+
+
+def tiny_gemma(jit_compile, cls=None):
+    import keras, keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=64, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, head_dim=8,
+    )
+    lm = (cls or keras_hub.models.GemmaCausalLM)(backbone=backbone, preprocessor=None)
+    lm.compile(sampler="greedy", jit_compile=jit_compile)
+    return lm
 """
 
 CODE = r"""
@@ -44,17 +57,6 @@ original = causal_lm.CausalLM.__dict__["make_generate_function"].__wrapped__
 one_rank_model_parallel()
 
 
-def model(jit_compile):
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=64, num_layers=1, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=16, intermediate_dim=32, head_dim=8,
-    )
-    lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-    lm.compile(sampler="greedy", jit_compile=jit_compile)
-    return lm
-
-
 def failing(*args, **kwargs):
     def call(*a, **k):
         raise RuntimeError("no compiler here")
@@ -65,8 +67,8 @@ torch.compile = failing  # the family's compiled token step raises
 ids = np.zeros((2, 10), "int32")
 ids[:, :4] = 5
 prompt = {"token_ids": ids, "padding_mask": ids > 0}
-eager = model(False).generate(prompt, stop_token_ids=None)["token_ids"]
-lm = model(True)
+eager = tiny_gemma(False).generate(prompt, stop_token_ids=None)["token_ids"]
+lm = tiny_gemma(True)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     first = lm.generate(prompt, stop_token_ids=None)["token_ids"]
@@ -110,17 +112,6 @@ class Opaque(keras_hub.models.GemmaCausalLM):
         return super().call_with_cache(*args, **kwargs)
 
 
-def model(cls, jit_compile):
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=64, num_layers=1, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=16, intermediate_dim=32, head_dim=8,
-    )
-    lm = cls(backbone=backbone, preprocessor=None)
-    lm.compile(sampler="greedy", jit_compile=jit_compile)
-    return lm
-
-
 def broken(*args, **kwargs):
     raise RuntimeError("defeated on purpose")
 
@@ -128,12 +119,10 @@ def broken(*args, **kwargs):
 ids = np.zeros((2, 10), "int32")
 ids[:, :4] = 5
 prompt = {"token_ids": ids, "padding_mask": ids > 0}
-eager = model(keras_hub.models.GemmaCausalLM, False).generate(
-    prompt, stop_token_ids=None
-)["token_ids"]
+eager = tiny_gemma(False).generate(prompt, stop_token_ids=None)["token_ids"]
 out = {}
 for name in ("signature", "first_token"):
-    lm = model(Opaque if name == "signature" else keras_hub.models.GemmaCausalLM, True)
+    lm = tiny_gemma(True, Opaque if name == "signature" else None)
     if name == "first_token":  # the step raises before its compiled call
         family.on_mesh = broken
     with warnings.catch_warnings(record=True) as caught:
@@ -180,13 +169,7 @@ class Broken(keras_hub.models.GemmaCausalLM):
         return super().call_with_cache(token_ids, cache, cache_update_index)
 
 
-keras.utils.set_random_seed(0)
-backbone = keras_hub.models.GemmaBackbone(
-    vocabulary_size=64, num_layers=1, num_query_heads=2, num_key_value_heads=1,
-    hidden_dim=16, intermediate_dim=32, head_dim=8,
-)
-lm = Broken(backbone=backbone, preprocessor=None)
-lm.compile(sampler="greedy", jit_compile=True)
+lm = tiny_gemma(True, Broken)
 ids = np.zeros((2, 10), "int32")
 ids[:, :4] = 5
 error = None
