@@ -36,10 +36,7 @@ def planned(build, sample_input=None):
 def transformer():
     """keras.io's transformer classifier, small: one block, mean pooled."""
     inputs = keras.Input((8, 16))
-    # No attention biases: the key bias has no true gradient (softmax cancels
-    # it), and Adam scales its rounding noise to steps (ViT's case below).
-    attention = layers.MultiHeadAttention(4, 8, use_bias=False, name="mha")
-    x = attention(inputs, inputs)
+    x = layers.MultiHeadAttention(num_heads=4, key_dim=8, name="mha")(inputs, inputs)
     x = layers.LayerNormalization(name="ln_1")(inputs + x)
     y = layers.Dense(64, activation="relu", name="ffn_1")(x)
     y = layers.Dense(16, name="ffn_2")(y)
