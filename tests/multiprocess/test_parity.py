@@ -18,10 +18,21 @@ from scenarios import CASES
 
 from support import compiles_model_parallel
 
-# bfloat16 compute is not reproducible across shardings (a different split of
-# a matmul rounds differently): those cases get bfloat16's own tolerance.
-LOOSE = {"loss_scale_bf16": (2e-3, 5e-2)}
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-4
+# bfloat16 compute is not reproducible across shardings (a different split of
+# a matmul rounds differently): those cases get bfloat16's own tolerance. The
+# planned transformer's attention key bias has no true gradient (softmax cancels
+# it): Adam scales its rounding noise to steps, 1.2e-4 from one process after
+# two epochs on (2, 1) where every other weight agrees to 1e-7 (its planner test
+# reads the bias, so the case keeps it).
+LOOSE = {
+    "loss_scale_bf16": (2e-3, 5e-2),
+    **{
+        f"planned_transformer_{mesh}{compiled}": (LOSS_RTOL, 1e-3)
+        for mesh in ("1x2", "2x1")
+        for compiled in ("", "_compiled")
+    },
+}
 
 GROUPS = ("optimizers", "data", "layers", "custom", "compiled")
 FOUR = os.environ.get("KERAS_DTENSOR_FIX_FOUR_RANKS") == "1"
