@@ -16,7 +16,8 @@ from support import last_json
 pytest.importorskip("keras_hub")
 
 #: Each child sets a one-rank ModelParallel: the family compiles tokens only
-#: under ModelParallel (unsharded, keras-hub's eager generation stands).
+#: under ModelParallel (unsharded, keras-hub's eager generation stands). It
+#: builds its models with ``tiny_gemma`` (a subclass where given).
 ONE_RANK = r"""
 def one_rank_model_parallel():
     import keras
@@ -155,9 +156,9 @@ def test_a_defeated_token_step_generates_eagerly(run_py) -> None:
 
 
 BROKEN = r"""
-import json, os, warnings
+import json, warnings
 import numpy as np
-import keras, keras_hub
+import keras_hub
 
 one_rank_model_parallel()
 

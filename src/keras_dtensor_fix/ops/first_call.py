@@ -131,7 +131,8 @@ def first_line(error: BaseException) -> str:
     failure names its ``inner_exception``, the step's own error."""
     error = getattr(error, "inner_exception", None) or error
     lines = [line for line in str(error).splitlines() if line.strip()]
-    return ": ".join([type(error).__name__, *(line[:200] for line in lines[:1])])
+    name = type(error).__name__
+    return f"{name}: {lines[0][:200]}" if lines else name
 
 
 def _state(owner: Any, written: Sequence[Any]) -> tuple[list[Any], list | None]:
